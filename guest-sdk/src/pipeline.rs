@@ -1,0 +1,305 @@
+//! The detection pipeline the example handlers share:
+//! decode → letterbox → `infer` → decode outputs, NMS, map back.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::Error;
+use crate::centerface::{self, DEFAULT_NMS_IOU, DEFAULT_THRESHOLD, Face, MODEL, Outputs};
+use crate::error::InferError;
+use crate::face_detect::{self, Tensor};
+use crate::http::{HttpError, Query, Response};
+use crate::image::{self, DEFAULT_LETTERBOX_SIDE, ImageLimits, RgbImage, SIDE_MULTIPLE};
+
+/// Default [`DetectOptions::max_faces`].
+pub const DEFAULT_MAX_FACES: usize = 100;
+/// Largest `max_faces` a request may ask for.
+pub const MAX_FACES_LIMIT: usize = 1000;
+/// Smallest letterbox side a request may ask for.
+pub const MIN_SIZE: u32 = 128;
+/// Largest letterbox side a request may ask for.
+pub const MAX_SIZE: u32 = 1536;
+
+/// How to detect: thresholds, how many faces, input size, image limits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DetectOptions {
+    /// Heatmap threshold, `0 < threshold ≤ 1` (default 0.5).
+    pub threshold: f32,
+    /// NMS IoU threshold (default 0.3).
+    pub nms_iou: f32,
+    /// Most faces returned, best first (default 100).
+    pub max_faces: usize,
+    /// Letterbox side: the model input is `size × size` (default 640).
+    pub size: u32,
+    /// Limits on the decoded image.
+    pub limits: ImageLimits,
+}
+
+impl Default for DetectOptions {
+    fn default() -> Self {
+        Self {
+            threshold: DEFAULT_THRESHOLD,
+            nms_iou: DEFAULT_NMS_IOU,
+            max_faces: DEFAULT_MAX_FACES,
+            size: DEFAULT_LETTERBOX_SIDE,
+            limits: ImageLimits::default(),
+        }
+    }
+}
+
+impl DetectOptions {
+    /// Reads `threshold` (0 < t ≤ 1), `max_faces` (1..=1000) and `size`
+    /// (a multiple of 32 in 128..=1536) from the query; absent ones keep
+    /// their defaults. An invalid value is a 400 naming the parameter.
+    pub fn from_query(query: &Query) -> Result<Self, HttpError> {
+        let defaults = Self::default();
+        Ok(Self {
+            threshold: query.parse_or(
+                "threshold",
+                defaults.threshold,
+                "a number with 0 < threshold ≤ 1",
+                |t: f32| t > 0.0 && t <= 1.0,
+            )?,
+            max_faces: query.parse_or(
+                "max_faces",
+                defaults.max_faces,
+                "an integer from 1 to 1000",
+                |n: usize| (1..=MAX_FACES_LIMIT).contains(&n),
+            )?,
+            size: query.parse_or(
+                "size",
+                defaults.size,
+                "a multiple of 32 from 128 to 1536",
+                |s: u32| (MIN_SIZE..=MAX_SIZE).contains(&s) && s.is_multiple_of(SIDE_MULTIPLE),
+            )?,
+            ..defaults
+        })
+    }
+}
+
+/// Milliseconds spent in each step of [`detect`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Timings {
+    /// Decoding the image.
+    #[serde(rename = "decode")]
+    pub decode_ms: f64,
+    /// Letterboxing it into the model input.
+    #[serde(rename = "preprocess")]
+    pub preprocess_ms: f64,
+    /// The host's `infer` call (queueing and batching included).
+    #[serde(rename = "infer")]
+    pub infer_ms: f64,
+    /// Decoding outputs, NMS, mapping back.
+    #[serde(rename = "postprocess")]
+    pub postprocess_ms: f64,
+}
+
+impl Timings {
+    /// The steps as a `Server-Timing` header value.
+    pub fn server_timing(&self) -> String {
+        format!(
+            "decode;dur={:.2}, preprocess;dur={:.2}, infer;dur={:.2}, postprocess;dur={:.2}",
+            self.decode_ms, self.preprocess_ms, self.infer_ms, self.postprocess_ms
+        )
+    }
+
+    fn rounded(&self) -> Self {
+        Self {
+            decode_ms: round(self.decode_ms, 2),
+            preprocess_ms: round(self.preprocess_ms, 2),
+            infer_ms: round(self.infer_ms, 2),
+            postprocess_ms: round(self.postprocess_ms, 2),
+        }
+    }
+}
+
+/// What [`detect`] found, with the decoded image for handlers that draw,
+/// blur or crop.
+#[derive(Debug, Clone)]
+pub struct Detection {
+    /// The decoded image (EXIF orientation applied).
+    pub image: RgbImage,
+    /// Faces in image pixels, best first, at most `max_faces`.
+    pub faces: Vec<Face>,
+    /// Time spent per step.
+    pub timings: Timings,
+}
+
+impl Detection {
+    /// The JSON answer: `{"model","image":{"width","height"},"faces":[{"box",
+    /// "score","landmarks"}],"timings_ms"}`; pixels rounded to 0.1, scores
+    /// to 1e-4, milliseconds to 0.01.
+    pub fn to_json(&self) -> serde_json::Value {
+        let faces: Vec<FaceJson> = self.faces.iter().map(FaceJson::from).collect();
+        serde_json::json!({
+            "model": MODEL,
+            "image": { "width": self.image.width(), "height": self.image.height() },
+            "faces": faces,
+            "timings_ms": self.timings.rounded(),
+        })
+    }
+
+    /// 200 with [`to_json`](Self::to_json) and a `Server-Timing` header.
+    pub fn json_response(&self) -> Response {
+        Response::json(200, &self.to_json())
+            .with_header("server-timing", self.timings.server_timing())
+    }
+}
+
+/// One face as JSON.
+#[derive(Serialize)]
+struct FaceJson {
+    #[serde(rename = "box")]
+    bbox: [f64; 4],
+    score: f64,
+    landmarks: [[f64; 2]; 5],
+}
+
+impl From<&Face> for FaceJson {
+    fn from(face: &Face) -> Self {
+        Self {
+            bbox: face.bbox.map(|v| round(f64::from(v), 1)),
+            score: round(f64::from(face.score), 4),
+            landmarks: face.landmarks.map(|p| p.map(|v| round(f64::from(v), 1))),
+        }
+    }
+}
+
+fn round(value: f64, decimals: i32) -> f64 {
+    let factor = 10f64.powi(decimals);
+    (value * factor).round() / factor
+}
+
+fn elapsed_ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1000.0
+}
+
+/// Decodes the image in `bytes` and finds its faces (see [`detect_image`]).
+pub fn detect(bytes: &[u8], options: &DetectOptions) -> Result<Detection, Error> {
+    let start = Instant::now();
+    let image = image::decode(bytes, &options.limits)?;
+    let decode_ms = elapsed_ms(start);
+    let (faces, timings) = detect_image(&image, options)?;
+    Ok(Detection {
+        image,
+        faces,
+        timings: Timings {
+            decode_ms,
+            ..timings
+        },
+    })
+}
+
+/// Letterboxes `image`, runs CenterFace on the host and decodes its
+/// outputs: faces in image pixels, best first, at most `max_faces`.
+/// `decode_ms` of the timings is left at 0.
+pub fn detect_image(
+    image: &RgbImage,
+    options: &DetectOptions,
+) -> Result<(Vec<Face>, Timings), Error> {
+    let mut timings = Timings::default();
+    let start = Instant::now();
+    let letterbox = image::letterbox(image, options.size)?;
+    let (side, scale) = (letterbox.side, letterbox.scale);
+    timings.preprocess_ms = elapsed_ms(start);
+
+    let start = Instant::now();
+    let outputs = infer_centerface(&letterbox.into_tensor())?;
+    timings.infer_ms = elapsed_ms(start);
+
+    let start = Instant::now();
+    let outputs = Outputs::new(&outputs, side, side)?;
+    let mut faces = centerface::postprocess(
+        &outputs,
+        options.threshold,
+        options.nms_iou,
+        scale,
+        image.dimensions(),
+    );
+    faces.truncate(options.max_faces);
+    timings.postprocess_ms = elapsed_ms(start);
+    Ok((faces, timings))
+}
+
+/// Calls the host's `infer` for [`MODEL`] with one `[H, W, 3]` `u8` tensor.
+pub fn infer_centerface(input: &Tensor) -> Result<Vec<Tensor>, InferError> {
+    face_detect::infer(MODEL, input).map_err(InferError::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_default_and_parse() {
+        let options = DetectOptions::from_query(&Query::parse("")).expect("defaults");
+        assert_eq!(options, DetectOptions::default());
+        assert_eq!(
+            (options.threshold, options.max_faces, options.size),
+            (0.5, 100, 640)
+        );
+        let options =
+            DetectOptions::from_query(&Query::parse("threshold=1&max_faces=1000&size=128"))
+                .expect("ok");
+        assert_eq!(
+            (options.threshold, options.max_faces, options.size),
+            (1.0, 1000, 128)
+        );
+    }
+
+    #[test]
+    fn invalid_options_name_the_parameter() {
+        for (query, name) in [
+            ("threshold=0", "threshold"),
+            ("threshold=1.01", "threshold"),
+            ("threshold=abc", "threshold"),
+            ("threshold=NaN", "threshold"),
+            ("max_faces=0", "max_faces"),
+            ("max_faces=1001", "max_faces"),
+            ("max_faces=-1", "max_faces"),
+            ("size=100", "size"),
+            ("size=1568", "size"),
+            ("size=96", "size"),
+        ] {
+            let error = DetectOptions::from_query(&Query::parse(query)).expect_err("must fail");
+            assert_eq!(error.code(), "invalid_parameter", "{query}");
+            assert!(
+                matches!(&error, HttpError::InvalidParameter { name: n, .. } if n == name),
+                "{query}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn detection_json_has_the_contracted_shape() {
+        let detection = Detection {
+            image: RgbImage::new(512, 600),
+            faces: vec![Face {
+                bbox: [173.34, 122.81, 355.56, 338.44],
+                score: 0.869_74,
+                landmarks: [[200.04, 201.96]; 5],
+            }],
+            timings: Timings {
+                decode_ms: 1.234,
+                preprocess_ms: 2.0,
+                infer_ms: 80.5,
+                postprocess_ms: 0.011,
+            },
+        };
+        let response = detection.json_response();
+        assert_eq!(response.status, 200);
+        assert_eq!(
+            response.header("server-timing"),
+            Some("decode;dur=1.23, preprocess;dur=2.00, infer;dur=80.50, postprocess;dur=0.01")
+        );
+        let json: serde_json::Value = serde_json::from_slice(&response.body).expect("json");
+        let expected = serde_json::json!({
+            "model": "centerface",
+            "image": {"width": 512, "height": 600},
+            "faces": [{"box": [173.3, 122.8, 355.6, 338.4], "score": 0.8697, "landmarks": [[200.0, 202.0], [200.0, 202.0], [200.0, 202.0], [200.0, 202.0], [200.0, 202.0]]}],
+            "timings_ms": {"decode": 1.23, "preprocess": 2.0, "infer": 80.5, "postprocess": 0.01},
+        });
+        assert_eq!(json, expected);
+    }
+}

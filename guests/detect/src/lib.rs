@@ -1,0 +1,25 @@
+//! facegate handler `detect`: `POST` an image (raw body or the form field
+//! `image`), get its faces as JSON.
+//!
+//! Query parameters: `threshold` (0 < t ≤ 1, default 0.5), `max_faces`
+//! (1..=1000, default 100), `size` (letterbox side, a multiple of 32 in
+//! 128..=1536, default 640). The answer is
+//! `{"model","image":{"width","height"},"faces":[{"box","score","landmarks"}],"timings_ms"}`
+//! with a `Server-Timing` header.
+
+use facegate_guest_sdk::{
+    DetectOptions, Error, Handler, Request, Response, detect, export_handler,
+};
+
+/// The handler (POST only, bodies up to 16 MiB).
+struct Detect;
+
+impl Handler for Detect {
+    fn handle(request: Request) -> Result<Response, Error> {
+        let options = DetectOptions::from_query(request.query())?;
+        let detection = detect(request.image_bytes()?, &options)?;
+        Ok(detection.json_response())
+    }
+}
+
+export_handler!(Detect);

@@ -1,0 +1,69 @@
+//! A backend with a GPU-like cost model, `a + b·n` per batch of `n`, for
+//! tests and benchmarks of the batching machinery. Never served to users.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use super::{Backend, BackendError};
+use crate::model::{ModelSpec, TensorSpec};
+use crate::tensor::{ElementType, Tensor};
+
+/// Sleeps `fixed + per_sample·n` per batch and echoes each input's bytes
+/// summed into a one-element f32 output, so tests can match answers to calls.
+pub struct FakeBackend {
+    spec: ModelSpec,
+    fixed: Duration,
+    per_sample: Duration,
+    /// Batches whose index is in this set fail (for error-isolation tests).
+    fail_batches: Vec<usize>,
+    batches_run: Arc<AtomicUsize>,
+}
+
+impl FakeBackend {
+    /// A fake model named `name` taking `[0]` u8 vectors (any length that is a
+    /// multiple of 1, up to `max_side`), batching up to `max_batch`.
+    pub fn new(name: &str, max_batch: usize, fixed: Duration, per_sample: Duration) -> Self {
+        let spec = ModelSpec {
+            name: name.to_owned(),
+            input: TensorSpec { name: "x".into(), shape: vec![0], element: ElementType::U8 },
+            outputs: vec![TensorSpec { name: "sum".into(), shape: vec![1], element: ElementType::F32 }],
+            dim_multiple: 1,
+            max_side: 1 << 20,
+            max_batch,
+        };
+        Self { spec, fixed, per_sample, fail_batches: Vec::new(), batches_run: Arc::default() }
+    }
+
+    /// Makes the batches with these zero-based indices fail.
+    pub fn failing_batches(mut self, indices: &[usize]) -> Self {
+        self.fail_batches = indices.to_vec();
+        self
+    }
+
+    /// A counter of batches run, shared with the caller.
+    pub fn batch_counter(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.batches_run)
+    }
+}
+
+impl Backend for FakeBackend {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError> {
+        let index = self.batches_run.fetch_add(1, Ordering::SeqCst);
+        let n = u32::try_from(inputs.len()).unwrap_or(u32::MAX);
+        std::thread::sleep(self.fixed + self.per_sample * n);
+        if self.fail_batches.contains(&index) {
+            return Err(BackendError(format!("injected failure in batch {index}")));
+        }
+        inputs.iter().map(|t| echo(t)).collect()
+    }
+}
+
+fn echo(input: &Tensor) -> Result<Vec<Tensor>, BackendError> {
+    let sum: f32 = input.data().iter().map(|&b| f32::from(b)).sum();
+    Tensor::from_f32(vec![1], &[sum]).map(|t| vec![t]).map_err(BackendError::from_display)
+}

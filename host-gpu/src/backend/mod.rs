@@ -1,0 +1,35 @@
+//! The device side: a small synchronous trait that one worker thread drives.
+//!
+//! A backend owns one engine instance (an ONNX Runtime session on a CPU
+//! thread budget or on one GPU). It is never shared: the pool gives each
+//! worker thread its own, so `run` takes `&mut self` and needs no locks.
+
+pub mod fake;
+pub mod onnx;
+
+use crate::model::ModelSpec;
+use crate::tensor::Tensor;
+
+/// One engine instance that runs batches of same-shaped samples.
+pub trait Backend: Send + 'static {
+    /// What this backend's model accepts and returns, per sample.
+    fn spec(&self) -> &ModelSpec;
+
+    /// Runs one batch. All `inputs` have already been validated against
+    /// [`Backend::spec`] and share one shape. Returns, for each input in
+    /// order, its outputs in the order of `spec().outputs`.
+    fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError>;
+}
+
+/// The engine failed on a batch. Every call of that batch gets this error;
+/// the worker then goes on with the next batch.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BackendError(pub String);
+
+impl BackendError {
+    /// Wraps any displayable error.
+    pub fn from_display(err: impl std::fmt::Display) -> Self {
+        Self(err.to_string())
+    }
+}

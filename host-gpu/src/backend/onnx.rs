@@ -1,0 +1,275 @@
+//! ONNX Runtime backend (through `ort`), for image models that take one
+//! float NCHW input. Runs on the CPU by default; with the `cuda` or
+//! `tensorrt` features the same code drives GPUs through ONNX Runtime's
+//! execution providers.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use ort::environment::Environment;
+use ort::session::Session;
+use ort::session::builder::GraphOptimizationLevel;
+use ort::value::TensorRef;
+
+use super::{Backend, BackendError};
+use crate::model::{ModelSpec, TensorSpec};
+use crate::tensor::{ElementType, Tensor};
+
+/// Where a session runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU, with this many intra-op threads for the session.
+    Cpu {
+        /// Threads ONNX Runtime may use inside one run.
+        threads: usize,
+    },
+    /// An NVIDIA GPU through the CUDA execution provider.
+    Cuda {
+        /// CUDA device ordinal.
+        device_id: i32,
+    },
+    /// An NVIDIA GPU through TensorRT (CUDA for unsupported nodes).
+    TensorRt {
+        /// CUDA device ordinal.
+        device_id: i32,
+        /// Directory for TensorRT's engine cache, so restarts skip the build.
+        cache_dir: Option<PathBuf>,
+    },
+}
+
+/// An image model in ONNX form: one `[B,3,H,W]` f32 input, outputs `[B,C,H/s,W/s]`.
+#[derive(Debug, Clone)]
+pub struct ImageModelConfig {
+    /// Name callers use.
+    pub name: String,
+    /// The `.onnx` file.
+    pub path: PathBuf,
+    /// Name of the graph input.
+    pub input_name: String,
+    /// Graph outputs and their channel counts, in the order returned to callers.
+    pub outputs: Vec<(String, usize)>,
+    /// Output stride: output spatial dims are input dims divided by this.
+    pub stride: usize,
+    /// Input H and W must be multiples of this.
+    pub dim_multiple: usize,
+    /// Largest H or W accepted.
+    pub max_side: usize,
+    /// Most samples per device batch.
+    pub max_batch: usize,
+    /// Per-channel (RGB) mean subtracted from the raw 0-255 values.
+    pub mean: [f32; 3],
+    /// Per-channel (RGB) divisor applied after the mean.
+    pub std: [f32; 3],
+}
+
+impl ImageModelConfig {
+    /// CenterFace as prepared by `deploy/scripts/prepare_model.py`: raw RGB
+    /// 0-255 in, stride-4 heatmap, scale, offset and landmarks out.
+    pub fn centerface(path: impl Into<PathBuf>, max_batch: usize) -> Self {
+        Self {
+            name: "centerface".into(),
+            path: path.into(),
+            input_name: "input.1".into(),
+            outputs: vec![("537".into(), 1), ("538".into(), 2), ("539".into(), 2), ("540".into(), 10)],
+            stride: 4,
+            dim_multiple: 32,
+            max_side: 2048,
+            max_batch,
+            mean: [0.0; 3],
+            std: [1.0; 3],
+        }
+    }
+
+    /// The per-sample contract callers see: `[H, W, 3]` u8 in, `[C, H/s, W/s]` f32 out.
+    pub fn spec(&self) -> ModelSpec {
+        let outputs = self
+            .outputs
+            .iter()
+            .map(|(name, c)| TensorSpec { name: name.clone(), shape: vec![*c, 0, 0], element: ElementType::F32 })
+            .collect();
+        ModelSpec {
+            name: self.name.clone(),
+            input: TensorSpec { name: self.input_name.clone(), shape: vec![0, 0, 3], element: ElementType::U8 },
+            outputs,
+            dim_multiple: self.dim_multiple,
+            max_side: self.max_side,
+            max_batch: self.max_batch,
+        }
+    }
+}
+
+static ORT_ENV: OnceLock<Result<Environment, String>> = OnceLock::new();
+
+/// Loads the ONNX Runtime shared library and creates its environment, once
+/// per process. Later calls return the first call's outcome, whatever path
+/// they pass.
+pub fn init_onnx_runtime(library: &Path) -> Result<(), BackendError> {
+    ORT_ENV
+        .get_or_init(|| {
+            let builder = ort::init_from(library)
+                .map_err(|e| format!("cannot load ONNX Runtime from {}: {e}", library.display()))?;
+            builder.with_name("facegate").build().map_err(|e| format!("cannot start ONNX Runtime: {e}"))
+        })
+        .as_ref()
+        .map(|_| ())
+        .map_err(|e| BackendError(e.clone()))
+}
+
+fn environment() -> ort::Result<&'static Environment> {
+    match ORT_ENV.get() {
+        Some(Ok(env)) => Ok(env),
+        Some(Err(e)) => Err(ort::Error::new(e.clone())),
+        None => Err(ort::Error::new("ONNX Runtime is not initialised: call init_onnx_runtime first")),
+    }
+}
+
+/// One ONNX Runtime session on one device.
+pub struct OnnxBackend {
+    config: ImageModelConfig,
+    spec: ModelSpec,
+    session: Session,
+    /// Reused NCHW input buffer, so steady state allocates nothing per batch.
+    scratch: Vec<f32>,
+}
+
+impl OnnxBackend {
+    /// Opens a session for `config` on `device`. [`init_onnx_runtime`] must have succeeded.
+    pub fn new(config: ImageModelConfig, device: &Device) -> Result<Self, BackendError> {
+        let session = build_session(&config, device).map_err(|e| {
+            BackendError(format!("cannot load model {} from {}: {e}", config.name, config.path.display()))
+        })?;
+        let spec = config.spec();
+        Ok(Self { config, spec, session, scratch: Vec::new() })
+    }
+
+    fn fill_input(&mut self, inputs: &[&Tensor], h: usize, w: usize) {
+        let sample = 3 * h * w;
+        self.scratch.clear();
+        self.scratch.resize(inputs.len() * sample, 0.0);
+        for (input, out) in inputs.iter().zip(self.scratch.chunks_exact_mut(sample)) {
+            hwc_u8_to_chw_f32(input.data(), out, self.config.mean, self.config.std);
+        }
+    }
+}
+
+fn build_session(config: &ImageModelConfig, device: &Device) -> ort::Result<Session> {
+    let mut builder = Session::builder(environment()?)?
+        .with_optimization_level(GraphOptimizationLevel::Level3)?
+        // Spinning threads burn the cores the wasm guests need while idle.
+        .with_intra_op_spinning(false)?
+        .with_inter_threads(1)?;
+    builder = match device {
+        Device::Cpu { threads } => builder.with_intra_threads((*threads).max(1))?,
+        Device::Cuda { device_id } => with_cuda(builder, *device_id)?,
+        Device::TensorRt { device_id, cache_dir } => with_tensorrt(builder, *device_id, cache_dir.as_deref())?,
+    };
+    builder.commit_from_file(&config.path)
+}
+
+#[cfg(feature = "cuda")]
+fn with_cuda(builder: ort::session::builder::SessionBuilder, device_id: i32) -> ort::Result<ort::session::builder::SessionBuilder> {
+    let cuda = ort::ep::CUDA::default().with_device_id(device_id).build().error_on_failure();
+    Ok(builder.with_execution_providers([cuda])?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn with_cuda(_: ort::session::builder::SessionBuilder, _: i32) -> ort::Result<ort::session::builder::SessionBuilder> {
+    Err(ort::Error::new("support for CUDA was disabled at compile time (build with --features cuda)"))
+}
+
+#[cfg(feature = "tensorrt")]
+fn with_tensorrt(
+    builder: ort::session::builder::SessionBuilder,
+    device_id: i32,
+    cache_dir: Option<&Path>,
+) -> ort::Result<ort::session::builder::SessionBuilder> {
+    let mut trt = ort::ep::TensorRT::default().with_device_id(device_id).with_fp16(true);
+    if let Some(dir) = cache_dir {
+        trt = trt.with_engine_cache(true).with_engine_cache_path(dir.display());
+    }
+    let cuda = ort::ep::CUDA::default().with_device_id(device_id).build();
+    Ok(builder.with_execution_providers([trt.build().error_on_failure(), cuda])?)
+}
+
+#[cfg(not(feature = "tensorrt"))]
+fn with_tensorrt(
+    _: ort::session::builder::SessionBuilder,
+    _: i32,
+    _: Option<&Path>,
+) -> ort::Result<ort::session::builder::SessionBuilder> {
+    Err(ort::Error::new("support for TensorRT was disabled at compile time (build with --features tensorrt)"))
+}
+
+impl Backend for OnnxBackend {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError> {
+        let (h, w) = match inputs.first().map(|t| t.shape()) {
+            Some(&[h, w, 3]) => (h, w),
+            other => return Err(BackendError(format!("batch input must be [H, W, 3], got {other:?}"))),
+        };
+        self.fill_input(inputs, h, w);
+        let shape = [inputs.len(), 3, h, w];
+        let input = TensorRef::from_array_view((shape, &self.scratch[..])).map_err(BackendError::from_display)?;
+        let outputs = self
+            .session
+            .run(ort::inputs![self.config.input_name.as_str() => input])
+            .map_err(BackendError::from_display)?;
+        let mut per_sample: Vec<Vec<Tensor>> = (0..inputs.len()).map(|_| Vec::new()).collect();
+        for (name, _) in &self.config.outputs {
+            let (shape, data) = outputs[name.as_str()].try_extract_tensor::<f32>().map_err(BackendError::from_display)?;
+            split_batch(shape, data, &mut per_sample)?;
+        }
+        Ok(per_sample)
+    }
+}
+
+/// Converts one u8 HWC image into planar (CHW) floats, normalising per channel.
+fn hwc_u8_to_chw_f32(src: &[u8], dst: &mut [f32], mean: [f32; 3], std: [f32; 3]) {
+    let plane = dst.len() / 3;
+    let (r, rest) = dst.split_at_mut(plane);
+    let (g, b) = rest.split_at_mut(plane);
+    for (i, px) in src.chunks_exact(3).enumerate() {
+        r[i] = (f32::from(px[0]) - mean[0]) / std[0];
+        g[i] = (f32::from(px[1]) - mean[1]) / std[1];
+        b[i] = (f32::from(px[2]) - mean[2]) / std[2];
+    }
+}
+
+/// Cuts a `[B, ...]` output into B per-sample tensors and appends each to its sample.
+fn split_batch(shape: &[i64], data: &[f32], per_sample: &mut [Vec<Tensor>]) -> Result<(), BackendError> {
+    let dims: Vec<usize> = shape.iter().map(|&d| usize::try_from(d).unwrap_or(0)).collect();
+    let (&batch, sample_shape) = dims.split_first().ok_or_else(|| BackendError("scalar model output".into()))?;
+    if batch != per_sample.len() {
+        return Err(BackendError(format!("model returned batch {batch} for {} inputs", per_sample.len())));
+    }
+    let stride = sample_shape.iter().product::<usize>();
+    for (outputs, chunk) in per_sample.iter_mut().zip(data.chunks_exact(stride.max(1))) {
+        outputs.push(Tensor::from_f32(sample_shape.to_vec(), chunk).map_err(BackendError::from_display)?);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hwc_to_chw_is_planar_and_normalised() {
+        let src = [10u8, 20, 30, 40, 50, 60];
+        let mut dst = [0f32; 6];
+        hwc_u8_to_chw_f32(&src, &mut dst, [10.0, 0.0, 0.0], [1.0, 2.0, 1.0]);
+        assert_eq!(dst, [0.0, 30.0, 10.0, 25.0, 30.0, 60.0]);
+    }
+
+    #[test]
+    fn split_batch_cuts_per_sample() {
+        let mut per_sample = vec![Vec::new(), Vec::new()];
+        split_batch(&[2, 1, 2], &[1.0, 2.0, 3.0, 4.0], &mut per_sample).unwrap();
+        assert_eq!(per_sample[1][0].to_f32_vec().unwrap(), vec![3.0, 4.0]);
+        assert_eq!(per_sample[0][0].shape(), &[1, 2]);
+        assert!(split_batch(&[3, 1], &[0.0; 3], &mut per_sample).is_err());
+    }
+}

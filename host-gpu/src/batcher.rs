@@ -1,0 +1,282 @@
+//! A model's dynamic batcher and device pool: callers await an async,
+//! cloneable handle; one OS thread per device pulls the next batch whenever
+//! it is free, so a slow device never holds up the queue.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use crate::backend::{Backend, BackendError};
+use crate::error::InferError;
+use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::model::ModelSpec;
+use crate::queue::{Entry, QueueConfig, Readiness, Reply, State};
+use crate::tensor::Tensor;
+
+/// Default bound on calls waiting per model, all tenants together.
+pub const DEFAULT_QUEUE_CAPACITY: usize = 1024;
+/// Default bound on calls waiting per model for one tenant.
+pub const DEFAULT_TENANT_CAPACITY: usize = 256;
+
+/// How a batcher forms batches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatcherConfig {
+    /// Most samples per batch (capped by the backend's own maximum).
+    pub max_batch: usize,
+    /// Most calls waiting, all tenants together.
+    pub queue_capacity: usize,
+    /// Most calls waiting for one tenant.
+    pub tenant_capacity: usize,
+    /// How long to hold a partial batch to fill it. Zero: a batch grows only
+    /// while every device is busy, which is what measurements favour.
+    pub max_delay: Duration,
+}
+
+impl Default for BatcherConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 8,
+            queue_capacity: DEFAULT_QUEUE_CAPACITY,
+            tenant_capacity: DEFAULT_TENANT_CAPACITY,
+            max_delay: Duration::ZERO,
+        }
+    }
+}
+
+/// One inference call.
+#[derive(Debug)]
+pub struct InferRequest {
+    /// Who is asking; batches are shared fairly between tenants.
+    pub tenant: Arc<str>,
+    /// One sample, without a batch dimension.
+    pub input: Tensor,
+    /// The call fails with `DeadlineExceeded` if it has not run by then.
+    pub deadline: Instant,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    wake: Condvar,
+    shutdown: AtomicBool,
+    metrics: Metrics,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A worker never panics while holding the lock (backends run outside
+        // it, under catch_unwind), so a poisoned lock still holds a sound queue.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+struct Workers {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        self.shared.wake.notify_all();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+        for entry in self.shared.lock().drain() {
+            let _ = entry.reply.send(Err(InferError::ShuttingDown));
+        }
+    }
+}
+
+/// Async handle onto one model's batcher and its device workers. Clones
+/// share the same queue; the workers stop when the last clone is dropped.
+#[derive(Clone)]
+pub struct Batcher {
+    shared: Arc<Shared>,
+    spec: Arc<ModelSpec>,
+    _workers: Arc<Workers>,
+}
+
+impl Batcher {
+    /// Starts one worker thread per backend. All backends must serve the same model.
+    pub fn start(backends: Vec<Box<dyn Backend>>, config: &BatcherConfig) -> Result<Self, BackendError> {
+        let first = backends.first().ok_or_else(|| BackendError("a batcher needs at least one backend".into()))?;
+        let mut spec = first.spec().clone();
+        if let Some(other) = backends.iter().find(|b| b.spec() != &spec) {
+            return Err(BackendError(format!("backends disagree: {} vs {}", spec.name, other.spec().name)));
+        }
+        spec.max_batch = config.max_batch.clamp(1, spec.max_batch.max(1));
+        let queue = QueueConfig {
+            max_batch: spec.max_batch,
+            capacity: config.queue_capacity,
+            tenant_capacity: config.tenant_capacity,
+            max_delay: config.max_delay,
+        };
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::new(queue)),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+            metrics: Metrics::new(spec.max_batch, backends.len()),
+        });
+        let threads = spawn_workers(&shared, backends, &spec.name)?;
+        let workers = Arc::new(Workers { shared: Arc::clone(&shared), threads });
+        Ok(Self { shared, spec: Arc::new(spec), _workers: workers })
+    }
+
+    /// The model this batcher serves (with the effective `max_batch`).
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Sets a tenant's fairness weight (default 1).
+    pub fn set_tenant_weight(&self, tenant: &str, weight: u32) {
+        self.shared.lock().set_weight(tenant.into(), weight);
+    }
+
+    /// Calls waiting right now, all tenants together.
+    pub fn queue_depth(&self) -> usize {
+        self.shared.lock().len()
+    }
+
+    /// Calls of one tenant waiting right now.
+    pub fn tenant_queue_depth(&self, tenant: &str) -> usize {
+        self.shared.lock().tenant_len(tenant)
+    }
+
+    /// The batcher's counters.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.shared.metrics.snapshot(self.queue_depth())
+    }
+
+    /// Runs one sample as part of whatever batch forms. Dropping the future
+    /// cancels the call: it is skipped before it reaches a device.
+    pub async fn infer(&self, request: InferRequest) -> Reply {
+        self.spec.validate_input(&request.input)?;
+        if request.deadline <= Instant::now() {
+            return Err(InferError::DeadlineExceeded);
+        }
+        let deadline = request.deadline;
+        let rx = self.enqueue(request)?;
+        match tokio::time::timeout_at(deadline.into(), rx).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(_)) => Err(InferError::ShuttingDown),
+            // Dropping `rx` here marks the entry cancelled for the workers.
+            Err(_) => Err(InferError::DeadlineExceeded),
+        }
+    }
+
+    fn enqueue(&self, request: InferRequest) -> Result<oneshot::Receiver<Reply>, InferError> {
+        if self.shared.shutdown.load(Ordering::SeqCst) {
+            return Err(InferError::ShuttingDown);
+        }
+        let (tx, rx) = oneshot::channel();
+        let entry = Entry {
+            tenant: request.tenant,
+            input: request.input,
+            deadline: request.deadline,
+            enqueued: Instant::now(),
+            reply: tx,
+        };
+        if let Err(refused) = self.shared.lock().push(entry) {
+            self.shared.metrics.record_overloaded();
+            return Err(refused.0);
+        }
+        self.shared.wake.notify_one();
+        Ok(rx)
+    }
+}
+
+fn spawn_workers(
+    shared: &Arc<Shared>,
+    backends: Vec<Box<dyn Backend>>,
+    model: &str,
+) -> Result<Vec<JoinHandle<()>>, BackendError> {
+    backends
+        .into_iter()
+        .enumerate()
+        .map(|(index, backend)| {
+            let shared = Arc::clone(shared);
+            std::thread::Builder::new()
+                .name(format!("{model}-dev{index}"))
+                .spawn(move || worker_loop(&shared, index, backend))
+                .map_err(|e| BackendError(format!("cannot start worker thread: {e}")))
+        })
+        .collect()
+}
+
+fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>) {
+    while let Some(batch) = wait_for_batch(shared) {
+        run_batch(shared, index, backend.as_mut(), batch);
+    }
+}
+
+/// Blocks until a batch is due (or shutdown: `None`). Answers expired calls on the way.
+fn wait_for_batch(shared: &Shared) -> Option<Vec<Entry>> {
+    let mut state = shared.lock();
+    loop {
+        if shared.shutdown.load(Ordering::SeqCst) {
+            return None;
+        }
+        let now = Instant::now();
+        state = match state.readiness(now) {
+            Readiness::Empty => shared.wake.wait(state).unwrap_or_else(|p| p.into_inner()),
+            Readiness::WaitUntil(due) => {
+                shared.wake.wait_timeout(state, due - now).unwrap_or_else(|p| p.into_inner()).0
+            }
+            Readiness::Ready => {
+                let formed = state.next_batch(now);
+                let more = !state.is_empty();
+                drop(state);
+                if more {
+                    // Another idle device can start on what is left.
+                    shared.wake.notify_one();
+                }
+                shared.metrics.record_dropped(formed.expired.len(), formed.cancelled);
+                for entry in formed.expired {
+                    let _ = entry.reply.send(Err(InferError::DeadlineExceeded));
+                }
+                if !formed.batch.is_empty() {
+                    return Some(formed.batch);
+                }
+                shared.lock()
+            }
+        };
+    }
+}
+
+fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Vec<Entry>) {
+    let started = Instant::now();
+    for entry in &batch {
+        shared.metrics.record_wait(started.saturating_duration_since(entry.enqueued));
+    }
+    let inputs: Vec<&Tensor> = batch.iter().map(|e| &e.input).collect();
+    // A panicking engine must fail its batch, not kill the device's worker.
+    let result = std::panic::catch_unwind(AssertUnwindSafe(|| backend.run(&inputs)))
+        .unwrap_or_else(|_| Err(BackendError("backend panicked".into())));
+    let result = result.and_then(|outputs| check_len(outputs, batch.len()));
+    shared.metrics.record_batch(index, batch.len(), started.elapsed(), result.is_ok());
+    match result {
+        Ok(outputs) => {
+            for (entry, output) in batch.into_iter().zip(outputs) {
+                let _ = entry.reply.send(Ok(output));
+            }
+        }
+        Err(err) => {
+            tracing::warn!(model = %backend.spec().name, size = batch.len(), error = %err, "batch failed");
+            for entry in batch {
+                let _ = entry.reply.send(Err(InferError::Backend(err.0.clone())));
+            }
+        }
+    }
+}
+
+fn check_len(outputs: Vec<Vec<Tensor>>, expected: usize) -> Result<Vec<Vec<Tensor>>, BackendError> {
+    if outputs.len() == expected {
+        Ok(outputs)
+    } else {
+        Err(BackendError(format!("backend returned {} results for {expected} inputs", outputs.len())))
+    }
+}

@@ -1,0 +1,134 @@
+//! Counters a batcher keeps about itself; lock-free, read as a snapshot.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds (seconds) of the queue-wait histogram buckets.
+pub const WAIT_BUCKETS: [f64; 12] = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0];
+
+/// Live counters of one model's batcher.
+#[derive(Debug)]
+pub struct Metrics {
+    /// `batch_sizes[n - 1]` counts batches of n samples.
+    batch_sizes: Vec<AtomicU64>,
+    wait_buckets: [AtomicU64; WAIT_BUCKETS.len()],
+    wait_count: AtomicU64,
+    wait_sum_us: AtomicU64,
+    /// Busy time per worker (device), microseconds.
+    busy_us: Vec<AtomicU64>,
+    samples_ok: AtomicU64,
+    samples_failed: AtomicU64,
+    rejected_overloaded: AtomicU64,
+    expired: AtomicU64,
+    cancelled: AtomicU64,
+}
+
+/// A copy of [`Metrics`] at one instant.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricsSnapshot {
+    /// `batch_sizes[n - 1]` = number of batches of n samples.
+    pub batch_sizes: Vec<u64>,
+    /// Cumulative counts for each bound of [`WAIT_BUCKETS`].
+    pub wait_buckets: Vec<u64>,
+    /// Calls that waited (reached a device).
+    pub wait_count: u64,
+    /// Total queue wait of those calls, seconds.
+    pub wait_sum_seconds: f64,
+    /// Busy seconds of each worker.
+    pub busy_seconds: Vec<f64>,
+    /// Samples answered with outputs.
+    pub samples_ok: u64,
+    /// Samples whose batch failed in the backend.
+    pub samples_failed: u64,
+    /// Calls refused because the queue was full.
+    pub rejected_overloaded: u64,
+    /// Calls dropped because their deadline passed in the queue.
+    pub expired: u64,
+    /// Calls dropped because their caller went away.
+    pub cancelled: u64,
+    /// Calls waiting right now.
+    pub queue_depth: usize,
+}
+
+impl MetricsSnapshot {
+    /// Number of batches run.
+    pub fn batches(&self) -> u64 {
+        self.batch_sizes.iter().sum()
+    }
+
+    /// Mean samples per batch (0 when none ran).
+    pub fn mean_batch_size(&self) -> f64 {
+        let batches = self.batches();
+        let samples: u64 = self.batch_sizes.iter().zip(1u64..).map(|(count, n)| count * n).sum();
+        if batches == 0 { 0.0 } else { samples as f64 / batches as f64 }
+    }
+}
+
+impl Metrics {
+    pub(crate) fn new(max_batch: usize, workers: usize) -> Self {
+        Self {
+            batch_sizes: (0..max_batch).map(|_| AtomicU64::new(0)).collect(),
+            wait_buckets: Default::default(),
+            wait_count: AtomicU64::new(0),
+            wait_sum_us: AtomicU64::new(0),
+            busy_us: (0..workers).map(|_| AtomicU64::new(0)).collect(),
+            samples_ok: AtomicU64::new(0),
+            samples_failed: AtomicU64::new(0),
+            rejected_overloaded: AtomicU64::new(0),
+            expired: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn record_wait(&self, wait: Duration) {
+        let secs = wait.as_secs_f64();
+        for (bound, bucket) in WAIT_BUCKETS.iter().zip(&self.wait_buckets) {
+            if secs <= *bound {
+                bucket.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.wait_count.fetch_add(1, Ordering::Relaxed);
+        self.wait_sum_us.fetch_add(micros(wait), Ordering::Relaxed);
+    }
+
+    pub(crate) fn record_batch(&self, worker: usize, size: usize, busy: Duration, ok: bool) {
+        if let Some(slot) = size.checked_sub(1).and_then(|i| self.batch_sizes.get(i)) {
+            slot.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(slot) = self.busy_us.get(worker) {
+            slot.fetch_add(micros(busy), Ordering::Relaxed);
+        }
+        let counter = if ok { &self.samples_ok } else { &self.samples_failed };
+        counter.fetch_add(size as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn record_overloaded(&self) {
+        self.rejected_overloaded.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn record_dropped(&self, expired: usize, cancelled: usize) {
+        self.expired.fetch_add(expired as u64, Ordering::Relaxed);
+        self.cancelled.fetch_add(cancelled as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self, queue_depth: usize) -> MetricsSnapshot {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        MetricsSnapshot {
+            batch_sizes: self.batch_sizes.iter().map(load).collect(),
+            wait_buckets: self.wait_buckets.iter().map(load).collect(),
+            wait_count: load(&self.wait_count),
+            wait_sum_seconds: load(&self.wait_sum_us) as f64 / 1e6,
+            busy_seconds: self.busy_us.iter().map(|a| load(a) as f64 / 1e6).collect(),
+            samples_ok: load(&self.samples_ok),
+            samples_failed: load(&self.samples_failed),
+            rejected_overloaded: load(&self.rejected_overloaded),
+            expired: load(&self.expired),
+            cancelled: load(&self.cancelled),
+            queue_depth,
+        }
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}

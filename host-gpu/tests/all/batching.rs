@@ -1,0 +1,159 @@
+//! The batcher and device pool driven by the fake `a + b·n` backend.
+
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use facegate_host_gpu::backend::Backend;
+use facegate_host_gpu::backend::fake::FakeBackend;
+use facegate_host_gpu::{Batcher, BatcherConfig, ElementType, InferError, InferRequest, Tensor};
+
+const MS: Duration = Duration::from_millis(1);
+
+fn fake_pool(devices: usize, max_batch: usize, fixed: Duration, per_sample: Duration) -> Batcher {
+    let backends = (0..devices)
+        .map(|_| Box::new(FakeBackend::new("fake", max_batch, fixed, per_sample)) as Box<dyn Backend>)
+        .collect();
+    let config = BatcherConfig { max_batch, tenant_capacity: 256, ..BatcherConfig::default() };
+    Batcher::start(backends, &config).unwrap()
+}
+
+fn request(tenant: &str, value: u8) -> InferRequest {
+    InferRequest {
+        tenant: tenant.into(),
+        input: Tensor::new(vec![2], ElementType::U8, vec![value, 1]).unwrap(),
+        deadline: Instant::now() + Duration::from_secs(30),
+    }
+}
+
+/// Each caller gets its own answer back (the fake sums the input bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_go_back_to_their_callers() {
+    let batcher = fake_pool(1, 8, 5 * MS, MS);
+    let calls = (0..40u8).map(|i| {
+        let b = batcher.clone();
+        tokio::spawn(async move { (i, b.infer(request("t", i)).await) })
+    });
+    for call in calls {
+        let (i, result) = call.await.unwrap();
+        let sum = result.unwrap()[0].to_f32_vec().unwrap()[0];
+        assert_eq!(sum, f32::from(i) + 1.0);
+    }
+    assert!(batcher.metrics().mean_batch_size() > 1.0, "concurrent calls were batched");
+}
+
+/// A light tenant keeps its latency while a heavy one floods the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_tenant_does_not_starve_a_light_one() {
+    let (fixed, per_sample) = (20 * MS, MS / 2);
+    let alone = light_tenant_mean_latency(&fake_pool(2, 8, fixed, per_sample)).await;
+
+    let batcher = fake_pool(2, 8, fixed, per_sample);
+    let flood: Vec<_> = (0..200).map(|_| {
+        let b = batcher.clone();
+        tokio::spawn(async move { b.infer(request("a", 0)).await })
+    }).collect();
+    while batcher.tenant_queue_depth("a") < 150 {
+        tokio::time::sleep(MS).await;
+    }
+    let shared = light_tenant_mean_latency(&batcher).await;
+    let a_left = batcher.tenant_queue_depth("a");
+    assert!(a_left > 0, "B finished while A still had {a_left} calls queued");
+    assert!(shared <= alone * 2, "B's mean latency {shared:?} vs {alone:?} alone");
+    for call in flood {
+        call.await.unwrap().unwrap();
+    }
+}
+
+/// Tenant "b" sends 20 calls from two sequential clients; returns the mean latency.
+async fn light_tenant_mean_latency(batcher: &Batcher) -> Duration {
+    let clients = (0..2).map(|_| {
+        let b = batcher.clone();
+        tokio::spawn(async move {
+            let mut total = Duration::ZERO;
+            for _ in 0..10 {
+                let start = Instant::now();
+                b.infer(request("b", 1)).await.unwrap();
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+    let mut total = Duration::ZERO;
+    for client in clients {
+        total += client.await.unwrap();
+    }
+    total / 20
+}
+
+/// A backend error fails the calls of its batch only; the worker goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_batch_fails_only_its_own_calls() {
+    let backend = FakeBackend::new("fake", 4, 10 * MS, Duration::ZERO).failing_batches(&[1]);
+    let batches = backend.batch_counter();
+    let batcher = Batcher::start(vec![Box::new(backend)], &BatcherConfig { max_batch: 4, ..Default::default() }).unwrap();
+    // Batch 0: one call that occupies the device while the next four queue up.
+    let first = { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 1)).await }) };
+    while batches.load(Ordering::SeqCst) == 0 { tokio::time::sleep(MS).await; }
+    let doomed: Vec<_> = (0..4).map(|_| { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 2)).await }) }).collect();
+    assert!(first.await.unwrap().is_ok());
+    for call in doomed {
+        let err = call.await.unwrap().unwrap_err();
+        assert!(matches!(&err, InferError::Backend(m) if m.contains("injected failure in batch 1")), "{err}");
+    }
+    assert!(batcher.infer(request("t", 3)).await.is_ok(), "the batch after the failure succeeds");
+    assert_eq!(batcher.metrics().samples_failed, 4);
+}
+
+/// A full queue refuses at once instead of growing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_overloaded() {
+    let backend = FakeBackend::new("fake", 1, 200 * MS, Duration::ZERO);
+    let config = BatcherConfig { max_batch: 1, queue_capacity: 4, tenant_capacity: 4, ..Default::default() };
+    let batcher = Batcher::start(vec![Box::new(backend)], &config).unwrap();
+    let calls: Vec<_> = (0..10).map(|_| { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 0)).await }) }).collect();
+    let mut overloaded = 0;
+    for call in calls {
+        if call.await.unwrap() == Err(InferError::Overloaded) { overloaded += 1; }
+    }
+    assert!(overloaded >= 5, "only {overloaded} of 10 refused with a queue of 4 and one busy device");
+    assert_eq!(batcher.metrics().rejected_overloaded, overloaded);
+}
+
+/// Calls whose deadline passes while queued never reach the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_calls_are_answered_deadline_exceeded() {
+    let backend = FakeBackend::new("fake", 1, 100 * MS, Duration::ZERO);
+    let batches = backend.batch_counter();
+    let batcher = Batcher::start(vec![Box::new(backend)], &BatcherConfig { max_batch: 1, ..Default::default() }).unwrap();
+    let busy = { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 0)).await }) };
+    while batches.load(Ordering::SeqCst) == 0 { tokio::time::sleep(MS).await; }
+    let mut short = request("t", 0);
+    short.deadline = Instant::now() + 20 * MS;
+    assert_eq!(batcher.infer(short).await, Err(InferError::DeadlineExceeded));
+    busy.await.unwrap().unwrap();
+    assert_eq!(batches.load(Ordering::SeqCst), 1, "the expired call was never run");
+}
+
+/// Invalid inputs are refused before they are queued.
+#[tokio::test]
+async fn invalid_input_is_refused_up_front() {
+    let batcher = fake_pool(1, 4, MS, MS);
+    let mut bad = request("t", 0);
+    bad.input = Tensor::new(vec![2, 1], ElementType::U8, vec![0, 0]).unwrap();
+    assert!(matches!(batcher.infer(bad).await, Err(InferError::InvalidInput(_))));
+    assert_eq!(batcher.metrics().batches(), 0);
+}
+
+/// With many concurrent callers, batches fill up (the bench reports the throughput ratio).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_64_fills_batches() {
+    let batcher = fake_pool(1, 8, 4 * MS, MS / 4);
+    let clients: Vec<_> = (0..64).map(|_| {
+        let b = batcher.clone();
+        tokio::spawn(async move { for _ in 0..5 { b.infer(request("t", 0)).await.unwrap(); } })
+    }).collect();
+    for c in clients { c.await.unwrap(); }
+    let mean = batcher.metrics().mean_batch_size();
+    assert!(mean >= 0.8 * 8.0, "mean batch size {mean}");
+}

@@ -1,0 +1,293 @@
+//! `facegate bench`: throughput and latency of the real gateway over HTTP
+//! against the raw engine, measured in one run so their ratio is stable on a
+//! noisy machine; and the batcher alone against a fake `a + b·n` device.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use clap::Args;
+use facegate_host_gpu::backend::Backend;
+use facegate_host_gpu::backend::fake::FakeBackend;
+use facegate_host_gpu::{Batcher, BatcherConfig, InferRequest, Models, Tensor};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::{EngineConfig, ServeConfig};
+
+/// Settings of `facegate bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchConfig {
+    /// Image to post (repeat for several; they are used round-robin).
+    #[arg(long = "image", default_value = "runtime/tests/fixtures/images/grace_hopper.jpg")]
+    pub images: Vec<PathBuf>,
+
+    /// Concurrency levels to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    pub concurrency: Vec<usize>,
+
+    /// Seconds measured per configuration (after a short warm-up).
+    #[arg(long, default_value_t = 5.0)]
+    pub seconds: f64,
+
+    /// What to measure: `issue2` (gateway vs engine at the given levels),
+    /// `batching` (gateway with batching off vs on, plus the engine), `fake`
+    /// (batcher with a fake a+b·n device), or `all`.
+    #[arg(long, default_value = "all")]
+    pub suite: String,
+
+    /// Letterbox side the handler uses (the raw engine gets the same tensor).
+    #[arg(long, default_value_t = 640)]
+    pub side: u32,
+
+    /// Gateway settings (handlers directory, limits) for the in-process gateway.
+    #[command(flatten)]
+    pub serve: BenchServe,
+}
+
+/// The subset of serve settings the bench exposes.
+#[derive(Debug, Clone, Args)]
+pub struct BenchServe {
+    /// Directory of handler components (`<tenant>/<handler>.wasm`); `demo/detect` is posted to.
+    #[arg(long, env = "FACEGATE_HANDLERS", default_value = ".facegate/handlers")]
+    pub handlers_dir: PathBuf,
+
+    /// Inference engines.
+    #[command(flatten)]
+    pub engine: EngineConfig,
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone)]
+pub struct Measurement {
+    /// Completed calls per second.
+    pub throughput: f64,
+    /// Median latency.
+    pub p50: Duration,
+    /// 99th-percentile latency.
+    pub p99: Duration,
+    /// Mean device batch size over the run.
+    pub mean_batch: f64,
+    /// Calls that failed.
+    pub errors: usize,
+}
+
+/// Runs the suites asked for and prints their tables.
+pub async fn run(config: BenchConfig) -> anyhow::Result<()> {
+    let images = config.images.iter().map(|p| std::fs::read(p).with_context(|| format!("reading {}", p.display())).map(Bytes::from)).collect::<anyhow::Result<Vec<_>>>()?;
+    let tensors = images.iter().map(|b| preprocess(b, config.side)).collect::<anyhow::Result<Vec<_>>>()?;
+    let duration = Duration::from_secs_f64(config.seconds);
+    let suite = config.suite.as_str();
+    if matches!(suite, "issue2" | "batching" | "all") {
+        gateway_vs_engine(&config, &images, &tensors, duration).await?;
+    }
+    if matches!(suite, "fake" | "all") {
+        fake_device(duration).await;
+    }
+    Ok(())
+}
+
+/// Decodes and letterboxes natively with the same SDK code the handlers run in wasm.
+fn preprocess(bytes: &[u8], side: u32) -> anyhow::Result<Tensor> {
+    use facegate_guest_sdk::image::{ImageLimits, decode, letterbox};
+    let boxed = letterbox(&decode(bytes, &ImageLimits::default())?, side)?;
+    let side = boxed.side as usize;
+    Ok(Tensor::new(vec![side, side, 3], facegate_host_gpu::ElementType::U8, boxed.pixels)?)
+}
+
+async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Tensor], duration: Duration) -> anyhow::Result<()> {
+    let batch_sizes: &[usize] = if config.suite == "issue2" { &[config.serve.engine.max_batch] } else { &[1, config.serve.engine.max_batch] };
+    println!("\n== gateway (HTTP + wasm handler) vs raw engine (host-gpu only), same images, same run ==");
+    println!("{:<28} {:>5} {:>10} {:>9} {:>9} {:>7} {:>6}", "configuration", "conc", "req/s", "p50 ms", "p99 ms", "batch", "errors");
+    for &max_batch in batch_sizes {
+        let mut engine = config.serve.engine.clone();
+        engine.max_batch = max_batch;
+        let models = crate::load_models(&engine)?;
+        let (addr, _server) = start_gateway(&config.serve, &engine, models.clone()).await?;
+        for &c in &config.concurrency {
+            let raw = measure_engine(&models, tensors, c, duration).await;
+            let gw = measure_gateway(addr, &models, images, c, duration).await;
+            print_row(&format!("engine  max_batch={max_batch}"), c, &raw);
+            print_row(&format!("gateway max_batch={max_batch}"), c, &gw);
+            println!("{:<28} {:>5} {:>10.3}", "  ratio gateway/engine", c, gw.throughput / raw.throughput);
+        }
+    }
+    Ok(())
+}
+
+fn print_row(label: &str, concurrency: usize, m: &Measurement) {
+    println!(
+        "{label:<28} {concurrency:>5} {:>10.2} {:>9.1} {:>9.1} {:>7.2} {:>6}",
+        m.throughput,
+        m.p50.as_secs_f64() * 1e3,
+        m.p99.as_secs_f64() * 1e3,
+        m.mean_batch,
+        m.errors
+    );
+}
+
+async fn start_gateway(serve: &BenchServe, engine: &EngineConfig, models: Models) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let config = ServeConfig {
+        listen: "127.0.0.1:0".parse()?,
+        handlers_dir: serve.handlers_dir.clone(),
+        request_timeout_ms: 60_000,
+        max_body_bytes: crate::config::DEFAULT_MAX_BODY_BYTES,
+        memory_limit_mib: crate::config::DEFAULT_MEMORY_LIMIT_MIB,
+        max_instances: 256,
+        max_infer_calls: crate::config::DEFAULT_MAX_INFER_CALLS,
+        engine: engine.clone(),
+    };
+    let gateway = crate::Gateway::new(&config, models)?;
+    let (listener, addr) = crate::bind(config.listen).await?;
+    let task = tokio::spawn(async move {
+        let _ = gateway.serve(listener, std::future::pending()).await;
+    });
+    Ok((addr, task))
+}
+
+/// Drives `call` from `concurrency` loops for `duration` after a warm-up; collects latencies.
+async fn drive<F, Fut>(concurrency: usize, duration: Duration, call: F) -> (Vec<Duration>, usize, Duration)
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = bool> + Send,
+{
+    let warmup = Instant::now() + Duration::from_millis(500);
+    let end = warmup + duration;
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|client| {
+            let call = call.clone();
+            tokio::spawn(async move {
+                let (mut latencies, mut errors, mut i) = (Vec::new(), 0, client);
+                loop {
+                    let start = Instant::now();
+                    if start >= end {
+                        break;
+                    }
+                    let ok = call(i).await;
+                    i += concurrency;
+                    if start >= warmup {
+                        latencies.push(start.elapsed());
+                        errors += usize::from(!ok);
+                    }
+                }
+                (latencies, errors)
+            })
+        })
+        .collect();
+    let (mut all, mut errors) = (Vec::new(), 0);
+    for task in tasks {
+        if let Ok((l, e)) = task.await {
+            all.extend(l);
+            errors += e;
+        }
+    }
+    let elapsed = Instant::now().saturating_duration_since(warmup).min(duration + Duration::from_secs(60));
+    (all, errors, elapsed)
+}
+
+fn summarize(mut latencies: Vec<Duration>, errors: usize, elapsed: Duration, mean_batch: f64) -> Measurement {
+    latencies.sort();
+    let pick = |q: f64| latencies.get(((latencies.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or_default();
+    Measurement {
+        throughput: (latencies.len() - errors.min(latencies.len())) as f64 / elapsed.as_secs_f64(),
+        p50: pick(0.5),
+        p99: pick(0.99),
+        mean_batch,
+        errors,
+    }
+}
+
+/// Mean batch size between two snapshots of the model's counters.
+fn batch_delta(models: &Models, before: &[u64]) -> f64 {
+    let Some(b) = models.iter().next() else { return 0.0 };
+    let after = b.metrics().batch_sizes;
+    let (mut batches, mut samples) = (0u64, 0u64);
+    for (n, (a, b)) in (1u64..).zip(after.iter().zip(before)) {
+        batches += a - b;
+        samples += n * (a - b);
+    }
+    if batches == 0 { 0.0 } else { samples as f64 / batches as f64 }
+}
+
+fn batch_counts(models: &Models) -> Vec<u64> {
+    models.iter().next().map(|b| b.metrics().batch_sizes).unwrap_or_default()
+}
+
+async fn measure_engine(models: &Models, tensors: &[Tensor], concurrency: usize, duration: Duration) -> Measurement {
+    let before = batch_counts(models);
+    let (models_c, tensors) = (models.clone(), Arc::new(tensors.to_vec()));
+    let (lat, errors, elapsed) = drive(concurrency, duration, move |i| {
+        let (models, tensors) = (models_c.clone(), Arc::clone(&tensors));
+        async move {
+            let input = tensors[i % tensors.len()].clone();
+            let request = InferRequest { tenant: "bench".into(), input, deadline: Instant::now() + Duration::from_secs(60) };
+            models.infer("centerface", request).await.is_ok()
+        }
+    })
+    .await;
+    summarize(lat, errors, elapsed, batch_delta(models, &before))
+}
+
+async fn measure_gateway(addr: SocketAddr, models: &Models, images: &[Bytes], concurrency: usize, duration: Duration) -> Measurement {
+    let before = batch_counts(models);
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(256).build(connector);
+    let (images, url) = (Arc::new(images.to_vec()), format!("http://{addr}/v1/demo/detect"));
+    let (lat, errors, elapsed) = drive(concurrency, duration, move |i| {
+        let (client, images, url) = (client.clone(), Arc::clone(&images), url.clone());
+        async move {
+            let body = images[i % images.len()].clone();
+            let Ok(req) = hyper::Request::post(url).body(Full::new(body)) else { return false };
+            match client.request(req).await {
+                Ok(resp) => resp.status().is_success() && resp.into_body().collect().await.is_ok(),
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+    summarize(lat, errors, elapsed, batch_delta(models, &before))
+}
+
+/// The batcher alone, on a fake device costing `a + b·n` per batch of n.
+async fn fake_device(duration: Duration) {
+    const MAX_BATCH: usize = 16;
+    let (a, b) = (Duration::from_millis(8), Duration::from_micros(500));
+    let ideal = MAX_BATCH as f64 / (a + b * MAX_BATCH as u32).as_secs_f64();
+    println!("\n== batcher alone, fake device: {a:?} + {b:?}·n per batch, max batch {MAX_BATCH}; ideal {ideal:.1}/s ==");
+    println!("{:<10} {:>10} {:>9} {:>9} {:>7} {:>12}", "conc", "calls/s", "p50 ms", "p99 ms", "batch", "of ideal");
+    for concurrency in [1, 4, 16, 64] {
+        let backend: Box<dyn Backend> = Box::new(FakeBackend::new("fake", MAX_BATCH, a, b));
+        let config = BatcherConfig { max_batch: MAX_BATCH, ..BatcherConfig::default() };
+        let Ok(batcher) = Batcher::start(vec![backend], &config) else { return };
+        let mut models = Models::new();
+        models.insert(batcher);
+        let input = Tensor::new(vec![4], facegate_host_gpu::ElementType::U8, vec![1; 4]).unwrap_or_else(|_| unreachable!());
+        let m = {
+            let driver = models.clone();
+            let (lat, errors, elapsed) = drive(concurrency, duration, move |_| {
+                let (models, input) = (driver.clone(), input.clone());
+                async move {
+                    let request = InferRequest { tenant: "bench".into(), input, deadline: Instant::now() + Duration::from_secs(60) };
+                    models.infer("fake", request).await.is_ok()
+                }
+            })
+            .await;
+            let mean = models.iter().next().map_or(0.0, |b| b.metrics().mean_batch_size());
+            summarize(lat, errors, elapsed, mean)
+        };
+        println!(
+            "{concurrency:<10} {:>10.1} {:>9.2} {:>9.2} {:>7.2} {:>11.3}x",
+            m.throughput,
+            m.p50.as_secs_f64() * 1e3,
+            m.p99.as_secs_f64() * 1e3,
+            m.mean_batch,
+            m.throughput / ideal
+        );
+    }
+}

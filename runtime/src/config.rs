@@ -1,0 +1,129 @@
+//! Command-line and environment configuration. Every flag has an
+//! environment fallback; the doc comments are the `--help` text.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Default listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// Default per-request deadline, milliseconds.
+pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 10_000;
+/// Default largest request body, bytes (16 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+/// Default linear-memory limit of one handler instance, MiB.
+pub const DEFAULT_MEMORY_LIMIT_MIB: usize = 256;
+/// Default most handler instances alive at once (requests in flight).
+pub const DEFAULT_MAX_INSTANCES: u32 = 128;
+/// Default most `face-detect.infer` calls per request.
+pub const DEFAULT_MAX_INFER_CALLS: u32 = 16;
+
+/// facegate: a serverless gateway for face detection.
+#[derive(Debug, Parser)]
+#[command(name = "facegate", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve tenants' handlers over HTTP.
+    Serve(ServeConfig),
+    /// Measure throughput and latency: the gateway over HTTP vs the raw engine.
+    Bench(crate::bench::BenchConfig),
+}
+
+/// Everything `facegate serve` needs.
+#[derive(Debug, Clone, Args)]
+pub struct ServeConfig {
+    /// Address to listen on.
+    #[arg(long, env = "FACEGATE_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+
+    /// Directory of handler components, laid out as `<tenant>/<handler>.wasm`.
+    #[arg(long, env = "FACEGATE_HANDLERS", default_value = ".facegate/handlers")]
+    pub handlers_dir: PathBuf,
+
+    /// Per-request deadline (ms): guest CPU, queueing and inference together.
+    #[arg(long, env = "FACEGATE_REQUEST_TIMEOUT_MS", default_value_t = DEFAULT_REQUEST_TIMEOUT_MS)]
+    pub request_timeout_ms: u64,
+
+    /// Largest request body accepted (bytes); larger bodies get 413.
+    #[arg(long, env = "FACEGATE_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+
+    /// Linear-memory limit of one handler instance (MiB).
+    #[arg(long, env = "FACEGATE_MEMORY_LIMIT_MIB", default_value_t = DEFAULT_MEMORY_LIMIT_MIB)]
+    pub memory_limit_mib: usize,
+
+    /// Most handler instances alive at once; further requests get 503.
+    #[arg(long, env = "FACEGATE_MAX_INSTANCES", default_value_t = DEFAULT_MAX_INSTANCES)]
+    pub max_instances: u32,
+
+    /// Most `face-detect.infer` calls one request may make.
+    #[arg(long, env = "FACEGATE_MAX_INFER_CALLS", default_value_t = DEFAULT_MAX_INFER_CALLS)]
+    pub max_infer_calls: u32,
+
+    /// Inference engines.
+    #[command(flatten)]
+    pub engine: EngineConfig,
+}
+
+/// Where the model and ONNX Runtime are, and how they are spread over devices.
+#[derive(Debug, Clone, Args)]
+pub struct EngineConfig {
+    /// The prepared CenterFace model (deploy/setup.sh installs it).
+    #[arg(long, env = "FACEGATE_MODEL", default_value = ".facegate/models/centerface.onnx")]
+    pub model: PathBuf,
+
+    /// The ONNX Runtime shared library (deploy/setup.sh installs it).
+    #[arg(long, env = "ORT_DYLIB_PATH", default_value = ".facegate/lib/libonnxruntime.so")]
+    pub onnxruntime: PathBuf,
+
+    /// Device workers (ONNX Runtime sessions) on the CPU; each pulls its own batches.
+    #[arg(long, env = "FACEGATE_CPU_WORKERS", default_value_t = 1)]
+    pub cpu_workers: usize,
+
+    /// Intra-op threads of each CPU worker (0: all cores divided by the workers).
+    #[arg(long, env = "FACEGATE_CPU_THREADS", default_value_t = 0)]
+    pub cpu_threads: usize,
+
+    /// Most samples per device batch.
+    #[arg(long, env = "FACEGATE_MAX_BATCH", default_value_t = 8)]
+    pub max_batch: usize,
+
+    /// How long (µs) to hold a partial batch to fill it; 0 batches only what waits while devices are busy.
+    #[arg(long, env = "FACEGATE_BATCH_DELAY_US", default_value_t = 0)]
+    pub batch_delay_us: u64,
+
+    /// Most inference calls waiting per model (all tenants); more get `overloaded`.
+    #[arg(long, env = "FACEGATE_QUEUE_CAPACITY", default_value_t = facegate_host_gpu::DEFAULT_QUEUE_CAPACITY)]
+    pub queue_capacity: usize,
+
+    /// Most inference calls waiting per model for one tenant.
+    #[arg(long, env = "FACEGATE_TENANT_QUEUE_CAPACITY", default_value_t = facegate_host_gpu::DEFAULT_TENANT_CAPACITY)]
+    pub tenant_queue_capacity: usize,
+}
+
+impl ServeConfig {
+    /// The per-request deadline.
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms)
+    }
+}
+
+impl EngineConfig {
+    /// Intra-op threads per CPU worker, resolving 0 to an even share of the cores.
+    pub fn threads_per_worker(&self) -> usize {
+        if self.cpu_threads > 0 {
+            return self.cpu_threads;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / self.cpu_workers.max(1)).max(1)
+    }
+}

@@ -1,0 +1,112 @@
+//! The one wasmtime [`Engine`] of the process, configured in one place.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+
+/// How often the epoch advances. Guest code yields (or is stopped at its
+/// deadline) at the next epoch check after a tick, so this bounds how long a
+/// spinning guest can hold a host thread.
+pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// Core instances a component may hold (Rust guests use a handful: the main
+/// module, the WASI adapter and its shims).
+const CORE_INSTANCES_PER_COMPONENT: u32 = 20;
+/// Linear memories a component may hold (main module + adapter).
+const MEMORIES_PER_COMPONENT: u32 = 2;
+/// Tables a component may hold.
+const TABLES_PER_COMPONENT: u32 = 8;
+
+/// Limits that shape the engine.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineLimits {
+    /// Most component instances alive at once.
+    pub max_instances: u32,
+    /// Largest linear memory of one instance, bytes.
+    pub memory_limit: usize,
+}
+
+/// Builds the engine: component model, async host calls, epoch interruption,
+/// and the pooling allocator when the address space allows it.
+pub fn build(limits: EngineLimits) -> wasmtime::Result<Engine> {
+    let mut config = Config::new();
+    // Handlers are components (wasi:http incoming-handler + face-detect).
+    config.wasm_component_model(true);
+    // Deadlines: the epoch thread ticks; each store yields or traps on a tick.
+    config.epoch_interruption(true);
+    // Deep recursion traps cleanly instead of growing the host stack.
+    config.max_wasm_stack(1 << 20);
+    if pooling_fits(limits) {
+        // Pre-reserved slots: instantiation is a few microseconds and memory
+        // is bounded by construction.
+        config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling(limits)));
+    } else {
+        tracing::warn!("virtual address space too small for the pooling allocator; using on-demand allocation");
+    }
+    Engine::new(&config)
+}
+
+fn pooling(limits: EngineLimits) -> PoolingAllocationConfig {
+    let n = limits.max_instances.max(1);
+    let mut pool = PoolingAllocationConfig::default();
+    pool.total_component_instances(n)
+        .total_core_instances(n * CORE_INSTANCES_PER_COMPONENT)
+        .total_memories(n * MEMORIES_PER_COMPONENT)
+        .total_tables(n * TABLES_PER_COMPONENT)
+        .total_stacks(n)
+        .max_core_instances_per_component(CORE_INSTANCES_PER_COMPONENT)
+        .max_memories_per_component(MEMORIES_PER_COMPONENT)
+        .max_tables_per_component(TABLES_PER_COMPONENT)
+        .max_memory_size(limits.memory_limit);
+    pool
+}
+
+/// Whether the pool's virtual reservation fits, probed the way `wasmtime serve` does.
+fn pooling_fits(limits: EngineLimits) -> bool {
+    let mut probe = Config::new();
+    probe.wasm_component_model(true);
+    let mut pool = pooling(limits);
+    // Only reserve: creating the engine allocates the pool's address space.
+    pool.total_core_instances(limits.max_instances.max(1) * CORE_INSTANCES_PER_COMPONENT);
+    probe.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    Engine::new(&probe).is_ok()
+}
+
+/// Advances the engine's epoch every [`EPOCH_TICK`] until dropped.
+pub struct EpochTicker {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EpochTicker {
+    /// Starts the ticking thread.
+    pub fn start(engine: &Engine) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (engine, flag) = (engine.weak(), Arc::clone(&stop));
+        let thread = std::thread::Builder::new()
+            .name("epoch-ticker".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    match engine.upgrade() {
+                        Some(engine) => engine.increment_epoch(),
+                        None => break,
+                    }
+                }
+            })
+            .ok();
+        Self { stop, thread }
+    }
+}
+
+impl Drop for EpochTicker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! The host side of the `face-detect` WIT interface: a thin adapter from
+//! guest calls onto host-gpu's batchers, enforcing per-request policy
+//! (call budget, deadline) before any work reaches an engine.
+//!
+//! Shape follows wasmtime's WASI crates: a per-store [`FaceDetectCtx`], a
+//! borrowed [`FaceDetectView`] that implements the generated `Host` trait,
+//! and [`add_to_linker`].
+
+mod bindings;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use facegate_host_gpu::{InferError, InferRequest, ModelSpec, Models, TensorSpec};
+use wasmtime::component::{HasData, Linker};
+
+use self::bindings::facegate::face_detect::face_detect as wit;
+
+/// Per-request state of the `face-detect` capability.
+pub struct FaceDetectCtx {
+    models: Models,
+    tenant: Arc<str>,
+    deadline: Instant,
+    calls_left: u32,
+    /// Time this request spent inside `infer` (queueing + device).
+    pub infer_time: Duration,
+}
+
+impl FaceDetectCtx {
+    /// A context for one request of `tenant`, allowed `max_calls` inferences before `deadline`.
+    pub fn new(models: Models, tenant: Arc<str>, deadline: Instant, max_calls: u32) -> Self {
+        Self { models, tenant, deadline, calls_left: max_calls, infer_time: Duration::ZERO }
+    }
+}
+
+/// A borrowed view of [`FaceDetectCtx`]; the generated `Host` trait is implemented on it.
+pub struct FaceDetectView<'a> {
+    ctx: &'a mut FaceDetectCtx,
+}
+
+impl<'a> FaceDetectView<'a> {
+    /// Borrows a context.
+    pub fn new(ctx: &'a mut FaceDetectCtx) -> Self {
+        Self { ctx }
+    }
+}
+
+struct FaceDetect;
+
+impl HasData for FaceDetect {
+    type Data<'a> = FaceDetectView<'a>;
+}
+
+/// Adds `facegate:face-detect/face-detect` to a linker; `get` projects the store's view.
+pub fn add_to_linker<T: Send + 'static>(
+    linker: &mut Linker<T>,
+    get: fn(&mut T) -> FaceDetectView<'_>,
+) -> wasmtime::Result<()> {
+    wit::add_to_linker::<T, FaceDetect>(linker, get)
+}
+
+impl wit::Host for FaceDetectView<'_> {
+    async fn models(&mut self) -> wasmtime::Result<Vec<wit::ModelInfo>> {
+        Ok(self.ctx.models.iter().map(|b| model_info(b.spec())).collect())
+    }
+
+    async fn infer(&mut self, model: String, input: wit::Tensor) -> wasmtime::Result<Result<Vec<wit::Tensor>, wit::Error>> {
+        if self.ctx.calls_left == 0 {
+            return Ok(Err(wit::Error::QuotaExceeded("this request has used all its face-detect calls".into())));
+        }
+        self.ctx.calls_left -= 1;
+        let input = match to_host_tensor(input) {
+            Ok(t) => t,
+            Err(e) => return Ok(Err(e)),
+        };
+        let request = InferRequest { tenant: Arc::clone(&self.ctx.tenant), input, deadline: self.ctx.deadline };
+        let started = Instant::now();
+        let result = self.ctx.models.infer(&model, request).await;
+        self.ctx.infer_time += started.elapsed();
+        Ok(result.map(|outputs| outputs.into_iter().map(to_wit_tensor).collect()).map_err(to_wit_error))
+    }
+}
+
+fn to_host_tensor(t: wit::Tensor) -> Result<facegate_host_gpu::Tensor, wit::Error> {
+    let shape = t.shape.into_iter().map(|d| d as usize).collect();
+    facegate_host_gpu::Tensor::new(shape, element_from_wit(t.element), t.data)
+        .map_err(|e| wit::Error::InvalidInput(e.to_string()))
+}
+
+fn to_wit_tensor(t: facegate_host_gpu::Tensor) -> wit::Tensor {
+    let (shape, element, data) = t.into_parts();
+    wit::Tensor { shape: shape.into_iter().map(saturating_u32).collect(), element: element_to_wit(element), data }
+}
+
+fn element_from_wit(e: wit::ElementType) -> facegate_host_gpu::ElementType {
+    match e {
+        wit::ElementType::U8 => facegate_host_gpu::ElementType::U8,
+        wit::ElementType::F32 => facegate_host_gpu::ElementType::F32,
+    }
+}
+
+fn element_to_wit(e: facegate_host_gpu::ElementType) -> wit::ElementType {
+    match e {
+        facegate_host_gpu::ElementType::U8 => wit::ElementType::U8,
+        facegate_host_gpu::ElementType::F32 => wit::ElementType::F32,
+    }
+}
+
+fn to_wit_error(e: InferError) -> wit::Error {
+    match e {
+        InferError::InvalidInput(m) => wit::Error::InvalidInput(m),
+        InferError::UnknownModel(m) => wit::Error::UnknownModel(m),
+        InferError::Overloaded | InferError::ShuttingDown => wit::Error::Overloaded,
+        InferError::DeadlineExceeded => wit::Error::DeadlineExceeded,
+        InferError::Backend(m) => wit::Error::Backend(m),
+    }
+}
+
+fn spec_to_wit(spec: &TensorSpec) -> wit::TensorSpec {
+    wit::TensorSpec {
+        name: spec.name.clone(),
+        shape: spec.shape.iter().map(|&d| saturating_u32(d)).collect(),
+        element: element_to_wit(spec.element),
+    }
+}
+
+fn model_info(spec: &ModelSpec) -> wit::ModelInfo {
+    wit::ModelInfo {
+        name: spec.name.clone(),
+        input: spec_to_wit(&spec.input),
+        outputs: spec.outputs.iter().map(spec_to_wit).collect(),
+        dim_multiple: saturating_u32(spec.dim_multiple),
+        max_side: saturating_u32(spec.max_side),
+        max_batch: saturating_u32(spec.max_batch),
+    }
+}
+
+fn saturating_u32(v: usize) -> u32 {
+    u32::try_from(v).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use facegate_host_gpu::backend::fake::FakeBackend;
+    use facegate_host_gpu::{Batcher, BatcherConfig};
+    use wit::Host as _;
+
+    fn models() -> Models {
+        let backend = FakeBackend::new("fake", 4, Duration::ZERO, Duration::ZERO);
+        let mut models = Models::new();
+        models.insert(Batcher::start(vec![Box::new(backend)], &BatcherConfig::default()).unwrap());
+        models
+    }
+
+    fn ctx(max_calls: u32) -> FaceDetectCtx {
+        FaceDetectCtx::new(models(), "t".into(), Instant::now() + Duration::from_secs(5), max_calls)
+    }
+
+    fn tensor(data: Vec<u8>) -> wit::Tensor {
+        wit::Tensor { shape: vec![data.len() as u32], element: wit::ElementType::U8, data }
+    }
+
+    #[tokio::test]
+    async fn infer_reaches_the_batcher() {
+        let mut ctx = ctx(4);
+        let out = FaceDetectView::new(&mut ctx).infer("fake".into(), tensor(vec![2, 3])).await.unwrap().unwrap();
+        assert_eq!(out[0].data, 5f32.to_le_bytes().to_vec());
+    }
+
+    #[tokio::test]
+    async fn malformed_tensor_is_a_clean_error() {
+        let mut ctx = ctx(4);
+        let bad = wit::Tensor { shape: vec![10], element: wit::ElementType::U8, data: vec![0; 3] };
+        let err = FaceDetectView::new(&mut ctx).infer("fake".into(), bad).await.unwrap().unwrap_err();
+        assert!(matches!(err, wit::Error::InvalidInput(m) if m.contains("needs 10 bytes")));
+        let huge = wit::Tensor { shape: vec![u32::MAX, u32::MAX, u32::MAX], element: wit::ElementType::F32, data: vec![] };
+        let err = FaceDetectView::new(&mut ctx).infer("fake".into(), huge).await.unwrap().unwrap_err();
+        assert!(matches!(err, wit::Error::InvalidInput(_)));
+    }
+
+    #[tokio::test]
+    async fn unknown_model_is_named() {
+        let mut ctx = ctx(4);
+        let err = FaceDetectView::new(&mut ctx).infer("nope".into(), tensor(vec![1])).await.unwrap().unwrap_err();
+        assert!(matches!(err, wit::Error::UnknownModel(m) if m == "nope"));
+    }
+
+    #[tokio::test]
+    async fn call_budget_is_enforced() {
+        let mut ctx = ctx(1);
+        let mut view = FaceDetectView::new(&mut ctx);
+        assert!(view.infer("fake".into(), tensor(vec![1])).await.unwrap().is_ok());
+        let err = view.infer("fake".into(), tensor(vec![1])).await.unwrap().unwrap_err();
+        assert!(matches!(err, wit::Error::QuotaExceeded(_)));
+    }
+
+    #[tokio::test]
+    async fn models_lists_specs() {
+        let mut ctx = ctx(1);
+        let infos = FaceDetectView::new(&mut ctx).models().await.unwrap();
+        assert_eq!(infos.len(), 1);
+        assert_eq!((infos[0].name.as_str(), infos[0].max_batch), ("fake", 4));
+    }
+}

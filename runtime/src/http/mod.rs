@@ -1,0 +1,73 @@
+//! The HTTP side: listener, routes, limits, and graceful shutdown.
+
+pub mod response;
+mod routes;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+
+pub use routes::App;
+
+/// How long in-flight requests get to finish after a shutdown signal.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Serves `app` on `listener` until `shutdown` resolves, then drains connections.
+pub async fn serve(
+    app: Arc<App>,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let graceful = GracefulShutdown::new();
+    let builder = auto::Builder::new(TokioExecutor::new());
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => serve_connection(&app, &builder, &graceful, stream, peer),
+                // Out of file descriptors and the like: back off, keep serving.
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            () = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    tracing::info!("shutting down; waiting for in-flight requests");
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
+        tracing::warn!("grace period over; dropping remaining connections");
+    }
+    Ok(())
+}
+
+fn serve_connection(
+    app: &Arc<App>,
+    builder: &auto::Builder<TokioExecutor>,
+    graceful: &GracefulShutdown,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+) {
+    // Responses are small and latency-bound; don't let Nagle hold them back.
+    let _ = stream.set_nodelay(true);
+    let app = Arc::clone(app);
+    let service = service_fn(move |req: hyper::Request<Incoming>| {
+        let app = Arc::clone(&app);
+        async move { Ok::<_, std::convert::Infallible>(app.route(req).await) }
+    });
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
+    let conn = graceful.watch(conn);
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(%peer, error = %e, "connection ended with an error");
+        }
+    });
+}

@@ -1,0 +1,43 @@
+//! Host-generated responses: JSON bodies and the `{"error": {...}}` shape
+//! that handlers built with the guest SDK also use.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use hyper::{Response, StatusCode};
+use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
+
+/// The body type of every response: a guest's streaming body or a host buffer.
+pub type Body = HyperOutgoingBody;
+
+/// A buffered body.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// A JSON response.
+pub fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+    let mut response = Response::new(full(value.to_string()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// A JSON error: `{"error": {"code": ..., "message": ...}}`.
+pub fn error(status: StatusCode, code: &str, message: impl std::fmt::Display) -> Response<Body> {
+    json(status, &serde_json::json!({ "error": { "code": code, "message": message.to_string() } }))
+}
+
+/// A 503/429-style refusal with `Retry-After` (seconds).
+pub fn retry_later(status: StatusCode, code: &str, message: &str, seconds: u32) -> Response<Body> {
+    let mut response = error(status, code, message);
+    response.headers_mut().insert(RETRY_AFTER, HeaderValue::from(seconds));
+    response
+}
+
+/// A plain-text response (Prometheus exposition format and the like).
+pub fn text(content_type: &'static str, body: String) -> Response<Body> {
+    let mut response = Response::new(full(body));
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+}

@@ -1,0 +1,123 @@
+//! # facegate
+//!
+//! A serverless gateway for face detection. Tenants deploy WebAssembly
+//! components (wasi:http handlers); each request runs its handler in a fresh
+//! sandbox, and the handler's `face-detect` calls are batched by the host
+//! across all handlers of all tenants onto shared inference engines
+//! ([`facegate_host_gpu`]).
+//!
+//! Layout: [`config`] (flags), [`engine`] (the wasmtime engine),
+//! [`face_detect`] (the host side of the WIT interface), [`state`] (per-request
+//! store data), [`handlers`] (loading components), [`sandbox`] (running one
+//! request), [`http`] (server and routes), [`metrics`], [`bench`].
+
+pub mod bench;
+pub mod config;
+pub mod engine;
+pub mod face_detect;
+pub mod handlers;
+pub mod http;
+pub mod metrics;
+pub mod sandbox;
+pub mod state;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use facegate_host_gpu::backend::Backend;
+use facegate_host_gpu::backend::onnx::{Device, ImageModelConfig, OnnxBackend, init_onnx_runtime};
+use facegate_host_gpu::{Batcher, BatcherConfig, Models};
+use tokio::net::TcpListener;
+
+use crate::config::{EngineConfig, ServeConfig};
+use crate::engine::{EngineLimits, EpochTicker};
+use crate::handlers::Registry;
+use crate::http::App;
+use crate::sandbox::{Sandbox, SandboxLimits};
+
+/// Loads ONNX Runtime and the model, and starts one batcher with
+/// `cpu_workers` device workers.
+pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
+    init_onnx_runtime(&config.onnxruntime)?;
+    let threads = config.threads_per_worker();
+    let backends = (0..config.cpu_workers.max(1))
+        .map(|_| {
+            let model = ImageModelConfig::centerface(&config.model, config.max_batch);
+            OnnxBackend::new(model, &Device::Cpu { threads }).map(|b| Box::new(b) as Box<dyn Backend>)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let batcher = Batcher::start(backends, &batcher_config(config))?;
+    tracing::info!(model = %batcher.spec().name, workers = config.cpu_workers, threads, max_batch = batcher.spec().max_batch, "model loaded");
+    let mut models = Models::new();
+    models.insert(batcher);
+    Ok(models)
+}
+
+/// The batcher settings an engine config asks for.
+pub fn batcher_config(config: &EngineConfig) -> BatcherConfig {
+    BatcherConfig {
+        max_batch: config.max_batch,
+        queue_capacity: config.queue_capacity,
+        tenant_capacity: config.tenant_queue_capacity,
+        max_delay: std::time::Duration::from_micros(config.batch_delay_us),
+    }
+}
+
+/// A gateway ready to serve: the app plus the epoch thread its deadlines need.
+pub struct Gateway {
+    /// The request router and everything behind it.
+    pub app: Arc<App>,
+    _ticker: EpochTicker,
+}
+
+impl Gateway {
+    /// Builds the wasmtime engine and sandbox, and loads the handlers directory.
+    pub fn new(config: &ServeConfig, models: Models) -> anyhow::Result<Self> {
+        let memory_limit = config.memory_limit_mib << 20;
+        let engine = engine::build(EngineLimits { max_instances: config.max_instances, memory_limit })?;
+        let ticker = EpochTicker::start(&engine);
+        let limits = SandboxLimits { memory_limit, max_infer_calls: config.max_infer_calls };
+        let sandbox = Sandbox::new(engine, models.clone(), limits)?;
+        let registry = Registry::load_dir(sandbox.engine(), sandbox.linker(), &config.handlers_dir)?;
+        tracing::info!(handlers = registry.len(), dir = %config.handlers_dir.display(), "handlers loaded");
+        let app = Arc::new(App::new(registry, sandbox, models, config.clone()));
+        Ok(Self { app, _ticker: ticker })
+    }
+
+    /// Serves on `listener` until `shutdown` resolves.
+    pub async fn serve(self, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+        http::serve(Arc::clone(&self.app), listener, shutdown).await
+    }
+}
+
+/// Binds `addr` (port 0 picks a free one) and returns the listener and its address.
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<(TcpListener, SocketAddr)> {
+    let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    let local = listener.local_addr()?;
+    Ok((listener, local))
+}
+
+/// `facegate serve`: load everything, listen, serve until SIGINT/SIGTERM.
+pub async fn run(config: ServeConfig) -> anyhow::Result<()> {
+    let models = load_models(&config.engine)?;
+    let gateway = Gateway::new(&config, models)?;
+    let (listener, addr) = bind(config.listen).await?;
+    tracing::info!(%addr, "facegate listening");
+    println!("facegate listening on http://{addr}");
+    gateway.serve(listener, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => return std::future::pending().await,
+        };
+        tokio::select! { _ = ctrl_c => {}, _ = term.recv() => {} }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

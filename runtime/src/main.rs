@@ -1,0 +1,19 @@
+//! The `facegate` binary: parse flags, then serve or bench.
+
+use clap::Parser;
+use facegate::config::{Cli, Command};
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FACEGATE_LOG").unwrap_or_else(|_| "info,wasmtime=warn,ort=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    match cli.command {
+        Command::Serve(config) => runtime.block_on(facegate::run(config)),
+        Command::Bench(config) => runtime.block_on(facegate::bench::run(config)),
+    }
+}

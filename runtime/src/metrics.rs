@@ -1,0 +1,105 @@
+//! Prometheus text exposition of the gateway's and the batchers' counters.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use facegate_host_gpu::Models;
+use facegate_host_gpu::metrics::{MetricsSnapshot, WAIT_BUCKETS};
+
+/// Upper bounds (seconds) of the request-latency histogram.
+const LATENCY_BUCKETS: [f64; 12] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
+#[derive(Default)]
+struct Series {
+    count: u64,
+    sum: f64,
+    buckets: [u64; LATENCY_BUCKETS.len()],
+}
+
+/// Request counters by tenant, handler and status.
+#[derive(Default)]
+pub struct HttpMetrics {
+    requests: Mutex<BTreeMap<(String, String, u16), Series>>,
+}
+
+impl HttpMetrics {
+    /// Records one finished request.
+    pub fn record(&self, tenant: &str, handler: &str, status: u16, latency: Duration) {
+        let mut requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+        let series = requests.entry((tenant.to_owned(), handler.to_owned(), status)).or_default();
+        let secs = latency.as_secs_f64();
+        series.count += 1;
+        series.sum += secs;
+        for (bound, bucket) in LATENCY_BUCKETS.iter().zip(series.buckets.iter_mut()) {
+            if secs <= *bound {
+                *bucket += 1;
+            }
+        }
+    }
+
+    fn render(&self, out: &mut String) {
+        let requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+        out.push_str("# HELP facegate_requests_seconds Handler request latency, by tenant, handler and status.\n");
+        out.push_str("# TYPE facegate_requests_seconds histogram\n");
+        for ((tenant, handler, status), s) in requests.iter() {
+            let labels = format!("tenant=\"{tenant}\",handler=\"{handler}\",status=\"{status}\"");
+            for (bound, count) in LATENCY_BUCKETS.iter().zip(s.buckets) {
+                let _ = writeln!(out, "facegate_requests_seconds_bucket{{{labels},le=\"{bound}\"}} {count}");
+            }
+            let _ = writeln!(out, "facegate_requests_seconds_bucket{{{labels},le=\"+Inf\"}} {}", s.count);
+            let _ = writeln!(out, "facegate_requests_seconds_sum{{{labels}}} {}", s.sum);
+            let _ = writeln!(out, "facegate_requests_seconds_count{{{labels}}} {}", s.count);
+        }
+    }
+}
+
+/// Renders everything in Prometheus text format.
+pub fn render(http: &HttpMetrics, models: &Models, instances_in_use: usize) -> String {
+    let mut out = String::new();
+    http.render(&mut out);
+    out.push_str("# HELP facegate_instances_in_use Handler instances alive now.\n# TYPE facegate_instances_in_use gauge\n");
+    let _ = writeln!(out, "facegate_instances_in_use {instances_in_use}");
+    for batcher in models.iter() {
+        render_model(&mut out, &batcher.spec().name, &batcher.metrics());
+    }
+    out
+}
+
+fn render_model(out: &mut String, model: &str, m: &MetricsSnapshot) {
+    let l = format!("model=\"{model}\"");
+    out.push_str("# TYPE facegate_batch_size histogram\n");
+    let mut cumulative = 0;
+    for (size, count) in (1..).zip(&m.batch_sizes) {
+        cumulative += count;
+        let _ = writeln!(out, "facegate_batch_size_bucket{{{l},le=\"{size}\"}} {cumulative}");
+    }
+    let samples: u64 = (1u64..).zip(&m.batch_sizes).map(|(n, c)| n * c).sum();
+    let _ = writeln!(out, "facegate_batch_size_bucket{{{l},le=\"+Inf\"}} {cumulative}");
+    let _ = writeln!(out, "facegate_batch_size_sum{{{l}}} {samples}");
+    let _ = writeln!(out, "facegate_batch_size_count{{{l}}} {cumulative}");
+    out.push_str("# TYPE facegate_queue_wait_seconds histogram\n");
+    for (bound, count) in WAIT_BUCKETS.iter().zip(&m.wait_buckets) {
+        let _ = writeln!(out, "facegate_queue_wait_seconds_bucket{{{l},le=\"{bound}\"}} {count}");
+    }
+    let _ = writeln!(out, "facegate_queue_wait_seconds_bucket{{{l},le=\"+Inf\"}} {}", m.wait_count);
+    let _ = writeln!(out, "facegate_queue_wait_seconds_sum{{{l}}} {}", m.wait_sum_seconds);
+    let _ = writeln!(out, "facegate_queue_wait_seconds_count{{{l}}} {}", m.wait_count);
+    out.push_str("# TYPE facegate_device_busy_seconds_total counter\n");
+    for (device, busy) in m.busy_seconds.iter().enumerate() {
+        let _ = writeln!(out, "facegate_device_busy_seconds_total{{{l},device=\"{device}\"}} {busy}");
+    }
+    out.push_str("# TYPE facegate_queue_depth gauge\n");
+    let _ = writeln!(out, "facegate_queue_depth{{{l}}} {}", m.queue_depth);
+    out.push_str("# TYPE facegate_inferences_total counter\n");
+    for (outcome, value) in [
+        ("ok", m.samples_ok),
+        ("backend_error", m.samples_failed),
+        ("overloaded", m.rejected_overloaded),
+        ("expired", m.expired),
+        ("cancelled", m.cancelled),
+    ] {
+        let _ = writeln!(out, "facegate_inferences_total{{{l},outcome=\"{outcome}\"}} {value}");
+    }
+}

@@ -1,0 +1,200 @@
+//! Runs one HTTP request through one handler in a fresh store: memory
+//! limit, epoch deadline with async yield, and a call budget for
+//! face-detect. A trap or a timeout ends that request only.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use wasmtime::component::Linker;
+use wasmtime::{Engine, Store, StoreLimitsBuilder, Trap, UpdateDeadline};
+use wasmtime_wasi_http::WasiHttpView;
+use wasmtime_wasi_http::p2::bindings::http::types::{ErrorCode, Scheme};
+use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
+
+use crate::face_detect::{self, FaceDetectCtx};
+use crate::handlers::Handler;
+use crate::state::{self, RequestState};
+use facegate_host_gpu::Models;
+
+/// Per-request limits of the sandbox.
+#[derive(Debug, Clone, Copy)]
+pub struct SandboxLimits {
+    /// Largest linear memory of one instance, bytes.
+    pub memory_limit: usize,
+    /// Most `face-detect.infer` calls per request.
+    pub max_infer_calls: u32,
+}
+
+/// Why a request produced no response from its handler.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// The request ran past its deadline; the guest was stopped.
+    #[error("handler did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The guest trapped (panic, stack overflow, memory limit, ...).
+    #[error("handler trapped: {0}")]
+    Trap(String),
+    /// The guest returned without setting a response.
+    #[error("handler returned without sending a response")]
+    NoResponse,
+    /// The guest answered with a wasi:http error code instead of a response.
+    #[error("handler failed: {0:?}")]
+    Guest(ErrorCode),
+    /// The host failed to set up the request.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// A response from the guest plus what the request cost.
+pub struct GuestResponse {
+    /// The guest's response; its body may still be streaming from the guest.
+    pub response: hyper::Response<HyperOutgoingBody>,
+}
+
+/// The engine, linker and inference models every request runs against.
+pub struct Sandbox {
+    engine: Engine,
+    linker: Linker<RequestState>,
+    models: Models,
+    limits: SandboxLimits,
+}
+
+/// Deadline marker error, so a timeout is told apart from other traps.
+#[derive(Debug, thiserror::Error)]
+#[error("request deadline exceeded")]
+struct DeadlineReached;
+
+impl Sandbox {
+    /// Builds the linker: WASI (granting nothing by configuration),
+    /// wasi:http types (no outgoing HTTP) and face-detect.
+    pub fn new(engine: Engine, models: Models, limits: SandboxLimits) -> wasmtime::Result<Self> {
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        let options = wasmtime_wasi_http::p2::bindings::LinkOptions::default();
+        wasmtime_wasi_http::p2::bindings::http::types::add_to_linker::<_, wasmtime_wasi_http::WasiHttp>(
+            &mut linker,
+            &options.into(),
+            RequestState::http,
+        )?;
+        face_detect::add_to_linker(&mut linker, state::face_detect_view)?;
+        Ok(Self { engine, linker, models, limits })
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The linker handlers are instantiated with.
+    pub fn linker(&self) -> &Linker<RequestState> {
+        &self.linker
+    }
+
+    /// Runs `request` through `handler`, stopping the guest at `deadline`.
+    pub async fn handle(
+        &self,
+        handler: &Arc<Handler>,
+        request: hyper::Request<Full<Bytes>>,
+        deadline: Instant,
+    ) -> Result<GuestResponse, SandboxError> {
+        let mut store = self.new_store(handler, deadline);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (req, out) = {
+            let mut http = store.data_mut().http();
+            let req = http.new_incoming_request(Scheme::Http, request).map_err(internal)?;
+            let out = http.new_response_outparam(tx).map_err(internal)?;
+            (req, out)
+        };
+        let pre = handler.pre.clone();
+        let label = format!("{}/{}", handler.tenant, handler.name);
+        // The guest runs in its own task so it can keep streaming the body
+        // after the response head is sent; it is bounded by the same deadline.
+        let task = tokio::spawn(async move {
+            let run = async {
+                let proxy = pre.instantiate_async(&mut store).await?;
+                proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await
+            };
+            let result = tokio::time::timeout_at(deadline.into(), run).await;
+            log_stderr(&label, &store);
+            result
+        });
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout_at(deadline.into(), rx).await {
+            Ok(Ok(Ok(response))) => Ok(GuestResponse { response }),
+            Ok(Ok(Err(code))) => Err(SandboxError::Guest(code)),
+            Ok(Err(_)) => Err(task_outcome(task.await, timeout)),
+            Err(_) => {
+                task.abort();
+                Err(SandboxError::Timeout(timeout))
+            }
+        }
+    }
+
+    fn new_store(&self, handler: &Handler, deadline: Instant) -> Store<RequestState> {
+        let face = FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), deadline, self.limits.max_infer_calls);
+        let limits = StoreLimitsBuilder::new()
+            .memory_size(self.limits.memory_limit)
+            // A failed memory.grow traps with a clear reason instead of
+            // letting the guest's allocator abort with `unreachable`.
+            .trap_on_grow_failure(true)
+            .build();
+        let mut store = Store::new(&self.engine, RequestState::new(face, limits, deadline));
+        store.limiter(|state| &mut state.limits);
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(|ctx| {
+            if Instant::now() >= ctx.data().deadline {
+                return Err(DeadlineReached.into());
+            }
+            // Yield to tokio at every tick so a spinning guest never holds a host thread.
+            Ok(UpdateDeadline::Yield(1))
+        });
+        store
+    }
+}
+
+type TaskResult = Result<Result<wasmtime::Result<()>, tokio::time::error::Elapsed>, tokio::task::JoinError>;
+
+/// Why the guest dropped its response outparam without a response.
+fn task_outcome(result: TaskResult, timeout: Duration) -> SandboxError {
+    match result {
+        Ok(Ok(Ok(()))) => SandboxError::NoResponse,
+        Ok(Ok(Err(err))) => classify_trap(&err, timeout),
+        Ok(Err(_)) => SandboxError::Timeout(timeout),
+        Err(join) => SandboxError::Internal(join.to_string()),
+    }
+}
+
+fn classify_trap(err: &wasmtime::Error, timeout: Duration) -> SandboxError {
+    if err.downcast_ref::<DeadlineReached>().is_some() {
+        return SandboxError::Timeout(timeout);
+    }
+    let reason = match err.downcast_ref::<Trap>() {
+        Some(Trap::StackOverflow) => "stack overflow".to_owned(),
+        Some(Trap::UnreachableCodeReached) => "unreachable executed (a panic or abort in the handler)".to_owned(),
+        Some(trap) => trap.to_string(),
+        None => root_cause(err),
+    };
+    SandboxError::Trap(reason)
+}
+
+fn root_cause(err: &wasmtime::Error) -> String {
+    let text = err.root_cause().to_string();
+    if text.contains("forcing trap when growing memory") {
+        "memory limit exceeded".to_owned()
+    } else {
+        text
+    }
+}
+
+fn log_stderr(label: &str, store: &Store<RequestState>) {
+    let bytes = store.data().stderr.contents();
+    if !bytes.is_empty() {
+        tracing::info!(handler = label, stderr = %String::from_utf8_lossy(&bytes).trim_end(), "guest stderr");
+    }
+}
+
+fn internal(err: impl std::fmt::Display) -> SandboxError {
+    SandboxError::Internal(err.to_string())
+}

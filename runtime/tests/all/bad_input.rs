@@ -1,0 +1,128 @@
+//! Bad input gets a clear 4xx with a JSON error naming the problem, and the
+//! gateway keeps serving.
+
+use serde_json::Value;
+
+use crate::harness::{MAX_BODY_BYTES, client, image, url};
+
+fn post(path: &str, body: Vec<u8>) -> (u16, Value) {
+    let response = client().post(url(path)).body(body).send().unwrap();
+    let status = response.status().as_u16();
+    let text = response.text().unwrap();
+    let json = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON ({status}): {text}"));
+    (status, json)
+}
+
+fn assert_error(path: &str, body: Vec<u8>, status: u16, code: &str) -> String {
+    let (got, json) = post(path, body);
+    assert_eq!((got, json["error"]["code"].as_str()), (status, Some(code)), "{json}");
+    let message = json["error"]["message"].as_str().unwrap().to_owned();
+    assert!(!message.is_empty());
+    message
+}
+
+/// A standard CRC-32 (for hand-made PNG chunks).
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
+
+fn chunk(kind: &[u8; 4], data: &[u8]) -> Vec<u8> {
+    let mut out = (data.len() as u32).to_be_bytes().to_vec();
+    let mut body = kind.to_vec();
+    body.extend_from_slice(data);
+    out.extend_from_slice(&body);
+    out.extend_from_slice(&crc32(&body).to_be_bytes());
+    out
+}
+
+/// A valid PNG header declaring `w`×`h` RGB pixels, with a tiny IDAT.
+fn png_claiming(w: u32, h: u32) -> Vec<u8> {
+    let mut ihdr = w.to_be_bytes().to_vec();
+    ihdr.extend_from_slice(&h.to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    png.extend(chunk(b"IHDR", &ihdr));
+    png.extend(chunk(b"IDAT", &[0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01]));
+    png.extend(chunk(b"IEND", &[]));
+    png
+}
+
+/// grace_hopper.jpg with its frame header rewritten to claim `w`×`h`.
+fn jpeg_claiming(w: u16, h: u16) -> Vec<u8> {
+    let mut jpeg = image("grace_hopper.jpg");
+    let sof = jpeg.windows(2).position(|m| m[0] == 0xFF && (0xC0..=0xC2).contains(&m[1])).expect("SOF marker");
+    jpeg[sof + 5..sof + 7].copy_from_slice(&h.to_be_bytes());
+    jpeg[sof + 7..sof + 9].copy_from_slice(&w.to_be_bytes());
+    jpeg
+}
+
+#[test]
+fn empty_body() {
+    assert_error("/v1/demo/detect", Vec::new(), 400, "empty_body");
+}
+
+#[test]
+fn truncated_jpeg() {
+    let mut jpeg = image("grace_hopper.jpg");
+    jpeg.truncate(jpeg.len() / 2);
+    assert_error("/v1/demo/detect", jpeg, 400, "invalid_image");
+}
+
+#[test]
+fn not_an_image() {
+    assert_error("/v1/demo/detect", b"hello, this is plainly text".to_vec(), 415, "unsupported_image");
+}
+
+#[test]
+fn huge_dimensions_are_refused_before_decoding() {
+    let message = assert_error("/v1/demo/detect", png_claiming(30_000, 30_000), 413, "image_too_large");
+    assert!(message.contains("30000"), "{message}");
+    let message = assert_error("/v1/demo/detect", jpeg_claiming(30_000, 30_000), 413, "image_too_large");
+    assert!(message.contains("30000"), "{message}");
+}
+
+#[test]
+fn body_over_the_limit() {
+    assert_error("/v1/demo/detect", vec![0xFF; MAX_BODY_BYTES + 1], 413, "body_too_large");
+}
+
+#[test]
+fn unknown_tenant_or_handler() {
+    assert_error("/v1/nobody/detect", image("grace_hopper.jpg"), 404, "unknown_handler");
+    assert_error("/v1/demo/nothing", image("grace_hopper.jpg"), 404, "unknown_handler");
+    assert_error("/nowhere", Vec::new(), 404, "not_found");
+}
+
+#[test]
+fn wrong_method() {
+    let response = client().get(url("/v1/demo/detect")).send().unwrap();
+    assert_eq!(response.status(), 405);
+    assert_eq!(response.headers().get("allow").map(|v| v.to_str().unwrap()), Some("POST"));
+    let json: Value = response.json().unwrap();
+    assert_eq!(json["error"]["code"], "method_not_allowed");
+}
+
+#[test]
+fn invalid_query_parameters_are_named() {
+    for (query, name) in [("threshold=2", "threshold"), ("threshold=abc", "threshold"), ("max_faces=0", "max_faces"), ("size=100", "size")] {
+        let message = assert_error(&format!("/v1/demo/detect?{query}"), image("grace_hopper.jpg"), 400, "invalid_parameter");
+        assert!(message.contains(name), "{query}: {message}");
+    }
+}
+
+#[test]
+fn gateway_keeps_serving_after_bad_input() {
+    for body in [Vec::new(), b"junk".to_vec(), png_claiming(30_000, 30_000)] {
+        let _ = post("/v1/demo/detect", body);
+    }
+    let (status, json) = post("/v1/demo/detect", image("grace_hopper.jpg"));
+    assert_eq!(status, 200);
+    assert_eq!(json["faces"].as_array().unwrap().len(), 1);
+}

@@ -1,0 +1,6 @@
+//! facegate's integration tests: the real gateway (HTTP, wasmtime, the
+//! example handlers, the CenterFace model on ONNX Runtime) on an ephemeral port.
+
+mod bad_input;
+mod detect;
+mod harness;
