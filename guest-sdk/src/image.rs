@@ -159,6 +159,7 @@ pub fn sniff_format(bytes: &[u8]) -> Result<ImageFormat, ImageError> {
 /// pixels, and checks them against `limits`.
 pub fn probe(bytes: &[u8], limits: &ImageLimits) -> Result<ImageInfo, ImageError> {
     let format = sniff_format(bytes)?;
+    check_header(bytes, format, limits)?;
     let decoder = open_decoder(bytes, format, limits)?;
     let (width, height) = decoder.dimensions();
     check_dimensions(width, height, limits)?;
@@ -177,6 +178,7 @@ pub fn probe(bytes: &[u8], limits: &ImageLimits) -> Result<ImageInfo, ImageError
 /// [`ImageError::TooLarge`] at once.
 pub fn decode(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, ImageError> {
     let format = sniff_format(bytes)?;
+    check_header(bytes, format, limits)?;
     let mut decoder = open_decoder(bytes, format, limits)?;
     let (width, height) = decoder.dimensions();
     check_dimensions(width, height, limits)?;
@@ -204,6 +206,73 @@ fn open_decoder<'a>(
     header_limits.max_alloc = Some(limits.max_alloc);
     reader.limits(header_limits);
     reader.into_decoder().map_err(|e| map_image_error(e, None))
+}
+
+/// Checks what the raw header says before any decoder runs: the declared
+/// dimensions (PNG, JPEG) against `limits`, and that a JPEG is complete
+/// (its decoder would otherwise fill a truncated scan with grey).
+fn check_header(bytes: &[u8], format: ImageFormat, limits: &ImageLimits) -> Result<(), ImageError> {
+    match format {
+        ImageFormat::Png => match png_dimensions(bytes) {
+            Some((width, height)) => check_dimensions(width, height, limits),
+            None => Err(ImageError::Invalid("PNG header is truncated".into())),
+        },
+        ImageFormat::Jpeg => {
+            let frame = jpeg_frame(bytes).ok_or_else(|| ImageError::Invalid("JPEG has no frame and scan headers".into()))?;
+            check_dimensions(frame.width, frame.height, limits)?;
+            if !bytes[frame.scan_start..].windows(2).any(|m| m == [0xFF, 0xD9]) {
+                return Err(ImageError::Invalid("JPEG is truncated (no end-of-image marker after the scan)".into()));
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Width and height from a PNG's IHDR chunk (bytes 16..24).
+fn png_dimensions(bytes: &[u8]) -> Option<(u32, u32)> {
+    let ihdr = bytes.get(12..24).filter(|h| &h[..4] == b"IHDR")?;
+    let be = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+    Some((be(&ihdr[4..8]), be(&ihdr[8..12])))
+}
+
+/// A JPEG's frame size and where its first scan's entropy-coded data starts.
+struct JpegFrame {
+    width: u32,
+    height: u32,
+    scan_start: usize,
+}
+
+/// Walks a JPEG's marker segments up to the first start-of-scan.
+fn jpeg_frame(bytes: &[u8]) -> Option<JpegFrame> {
+    let be16 = |at: usize| Some(u32::from(u16::from_be_bytes([*bytes.get(at)?, *bytes.get(at + 1)?])));
+    let (mut at, mut size) = (2, None);
+    loop {
+        if *bytes.get(at)? != 0xFF {
+            return None;
+        }
+        let marker = *bytes.get(at + 1)?;
+        at += 2;
+        if marker == 0xFF || (0xD0..=0xD8).contains(&marker) || marker == 0x01 {
+            // Fill byte or a marker without a length.
+            at -= usize::from(marker == 0xFF);
+            continue;
+        }
+        let len = usize::try_from(be16(at)?).ok()?;
+        if is_start_of_frame(marker) {
+            size = Some((be16(at + 5)?, be16(at + 3)?));
+        }
+        if marker == 0xDA {
+            let (width, height) = size?;
+            return Some(JpegFrame { width, height, scan_start: at + len });
+        }
+        at += len;
+    }
+}
+
+/// SOF0..SOF15, except DHT (C4), JPG (C8) and DAC (CC).
+fn is_start_of_frame(marker: u8) -> bool {
+    (0xC0..=0xCF).contains(&marker) && !matches!(marker, 0xC4 | 0xC8 | 0xCC)
 }
 
 /// The `image::Limits` the decoder runs under once the header passed.
@@ -581,5 +650,31 @@ mod tests {
             letterbox(&image, 0).expect_err("must fail"),
             ImageError::InvalidSide(0)
         );
+    }
+
+    #[test]
+    fn truncated_jpeg_is_invalid_and_complete_one_passes() {
+        let mut jpeg = vec![
+            0xFF, 0xD8, // SOI
+            0xFF, 0xC0, 0x00, 0x11, 8, 0x00, 0x10, 0x00, 0x20, 3, 1, 0x11, 0, 2, 0x11, 0, 3, 0x11, 0, // SOF0 32x16
+            0xFF, 0xDA, 0x00, 0x0C, 3, 1, 0, 2, 0x11, 3, 0x11, 0, 63, 0, // SOS
+            0x12, 0x34, 0x56, // scan data, cut short
+        ];
+        let limits = ImageLimits::default();
+        let frame = jpeg_frame(&jpeg).unwrap();
+        assert_eq!((frame.width, frame.height), (32, 16));
+        let err = check_header(&jpeg, ImageFormat::Jpeg, &limits).unwrap_err();
+        assert!(matches!(&err, ImageError::Invalid(m) if m.contains("truncated")), "{err}");
+        jpeg.extend([0xFF, 0xD9]);
+        assert!(check_header(&jpeg, ImageFormat::Jpeg, &limits).is_ok());
+    }
+
+    #[test]
+    fn png_header_dimensions_are_checked_before_decoding() {
+        let mut png = b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR".to_vec();
+        png.extend(30_000u32.to_be_bytes());
+        png.extend(20_000u32.to_be_bytes());
+        let err = check_header(&png, ImageFormat::Png, &ImageLimits::default()).unwrap_err();
+        assert!(matches!(err, ImageError::TooLarge { width: 30_000, height: 20_000, .. }));
     }
 }

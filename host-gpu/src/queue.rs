@@ -343,8 +343,8 @@ mod tests {
         let now = Instant::now();
         let mut state = State::new(config(8));
         state.set_weight("a".into(), 3);
-        let _a = push_n(&mut state, "a", 20, now);
-        let _b = push_n(&mut state, "b", 20, now);
+        let _a = push_n(&mut state, "a", 40, now);
+        let _b = push_n(&mut state, "b", 40, now);
         let mut counts = HashMap::new();
         for _ in 0..4 {
             for e in state.next_batch(now).batch {

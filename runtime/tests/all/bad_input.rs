@@ -88,9 +88,41 @@ fn huge_dimensions_are_refused_before_decoding() {
     assert!(message.contains("30000"), "{message}");
 }
 
+/// Sends a raw HTTP/1.1 request (so the client never trips over an early
+/// answer while it is still writing) and returns the status and JSON body.
+fn raw_post(head: &str, body: &[u8]) -> (u16, Value) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(crate::harness::gateway()).unwrap();
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(body).unwrap();
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let text = String::from_utf8_lossy(&response);
+    let status = text.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let json = text.split_once("\r\n\r\n").and_then(|(_, b)| serde_json::from_str(b).ok()).unwrap_or(Value::Null);
+    (status, json)
+}
+
 #[test]
-fn body_over_the_limit() {
-    assert_error("/v1/demo/detect", vec![0xFF; MAX_BODY_BYTES + 1], 413, "body_too_large");
+fn declared_body_over_the_limit_is_refused_before_reading_it() {
+    let head = format!(
+        "POST /v1/demo/detect HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        MAX_BODY_BYTES + 1
+    );
+    let (status, json) = raw_post(&head, &[]);
+    assert_eq!((status, json["error"]["code"].as_str()), (413, Some("body_too_large")), "{json}");
+}
+
+#[test]
+fn streamed_body_over_the_limit() {
+    let chunk = vec![0xFFu8; MAX_BODY_BYTES + 1];
+    let mut body = format!("{:x}\r\n", chunk.len()).into_bytes();
+    body.extend_from_slice(&chunk);
+    body.extend_from_slice(b"\r\n0\r\n\r\n");
+    let head = "POST /v1/demo/detect HTTP/1.1\r\nHost: t\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n";
+    let (status, json) = raw_post(head, &body);
+    assert_eq!((status, json["error"]["code"].as_str()), (413, Some("body_too_large")), "{json}");
 }
 
 #[test]

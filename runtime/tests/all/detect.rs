@@ -135,3 +135,28 @@ fn health_and_metrics() {
     assert!(metrics.contains("facegate_requests_seconds_count{tenant=\"demo\",handler=\"detect\",status=\"200\"}"));
     assert!(metrics.contains("facegate_device_busy_seconds_total"));
 }
+
+#[test]
+fn blur_returns_a_jpeg_of_the_same_size() {
+    let response = client().post(url("/v1/demo/blur")).body(image("grace_hopper.jpg")).send().unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "image/jpeg");
+    assert_eq!(response.headers()["x-faces"], "1");
+    let jpeg = response.bytes().unwrap();
+    assert_eq!(&jpeg[..2], &[0xFF, 0xD8]);
+    assert_ne!(jpeg.as_ref(), image("grace_hopper.jpg").as_slice());
+}
+
+#[test]
+fn crop_returns_one_crop_per_face() {
+    let response = client().post(url("/v1/demo/crop")).body(image("city.jpg")).send().unwrap();
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().unwrap();
+    let faces = body["faces"].as_array().unwrap();
+    assert_eq!(faces.len(), CITY.len());
+    for face in faces {
+        let crop = &face["crop"];
+        assert!(crop["width"].as_u64().unwrap() > 0 && crop["height"].as_u64().unwrap() > 0);
+        assert!(crop["jpeg_base64"].as_str().unwrap().starts_with("/9j/"), "base64 of a JPEG");
+    }
+}

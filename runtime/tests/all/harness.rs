@@ -7,6 +7,11 @@ use std::sync::OnceLock;
 
 use facegate::config::{EngineConfig, ServeConfig};
 
+/// Deadline of every request at the test gateway.
+pub const REQUEST_TIMEOUT_MS: u64 = 5_000;
+/// Infer calls one request may make at the test gateway.
+pub const MAX_INFER_CALLS: u32 = 4;
+
 /// Body limit of the test gateway (small, so the 413 test stays cheap).
 pub const MAX_BODY_BYTES: usize = 4 << 20;
 
@@ -44,11 +49,11 @@ fn config(handlers_dir: PathBuf) -> ServeConfig {
     ServeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         handlers_dir,
-        request_timeout_ms: 20_000,
+        request_timeout_ms: REQUEST_TIMEOUT_MS,
         max_body_bytes: MAX_BODY_BYTES,
         memory_limit_mib: 256,
         max_instances: 64,
-        max_infer_calls: 4,
+        max_infer_calls: MAX_INFER_CALLS,
         engine: EngineConfig {
             model: home.join("models/centerface.onnx"),
             onnxruntime: std::env::var_os("ORT_DYLIB_PATH").map(PathBuf::from).unwrap_or_else(|| home.join("lib/libonnxruntime.so")),
@@ -62,12 +67,16 @@ fn config(handlers_dir: PathBuf) -> ServeConfig {
     }
 }
 
-/// The shared gateway: tenant `demo` serves the example `detect` handler.
+/// The shared gateway: tenant `demo` serves the example handlers
+/// (`detect`, `blur`, `crop`); tenant `evil` serves the hostile test program as `attack`.
 pub fn gateway() -> SocketAddr {
     static ADDR: OnceLock<SocketAddr> = OnceLock::new();
     *ADDR.get_or_init(|| {
         let handlers = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("handlers-{}", std::process::id()));
         install(&handlers, "demo", "detect", &guest("detect"));
+        install(&handlers, "demo", "blur", &guest("blur"));
+        install(&handlers, "demo", "crop", &guest("crop"));
+        install(&handlers, "evil", "attack", &guest("hostile"));
         start(config(handlers))
     })
 }

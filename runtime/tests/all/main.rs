@@ -4,3 +4,4 @@
 mod bad_input;
 mod detect;
 mod harness;
+mod hostile;

@@ -1,0 +1,265 @@
+//! facegate handler `hostile`: a deliberately misbehaving handler.
+//!
+//! **A test program, never deployed for users.** The host's integration
+//! tests install it to prove that the sandbox holds: a runaway, greedy,
+//! crashing or nosy handler ends its own request only, sees nothing of the
+//! host, and cannot get malformed tensors or extra calls past `infer`.
+//!
+//! Any method; `?attack=NAME` picks the misbehaviour:
+//!
+//! | `attack`      | what the handler does                                      | expected host outcome       |
+//! |---------------|------------------------------------------------------------|-----------------------------|
+//! | `loop`        | spins forever in pure computation                          | request deadline (timeout)  |
+//! | `memory`      | allocates and fills 1 MiB chunks forever, keeping them     | memory-limit trap           |
+//! | `recursion`   | recurses (not a tail call) without end                     | stack-overflow trap         |
+//! | `panic`       | `panic!`s (the release profile aborts: `unreachable`)      | trap                        |
+//! | `snoop`       | reads files, environment, cwd; opens a TCP connection      | 200, JSON of what it saw    |
+//! | `bad-tensor`  | calls `face-detect.infer` with malformed tensors           | 200, JSON of each outcome   |
+//! | `many-calls`  | calls `infer` 100 times with a valid tensor                | 200, JSON: successes, error |
+//!
+//! `bad-tensor` takes `case=NAME` to run one case only (each case uses one
+//! of the request's `infer` calls, so a low per-request quota would answer
+//! later cases with `quota-exceeded`). A missing or unknown `attack` (or
+//! `case`) is a 400 `invalid_parameter`.
+
+use std::hint::black_box;
+
+use facegate_guest_sdk::face_detect::{self, ElementType, Tensor};
+use facegate_guest_sdk::http::HttpError;
+use facegate_guest_sdk::serde_json::{Value, json};
+use facegate_guest_sdk::wasi::sockets::network::{
+    ErrorCode, IpAddressFamily, IpSocketAddress, Ipv4SocketAddress,
+};
+use facegate_guest_sdk::wasi::sockets::{instance_network, tcp_create_socket};
+use facegate_guest_sdk::{Error, Handler, Request, Response, export_handler};
+
+/// The attacks, as `attack` accepts them (for the 400 message).
+const ATTACKS: &str = "loop, memory, recursion, panic, snoop, bad-tensor, many-calls";
+/// The model every facegate host serves.
+const MODEL: &str = "centerface";
+/// `infer` calls made by `many-calls`.
+const MANY_CALLS: usize = 100;
+/// One chunk of `memory`.
+const MIB: usize = 1 << 20;
+
+/// The handler.
+struct Hostile;
+
+impl Handler for Hostile {
+    const METHODS: &'static [&'static str] =
+        &["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"];
+
+    fn handle(request: Request) -> Result<Response, Error> {
+        let query = request.query();
+        match query.get("attack")?.unwrap_or("") {
+            "loop" => spin(),
+            "memory" => hoard(),
+            "recursion" => Ok(Response::json(200, &json!({ "depth": recurse(0) }))),
+            "panic" => panic!("hostile handler panicked on purpose"),
+            "snoop" => Ok(Response::json(200, &snoop())),
+            "bad-tensor" => bad_tensors(query.get("case")?),
+            "many-calls" => Ok(Response::json(200, &many_calls())),
+            other => Err(HttpError::invalid_parameter(
+                "attack",
+                &format!("must be one of {ATTACKS}, got {other:?}"),
+            )
+            .into()),
+        }
+    }
+}
+
+export_handler!(Hostile);
+
+/// Counts forever; `black_box` keeps the optimiser from removing the loop.
+fn spin() -> ! {
+    let mut counter: u64 = 0;
+    loop {
+        counter = black_box(counter.wrapping_add(1));
+    }
+}
+
+/// Keeps allocating 1 MiB chunks, every byte written, until the host stops it.
+fn hoard() -> ! {
+    let mut chunks: Vec<Vec<u8>> = Vec::new();
+    loop {
+        // A non-zero fill writes every page (a zeroed allocation might not).
+        chunks.push(black_box(vec![0xA5; MIB]));
+        black_box(&chunks);
+    }
+}
+
+/// Recurses until the stack overflows. The `black_box`ed values are small
+/// scalars, so each frame costs more of the wasm (native) stack than of the
+/// shadow stack in linear memory: the engine's stack limit trips first.
+#[inline(never)]
+fn recurse(depth: u64) -> u64 {
+    if black_box(depth) == u64::MAX {
+        return depth;
+    }
+    // Work after the call: no tail call, no loop.
+    black_box(recurse(depth + 1)).wrapping_add(1)
+}
+
+/// What the handler can see of the host: files, environment, cwd, network.
+fn snoop() -> Value {
+    json!({
+        "files": {
+            "read_dir_root": outcome(std::fs::read_dir("/"), |d| format!("{} entries", d.count())),
+            "passwd": outcome(std::fs::read("/etc/passwd"), |b| format!("{} bytes", b.len())),
+            "cargo_toml": outcome(std::fs::read("./Cargo.toml"), |b| format!("{} bytes", b.len())),
+        },
+        "env": {
+            "count": std::env::vars_os().count(),
+            "home": std::env::var_os("HOME").map(|h| h.to_string_lossy().into_owned()),
+        },
+        "cwd": outcome(std::env::current_dir(), |p| p.display().to_string()),
+        "tcp": tcp_connect(),
+    })
+}
+
+/// `"ok: …"` or `"error: …"`.
+fn outcome<T, E: std::fmt::Display>(result: Result<T, E>, ok: impl FnOnce(T) -> String) -> String {
+    match result {
+        Ok(value) => format!("ok: {}", ok(value)),
+        Err(e) => format!("error: {e}"),
+    }
+}
+
+/// Connects to 127.0.0.1:80 with `wasi:sockets` directly. (`std::net` on
+/// `wasm32-wasip2` needs a wasi-libc with sockets, which Debian's preview-1
+/// wasi-libc lacks: it would not link there.)
+fn tcp_connect() -> String {
+    let connect = || -> Result<(), (&str, ErrorCode)> {
+        let network = instance_network::instance_network();
+        let socket = tcp_create_socket::create_tcp_socket(IpAddressFamily::Ipv4)
+            .map_err(|e| ("create-tcp-socket", e))?;
+        let address = IpSocketAddress::Ipv4(Ipv4SocketAddress {
+            port: 80,
+            address: (127, 0, 0, 1),
+        });
+        socket
+            .start_connect(&network, address)
+            .map_err(|e| ("start-connect", e))?;
+        loop {
+            match socket.finish_connect() {
+                Ok(_streams) => return Ok(()),
+                Err(ErrorCode::WouldBlock) => socket.subscribe().block(),
+                Err(e) => return Err(("finish-connect", e)),
+            }
+        }
+    };
+    outcome(
+        connect().map_err(|(step, e)| format!("{step}: {e}")),
+        |()| "connected to 127.0.0.1:80".into(),
+    )
+}
+
+/// A `u8` tensor of `len` zero bytes.
+fn u8_tensor(shape: &[u32], len: usize) -> Tensor {
+    Tensor {
+        shape: shape.to_vec(),
+        element: ElementType::U8,
+        data: vec![0; len],
+    }
+}
+
+/// A valid CenterFace input: `[32, 32, 3]` u8.
+fn small_image() -> Tensor {
+    u8_tensor(&[32, 32, 3], 32 * 32 * 3)
+}
+
+/// The malformed (and one valid) `infer` calls of `bad-tensor`: name,
+/// model, input.
+fn cases() -> Vec<(&'static str, &'static str, Tensor)> {
+    vec![
+        ("short_data", MODEL, u8_tensor(&[640, 640, 3], 10)),
+        ("empty_shape", MODEL, u8_tensor(&[], 0)),
+        (
+            "overflowing_shape",
+            MODEL,
+            u8_tensor(&[u32::MAX, u32::MAX, 3], 3),
+        ),
+        (
+            "wrong_element",
+            MODEL,
+            Tensor {
+                shape: vec![640, 640, 3],
+                element: ElementType::F32,
+                data: vec![0; 640 * 640 * 3 * 4],
+            },
+        ),
+        ("bad_side", MODEL, u8_tensor(&[100, 100, 3], 100 * 100 * 3)),
+        ("unknown_model", "nope", small_image()),
+        ("valid", MODEL, small_image()),
+    ]
+}
+
+/// Runs every case (or only `only`) and reports each outcome.
+fn bad_tensors(only: Option<&str>) -> Result<Response, Error> {
+    let mut cases = cases();
+    if let Some(name) = only {
+        cases.retain(|(case, _, _)| *case == name);
+        if cases.is_empty() {
+            let names: Vec<_> = self::cases().into_iter().map(|(case, _, _)| case).collect();
+            let message = format!("must be one of {}, got {name:?}", names.join(", "));
+            return Err(HttpError::invalid_parameter("case", &message).into());
+        }
+    }
+    let results: Vec<Value> = cases
+        .into_iter()
+        .map(|(case, model, input)| {
+            let shape = input.shape.clone();
+            let mut result = json!({ "case": case, "model": model, "shape": shape });
+            match face_detect::infer(model, &input) {
+                Ok(outputs) => {
+                    result["ok"] = true.into();
+                    result["outputs"] = outputs
+                        .iter()
+                        .map(|t| json!({ "shape": t.shape, "bytes": t.data.len() }))
+                        .collect();
+                }
+                Err(e) => {
+                    result["ok"] = false.into();
+                    result["error"] = describe(&e).into();
+                }
+            }
+            result
+        })
+        .collect();
+    Ok(Response::json(200, &json!({ "results": results })))
+}
+
+/// `infer`s a valid tensor [`MANY_CALLS`] times; counts what got through.
+fn many_calls() -> Value {
+    let input = small_image();
+    let mut succeeded = 0;
+    let mut first_error: Option<(usize, String)> = None;
+    for call in 1..=MANY_CALLS {
+        match face_detect::infer(MODEL, &input) {
+            Ok(_) => succeeded += 1,
+            Err(e) => {
+                first_error.get_or_insert_with(|| (call, describe(&e)));
+            }
+        }
+    }
+    json!({
+        "calls": MANY_CALLS,
+        "succeeded": succeeded,
+        "failed": MANY_CALLS - succeeded,
+        "first_error_call": first_error.as_ref().map(|(call, _)| call),
+        "first_error": first_error.map(|(_, error)| error),
+    })
+}
+
+/// The WIT error as `case-name: message` (`overloaded` has no message).
+fn describe(error: &face_detect::Error) -> String {
+    use face_detect::Error as E;
+    match error {
+        E::InvalidInput(m) => format!("invalid-input: {m}"),
+        E::UnknownModel(m) => format!("unknown-model: {m}"),
+        E::Overloaded => "overloaded".into(),
+        E::DeadlineExceeded => "deadline-exceeded".into(),
+        E::QuotaExceeded(m) => format!("quota-exceeded: {m}"),
+        E::Backend(m) => format!("backend: {m}"),
+    }
+}
