@@ -89,7 +89,9 @@ install_model() {
 
 build() {
   log "building the host (cargo build --release)"
-  cargo build --release --bin facegate
+  # All targets: the same feature set as deploy/test.sh, so running and
+  # testing share one build instead of rebuilding wasmtime in turn.
+  cargo build --release --workspace --all-targets
   log "building the example handlers (wasm32-wasip2)"
   deploy/scripts/build-guests.sh
   cp guests/target/wasm32-wasip2/release/detect.wasm "$HOME_DIR/handlers/demo/detect.wasm"

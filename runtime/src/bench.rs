@@ -41,6 +41,10 @@ pub struct BenchConfig {
     #[arg(long, default_value = "all")]
     pub suite: String,
 
+    /// Max batch of the "batching on" configuration (off is 1).
+    #[arg(long, default_value_t = 8)]
+    pub batch_on: usize,
+
     /// Letterbox side the handler uses (the raw engine gets the same tensor).
     #[arg(long, default_value_t = 640)]
     pub side: u32,
@@ -100,24 +104,68 @@ fn preprocess(bytes: &[u8], side: u32) -> anyhow::Result<Tensor> {
     Ok(Tensor::new(vec![side, side, 3], facegate_host_gpu::ElementType::U8, boxed.pixels)?)
 }
 
+/// Rounds per configuration: measurements of the configurations compared
+/// are interleaved (A B A B ...) so drift on a shared machine hits both alike.
+const ROUNDS: u32 = 3;
+
 async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Tensor], duration: Duration) -> anyhow::Result<()> {
-    let batch_sizes: &[usize] = if config.suite == "issue2" { &[config.serve.engine.max_batch] } else { &[1, config.serve.engine.max_batch] };
-    println!("\n== gateway (HTTP + wasm handler) vs raw engine (host-gpu only), same images, same run ==");
-    println!("{:<28} {:>5} {:>10} {:>9} {:>9} {:>7} {:>6}", "configuration", "conc", "req/s", "p50 ms", "p99 ms", "batch", "errors");
-    for &max_batch in batch_sizes {
+    let batch_sizes: Vec<usize> =
+        if config.suite == "issue2" { vec![config.serve.engine.max_batch] } else { vec![1, config.batch_on] };
+    let mut setups = Vec::new();
+    for &max_batch in &batch_sizes {
         let mut engine = config.serve.engine.clone();
         engine.max_batch = max_batch;
         let models = crate::load_models(&engine)?;
-        let (addr, _server) = start_gateway(&config.serve, &engine, models.clone()).await?;
-        for &c in &config.concurrency {
-            let raw = measure_engine(&models, tensors, c, duration).await;
-            let gw = measure_gateway(addr, &models, images, c, duration).await;
-            print_row(&format!("engine  max_batch={max_batch}"), c, &raw);
-            print_row(&format!("gateway max_batch={max_batch}"), c, &gw);
+        let (addr, server) = start_gateway(&config.serve, &engine, models.clone()).await?;
+        setups.push((max_batch, models, addr, server));
+    }
+    println!("\n== gateway (HTTP + wasm handler) vs raw engine (host-gpu only), same images, same run ==");
+    println!("{} CPU workers × {} threads; {ROUNDS} interleaved rounds of {:.1} s per row", config.serve.engine.workers(), config.serve.engine.threads_per_worker(), duration.as_secs_f64() / f64::from(ROUNDS));
+    println!("{:<28} {:>5} {:>10} {:>9} {:>9} {:>7} {:>6}", "configuration", "conc", "req/s", "p50 ms", "p99 ms", "batch", "errors");
+    let round = duration / ROUNDS;
+    for &c in &config.concurrency {
+        let mut tallies: Vec<(Tally, Tally)> = setups.iter().map(|_| Default::default()).collect();
+        for _ in 0..ROUNDS {
+            for ((_, models, addr, _), (raw, gw)) in setups.iter().zip(tallies.iter_mut()) {
+                raw.add(measure_engine(models, tensors, c, round).await, round);
+                gw.add(measure_gateway(*addr, models, images, c, round).await, round);
+            }
+        }
+        let results: Vec<_> = tallies.into_iter().map(|(raw, gw)| (raw.summarize(), gw.summarize())).collect();
+        for ((max_batch, ..), (raw, gw)) in setups.iter().zip(&results) {
+            print_row(&format!("engine  max_batch={max_batch}"), c, raw);
+            print_row(&format!("gateway max_batch={max_batch}"), c, gw);
             println!("{:<28} {:>5} {:>10.3}", "  ratio gateway/engine", c, gw.throughput / raw.throughput);
+        }
+        if let [(off_raw, off_gw), .., (on_raw, on_gw)] = results.as_slice() {
+            println!("{:<28} {:>5} {:>10.3}", "  ratio batching on/off, gw", c, on_gw.throughput / off_gw.throughput);
+            println!("{:<28} {:>5} {:>10.3}", "  ratio batching on/off, eng", c, on_raw.throughput / off_raw.throughput);
         }
     }
     Ok(())
+}
+
+/// Several rounds of one configuration, added up.
+#[derive(Default)]
+struct Tally {
+    stats: LoopStats,
+    window: Duration,
+    batches: u64,
+    samples: u64,
+}
+
+impl Tally {
+    fn add(&mut self, (stats, batches, samples): (LoopStats, u64, u64), window: Duration) {
+        self.stats.merge(stats);
+        self.window += window;
+        self.batches += batches;
+        self.samples += samples;
+    }
+
+    fn summarize(self) -> Measurement {
+        let mean_batch = if self.batches == 0 { 0.0 } else { self.samples as f64 / self.batches as f64 };
+        Measurement { mean_batch, ..self.stats.summarize(self.window) }
+    }
 }
 
 fn print_row(label: &str, concurrency: usize, m: &Measurement) {
@@ -150,8 +198,11 @@ async fn start_gateway(serve: &BenchServe, engine: &EngineConfig, models: Models
     Ok((addr, task))
 }
 
-/// Drives `call` from `concurrency` loops for `duration` after a warm-up; collects latencies.
-async fn drive<F, Fut>(concurrency: usize, duration: Duration, call: F) -> (Vec<Duration>, usize, Duration)
+/// Drives `call` from `concurrency` closed loops: a warm-up, then `duration`
+/// measured. Throughput counts the calls that completed inside the window
+/// (steady state, no ramp-up or drain); latencies are those of the calls
+/// that started inside it.
+async fn drive<F, Fut>(concurrency: usize, duration: Duration, call: F) -> LoopStats
 where
     F: Fn(usize) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = bool> + Send,
@@ -162,66 +213,85 @@ where
         .map(|client| {
             let call = call.clone();
             tokio::spawn(async move {
-                let (mut latencies, mut errors, mut i) = (Vec::new(), 0, client);
-                loop {
+                let mut stats = LoopStats::default();
+                let mut i = client;
+                while Instant::now() < end {
                     let start = Instant::now();
-                    if start >= end {
-                        break;
-                    }
                     let ok = call(i).await;
+                    stats.record(start, Instant::now(), ok, warmup, end);
                     i += concurrency;
-                    if start >= warmup {
-                        latencies.push(start.elapsed());
-                        errors += usize::from(!ok);
-                    }
                 }
-                (latencies, errors)
+                stats
             })
         })
         .collect();
-    let (mut all, mut errors) = (Vec::new(), 0);
+    let mut all = LoopStats::default();
     for task in tasks {
-        if let Ok((l, e)) = task.await {
-            all.extend(l);
-            errors += e;
+        if let Ok(stats) = task.await {
+            all.merge(stats);
         }
     }
-    let elapsed = Instant::now().saturating_duration_since(warmup).min(duration + Duration::from_secs(60));
-    (all, errors, elapsed)
+    all
 }
 
-fn summarize(mut latencies: Vec<Duration>, errors: usize, elapsed: Duration, mean_batch: f64) -> Measurement {
-    latencies.sort();
-    let pick = |q: f64| latencies.get(((latencies.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or_default();
-    Measurement {
-        throughput: (latencies.len() - errors.min(latencies.len())) as f64 / elapsed.as_secs_f64(),
-        p50: pick(0.5),
-        p99: pick(0.99),
-        mean_batch,
-        errors,
+/// What one client loop saw.
+#[derive(Default)]
+struct LoopStats {
+    latencies: Vec<Duration>,
+    completed_in_window: usize,
+    errors: usize,
+}
+
+impl LoopStats {
+    fn record(&mut self, start: Instant, done: Instant, ok: bool, warmup: Instant, end: Instant) {
+        if start >= warmup && start < end {
+            self.latencies.push(done - start);
+            self.errors += usize::from(!ok);
+        }
+        if ok && done >= warmup && done < end {
+            self.completed_in_window += 1;
+        }
+    }
+
+    fn merge(&mut self, other: Self) {
+        self.latencies.extend(other.latencies);
+        self.completed_in_window += other.completed_in_window;
+        self.errors += other.errors;
+    }
+
+    fn summarize(mut self, window: Duration) -> Measurement {
+        self.latencies.sort();
+        let last = self.latencies.len().saturating_sub(1) as f64;
+        let pick = |q: f64| self.latencies.get((last * q).round() as usize).copied().unwrap_or_default();
+        Measurement {
+            throughput: self.completed_in_window as f64 / window.as_secs_f64(),
+            p50: pick(0.5),
+            p99: pick(0.99),
+            mean_batch: 0.0,
+            errors: self.errors,
+        }
     }
 }
 
-/// Mean batch size between two snapshots of the model's counters.
-fn batch_delta(models: &Models, before: &[u64]) -> f64 {
-    let Some(b) = models.iter().next() else { return 0.0 };
-    let after = b.metrics().batch_sizes;
+/// Batches and samples run between a snapshot and now.
+fn batch_delta(models: &Models, before: &[u64]) -> (u64, u64) {
+    let after = batch_counts(models);
     let (mut batches, mut samples) = (0u64, 0u64);
     for (n, (a, b)) in (1u64..).zip(after.iter().zip(before)) {
         batches += a - b;
         samples += n * (a - b);
     }
-    if batches == 0 { 0.0 } else { samples as f64 / batches as f64 }
+    (batches, samples)
 }
 
 fn batch_counts(models: &Models) -> Vec<u64> {
     models.iter().next().map(|b| b.metrics().batch_sizes).unwrap_or_default()
 }
 
-async fn measure_engine(models: &Models, tensors: &[Tensor], concurrency: usize, duration: Duration) -> Measurement {
+async fn measure_engine(models: &Models, tensors: &[Tensor], concurrency: usize, duration: Duration) -> (LoopStats, u64, u64) {
     let before = batch_counts(models);
     let (models_c, tensors) = (models.clone(), Arc::new(tensors.to_vec()));
-    let (lat, errors, elapsed) = drive(concurrency, duration, move |i| {
+    let measured = drive(concurrency, duration, move |i| {
         let (models, tensors) = (models_c.clone(), Arc::clone(&tensors));
         async move {
             let input = tensors[i % tensors.len()].clone();
@@ -230,16 +300,17 @@ async fn measure_engine(models: &Models, tensors: &[Tensor], concurrency: usize,
         }
     })
     .await;
-    summarize(lat, errors, elapsed, batch_delta(models, &before))
+    let (batches, samples) = batch_delta(models, &before);
+    (measured, batches, samples)
 }
 
-async fn measure_gateway(addr: SocketAddr, models: &Models, images: &[Bytes], concurrency: usize, duration: Duration) -> Measurement {
+async fn measure_gateway(addr: SocketAddr, models: &Models, images: &[Bytes], concurrency: usize, duration: Duration) -> (LoopStats, u64, u64) {
     let before = batch_counts(models);
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(256).build(connector);
     let (images, url) = (Arc::new(images.to_vec()), format!("http://{addr}/v1/demo/detect"));
-    let (lat, errors, elapsed) = drive(concurrency, duration, move |i| {
+    let measured = drive(concurrency, duration, move |i| {
         let (client, images, url) = (client.clone(), Arc::clone(&images), url.clone());
         async move {
             let body = images[i % images.len()].clone();
@@ -251,7 +322,8 @@ async fn measure_gateway(addr: SocketAddr, models: &Models, images: &[Bytes], co
         }
     })
     .await;
-    summarize(lat, errors, elapsed, batch_delta(models, &before))
+    let (batches, samples) = batch_delta(models, &before);
+    (measured, batches, samples)
 }
 
 /// The batcher alone, on a fake device costing `a + b·n` per batch of n.
@@ -270,7 +342,7 @@ async fn fake_device(duration: Duration) {
         let input = Tensor::new(vec![4], facegate_host_gpu::ElementType::U8, vec![1; 4]).unwrap_or_else(|_| unreachable!());
         let m = {
             let driver = models.clone();
-            let (lat, errors, elapsed) = drive(concurrency, duration, move |_| {
+            let measured = drive(concurrency, duration, move |_| {
                 let (models, input) = (driver.clone(), input.clone());
                 async move {
                     let request = InferRequest { tenant: "bench".into(), input, deadline: Instant::now() + Duration::from_secs(60) };
@@ -278,8 +350,8 @@ async fn fake_device(duration: Duration) {
                 }
             })
             .await;
-            let mean = models.iter().next().map_or(0.0, |b| b.metrics().mean_batch_size());
-            summarize(lat, errors, elapsed, mean)
+            let mean_batch = models.iter().next().map_or(0.0, |b| b.metrics().mean_batch_size());
+            Measurement { mean_batch, ..measured.summarize(duration) }
         };
         println!(
             "{concurrency:<10} {:>10.1} {:>9.2} {:>9.2} {:>7.2} {:>11.3}x",

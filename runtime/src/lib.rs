@@ -37,18 +37,21 @@ use crate::http::App;
 use crate::sandbox::{Sandbox, SandboxLimits};
 
 /// Loads ONNX Runtime and the model, and starts one batcher with
-/// `cpu_workers` device workers.
+/// one device worker per configured CPU worker.
 pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
     init_onnx_runtime(&config.onnxruntime)?;
     let threads = config.threads_per_worker();
-    let backends = (0..config.cpu_workers.max(1))
+    let backends = (0..config.workers())
         .map(|_| {
             let model = ImageModelConfig::centerface(&config.model, config.max_batch);
             OnnxBackend::new(model, &Device::Cpu { threads }).map(|b| Box::new(b) as Box<dyn Backend>)
         })
         .collect::<Result<Vec<_>, _>>()?;
     let batcher = Batcher::start(backends, &batcher_config(config))?;
-    tracing::info!(model = %batcher.spec().name, workers = config.cpu_workers, threads, max_batch = batcher.spec().max_batch, "model loaded");
+    for (tenant, weight) in &config.tenant_weights {
+        batcher.set_tenant_weight(tenant, *weight);
+    }
+    tracing::info!(model = %batcher.spec().name, workers = config.workers(), threads, max_batch = batcher.spec().max_batch, "model loaded");
     let mut models = Models::new();
     models.insert(batcher);
     Ok(models)

@@ -120,15 +120,20 @@ impl Sandbox {
             log_stderr(&label, &store);
             result
         });
+        // If the client goes away before the response head, this future is
+        // dropped: the guard stops the guest, whose queued inference calls
+        // are then skipped before they reach a device.
+        let mut task = AbortOnDrop::new(task);
         let timeout = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout_at(deadline.into(), rx).await {
-            Ok(Ok(Ok(response))) => Ok(GuestResponse { response }),
-            Ok(Ok(Err(code))) => Err(SandboxError::Guest(code)),
-            Ok(Err(_)) => Err(task_outcome(task.await, timeout)),
-            Err(_) => {
-                task.abort();
-                Err(SandboxError::Timeout(timeout))
+            Ok(Ok(Ok(response))) => {
+                // The guest may still be streaming the body: let it run.
+                task.detach();
+                Ok(GuestResponse { response })
             }
+            Ok(Ok(Err(code))) => Err(SandboxError::Guest(code)),
+            Ok(Err(_)) => Err(task_outcome(task.join().await, timeout)),
+            Err(_) => Err(SandboxError::Timeout(timeout)),
         }
     }
 
@@ -151,6 +156,35 @@ impl Sandbox {
             Ok(UpdateDeadline::Yield(1))
         });
         store
+    }
+}
+
+/// Aborts the guest's task when dropped, unless detached or joined.
+struct AbortOnDrop<T> {
+    handle: tokio::task::JoinHandle<T>,
+    armed: bool,
+}
+
+impl<T> AbortOnDrop<T> {
+    fn new(handle: tokio::task::JoinHandle<T>) -> Self {
+        Self { handle, armed: true }
+    }
+
+    fn detach(&mut self) {
+        self.armed = false;
+    }
+
+    async fn join(&mut self) -> Result<T, tokio::task::JoinError> {
+        self.armed = false;
+        (&mut self.handle).await
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.handle.abort();
+        }
     }
 }
 

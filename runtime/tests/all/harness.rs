@@ -63,6 +63,7 @@ fn config(handlers_dir: PathBuf) -> ServeConfig {
             batch_delay_us: 0,
             queue_capacity: 256,
             tenant_queue_capacity: 128,
+            tenant_weights: Vec::new(),
         },
     }
 }
