@@ -86,8 +86,9 @@ pub struct EngineConfig {
     pub onnxruntime: PathBuf,
 
     /// Device workers (ONNX Runtime sessions) on the CPU, each pulling its own
-    /// batches (0: one per core, which measured fastest on 2 cores).
-    #[arg(long, env = "FACEGATE_CPU_WORKERS", default_value_t = 0)]
+    /// batches (0: one per core). One worker using every core halves a lone
+    /// request's latency; one per core gives about the same throughput under load.
+    #[arg(long, env = "FACEGATE_CPU_WORKERS", default_value_t = 1)]
     pub cpu_workers: usize,
 
     /// Intra-op threads of each CPU worker (0: the cores divided by the workers).
