@@ -3,7 +3,26 @@
 use ::image::imageops;
 
 use crate::centerface::Face;
+use crate::http::{HttpError, Query};
 use crate::image::RgbImage;
+
+/// Output settings shared by the image-producing handlers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OutputOptions {
+    /// JPEG quality, 1..=100 (query `quality`, default 85).
+    pub quality: u8,
+    /// How far to grow each face box, as a fraction of its size (query `margin`, 0..=1).
+    pub margin: f32,
+}
+
+impl OutputOptions {
+    /// Reads `quality` and `margin` from the query; invalid values are a 400 naming the parameter.
+    pub fn from_query(query: &Query, default_margin: f32) -> Result<Self, HttpError> {
+        let quality = query.parse_or("quality", 85u8, "an integer from 1 to 100", |q| (1..=100).contains(&q))?;
+        let margin = query.parse_or("margin", default_margin, "a number from 0 to 1", |m| (0.0..=1.0).contains(&m))?;
+        Ok(Self { quality, margin })
+    }
+}
 
 /// A pixel rectangle inside an image: `x, y` top-left, `width × height`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -20,10 +20,13 @@ pub use image::RgbImage;
 
 /// Default [`ImageLimits::max_side`]: 8192 pixels.
 pub const DEFAULT_MAX_SIDE: u32 = 8192;
-/// Default [`ImageLimits::max_pixels`]: 40 megapixels.
-pub const DEFAULT_MAX_PIXELS: u64 = 40_000_000;
-/// Default [`ImageLimits::max_alloc`]: 256 MiB (a 40 MP RGBA image is 160 MB).
-pub const DEFAULT_MAX_ALLOC: u64 = 256 << 20;
+/// Default [`ImageLimits::max_pixels`]: 24 megapixels. Sized to the host's
+/// default 256 MiB instance memory: a 24 MP RGBA decode (96 MB) plus its RGB
+/// copy (72 MB), the body and the letterbox still fit, so an oversized image
+/// is a 413 rather than a memory-limit trap.
+pub const DEFAULT_MAX_PIXELS: u64 = 24_000_000;
+/// Default [`ImageLimits::max_alloc`]: 100 MiB (a 24 MP RGBA image is 96 MB).
+pub const DEFAULT_MAX_ALLOC: u64 = 100 << 20;
 /// Default letterbox side: the 640×640 input the reference detections use.
 pub const DEFAULT_LETTERBOX_SIDE: u32 = 640;
 /// Letterbox sides must be multiples of this (CenterFace's total stride).

@@ -80,7 +80,12 @@ struct Workers {
 
 impl Drop for Workers {
     fn drop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::SeqCst);
+        {
+            // Set the flag under the lock: a worker between its shutdown
+            // check and its wait would otherwise miss the wake-up.
+            let _state = self.shared.lock();
+            self.shared.shutdown.store(true, Ordering::SeqCst);
+        }
         self.shared.wake.notify_all();
         for thread in self.threads.drain(..) {
             let _ = thread.join();

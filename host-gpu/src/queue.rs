@@ -133,9 +133,12 @@ impl State {
     /// Queues a call, or hands it back with `Overloaded` when the queue or
     /// the tenant's share of it is full.
     pub fn push(&mut self, entry: Entry) -> Result<(), Box<(InferError, Entry)>> {
-        let tenant_len = self.tenant_len(&entry.tenant);
-        if self.len >= self.config.capacity || tenant_len >= self.config.tenant_capacity {
-            return Err(Box::new((InferError::Overloaded, entry)));
+        if self.is_full_for(&entry.tenant) {
+            // Calls whose callers went away still hold space: reclaim it first.
+            self.purge_cancelled();
+            if self.is_full_for(&entry.tenant) {
+                return Err(Box::new((InferError::Overloaded, entry)));
+            }
         }
         let tenant = Arc::clone(&entry.tenant);
         let queue = self.tenants.entry(Arc::clone(&tenant)).or_insert_with(|| {
@@ -147,6 +150,28 @@ impl State {
         queue.items.push_back(entry);
         self.len += 1;
         Ok(())
+    }
+
+    fn is_full_for(&self, tenant: &str) -> bool {
+        self.len >= self.config.capacity || self.tenant_len(tenant) >= self.config.tenant_capacity
+    }
+
+    /// Drops calls whose callers went away; returns how many.
+    fn purge_cancelled(&mut self) -> usize {
+        let before = self.len;
+        for queue in self.tenants.values_mut() {
+            queue.items.retain(|e| !e.is_cancelled());
+        }
+        self.len = self.tenants.values().map(|q| q.items.len()).sum();
+        self.forget_empty_tenants();
+        before - self.len
+    }
+
+    /// Removes tenants left without calls from the map and the ring.
+    fn forget_empty_tenants(&mut self) {
+        self.tenants.retain(|_, q| !q.items.is_empty());
+        let tenants = &self.tenants;
+        self.ring.retain(|t| tenants.contains_key(t));
     }
 
     /// Whether a batch should be taken now (see [`QueueConfig::max_delay`]).
@@ -231,9 +256,7 @@ impl State {
             }
             self.len -= before - queue.items.len();
         }
-        self.tenants.retain(|_, q| !q.items.is_empty());
-        let tenants = &self.tenants;
-        self.ring.retain(|t| tenants.contains_key(t));
+        self.forget_empty_tenants();
     }
 
     /// Empties the queue (at shutdown), handing back every waiting call.
@@ -402,6 +425,16 @@ mod tests {
         let (extra, _rx) = call("c", 4, now);
         assert_eq!(state.push(extra).unwrap_err().0, InferError::Overloaded);
         assert_eq!(state.len(), 3);
+    }
+
+    #[test]
+    fn cancelled_calls_free_their_space_for_new_ones() {
+        let now = Instant::now();
+        let mut state = State::new(QueueConfig { capacity: 2, tenant_capacity: 2, ..config(4) });
+        drop(push_n(&mut state, "a", 2, now));
+        let (entry, _rx) = call("a", 4, now);
+        assert!(state.push(entry).is_ok(), "space of cancelled calls is reclaimed");
+        assert_eq!(state.len(), 1);
     }
 
     #[test]

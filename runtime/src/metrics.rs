@@ -61,15 +61,26 @@ pub fn render(http: &HttpMetrics, models: &Models, instances_in_use: usize) -> S
     http.render(&mut out);
     out.push_str("# HELP facegate_instances_in_use Handler instances alive now.\n# TYPE facegate_instances_in_use gauge\n");
     let _ = writeln!(out, "facegate_instances_in_use {instances_in_use}");
-    for batcher in models.iter() {
-        render_model(&mut out, &batcher.spec().name, &batcher.metrics());
-    }
+    let snapshots: Vec<(String, MetricsSnapshot)> = models.iter().map(|b| (b.spec().name.clone(), b.metrics())).collect();
+    // One family at a time, every model inside it: a family must not be split.
+    family(&mut out, "facegate_batch_size", "histogram", "Samples per device batch.", &snapshots, batch_sizes);
+    family(&mut out, "facegate_queue_wait_seconds", "histogram", "Time calls waited for a device.", &snapshots, queue_wait);
+    family(&mut out, "facegate_device_busy_seconds_total", "counter", "Time each device spent running batches.", &snapshots, busy);
+    family(&mut out, "facegate_queue_depth", "gauge", "Calls waiting now.", &snapshots, depth);
+    family(&mut out, "facegate_inferences_total", "counter", "Inference calls by outcome.", &snapshots, outcomes);
     out
 }
 
-fn render_model(out: &mut String, model: &str, m: &MetricsSnapshot) {
-    let l = format!("model=\"{model}\"");
-    out.push_str("# TYPE facegate_batch_size histogram\n");
+type Lines = fn(&mut String, &str, &MetricsSnapshot);
+
+fn family(out: &mut String, name: &str, kind: &str, help: &str, snapshots: &[(String, MetricsSnapshot)], lines: Lines) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (model, snapshot) in snapshots {
+        lines(out, &format!("model=\"{model}\""), snapshot);
+    }
+}
+
+fn batch_sizes(out: &mut String, l: &str, m: &MetricsSnapshot) {
     let mut cumulative = 0;
     for (size, count) in (1..).zip(&m.batch_sizes) {
         cumulative += count;
@@ -79,20 +90,28 @@ fn render_model(out: &mut String, model: &str, m: &MetricsSnapshot) {
     let _ = writeln!(out, "facegate_batch_size_bucket{{{l},le=\"+Inf\"}} {cumulative}");
     let _ = writeln!(out, "facegate_batch_size_sum{{{l}}} {samples}");
     let _ = writeln!(out, "facegate_batch_size_count{{{l}}} {cumulative}");
-    out.push_str("# TYPE facegate_queue_wait_seconds histogram\n");
+}
+
+fn queue_wait(out: &mut String, l: &str, m: &MetricsSnapshot) {
     for (bound, count) in WAIT_BUCKETS.iter().zip(&m.wait_buckets) {
         let _ = writeln!(out, "facegate_queue_wait_seconds_bucket{{{l},le=\"{bound}\"}} {count}");
     }
     let _ = writeln!(out, "facegate_queue_wait_seconds_bucket{{{l},le=\"+Inf\"}} {}", m.wait_count);
     let _ = writeln!(out, "facegate_queue_wait_seconds_sum{{{l}}} {}", m.wait_sum_seconds);
     let _ = writeln!(out, "facegate_queue_wait_seconds_count{{{l}}} {}", m.wait_count);
-    out.push_str("# TYPE facegate_device_busy_seconds_total counter\n");
-    for (device, busy) in m.busy_seconds.iter().enumerate() {
-        let _ = writeln!(out, "facegate_device_busy_seconds_total{{{l},device=\"{device}\"}} {busy}");
+}
+
+fn busy(out: &mut String, l: &str, m: &MetricsSnapshot) {
+    for (device, seconds) in m.busy_seconds.iter().enumerate() {
+        let _ = writeln!(out, "facegate_device_busy_seconds_total{{{l},device=\"{device}\"}} {seconds}");
     }
-    out.push_str("# TYPE facegate_queue_depth gauge\n");
+}
+
+fn depth(out: &mut String, l: &str, m: &MetricsSnapshot) {
     let _ = writeln!(out, "facegate_queue_depth{{{l}}} {}", m.queue_depth);
-    out.push_str("# TYPE facegate_inferences_total counter\n");
+}
+
+fn outcomes(out: &mut String, l: &str, m: &MetricsSnapshot) {
     for (outcome, value) in [
         ("ok", m.samples_ok),
         ("backend_error", m.samples_failed),

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::Full;
+use tokio::sync::OwnedSemaphorePermit;
 use wasmtime::component::Linker;
 use wasmtime::{Engine, Store, StoreLimitsBuilder, Trap, UpdateDeadline};
 use wasmtime_wasi_http::WasiHttpView;
@@ -17,6 +18,9 @@ use crate::face_detect::{self, FaceDetectCtx};
 use crate::handlers::Handler;
 use crate::state::{self, RequestState};
 use facegate_host_gpu::Models;
+
+/// Most elements of one guest table (function tables of Rust guests hold a few thousand).
+const TABLE_ELEMENTS_LIMIT: usize = 20_000;
 
 /// Per-request limits of the sandbox.
 #[derive(Debug, Clone, Copy)]
@@ -98,6 +102,7 @@ impl Sandbox {
         handler: &Arc<Handler>,
         request: hyper::Request<Full<Bytes>>,
         deadline: Instant,
+        permit: OwnedSemaphorePermit,
     ) -> Result<GuestResponse, SandboxError> {
         let mut store = self.new_store(handler, deadline);
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -112,6 +117,8 @@ impl Sandbox {
         // The guest runs in its own task so it can keep streaming the body
         // after the response head is sent; it is bounded by the same deadline.
         let task = tokio::spawn(async move {
+            // The instance slot is held until the guest and its store are gone.
+            let _permit = permit;
             let run = async {
                 let proxy = pre.instantiate_async(&mut store).await?;
                 proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await
@@ -141,6 +148,7 @@ impl Sandbox {
         let face = FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), deadline, self.limits.max_infer_calls);
         let limits = StoreLimitsBuilder::new()
             .memory_size(self.limits.memory_limit)
+            .table_elements(TABLE_ELEMENTS_LIMIT)
             // A failed memory.grow traps with a clear reason instead of
             // letting the guest's allocator abort with `unreachable`.
             .trap_on_grow_failure(true)
@@ -175,8 +183,10 @@ impl<T> AbortOnDrop<T> {
     }
 
     async fn join(&mut self) -> Result<T, tokio::task::JoinError> {
+        // Still armed while waiting: if the client leaves now, the guest stops.
+        let result = (&mut self.handle).await;
         self.armed = false;
-        (&mut self.handle).await
+        result
     }
 }
 
@@ -213,12 +223,17 @@ fn classify_trap(err: &wasmtime::Error, timeout: Duration) -> SandboxError {
     SandboxError::Trap(reason)
 }
 
+/// The reason shown to the client: known limits by name, anything else
+/// generic (the full error goes to the log, not to the client).
 fn root_cause(err: &wasmtime::Error) -> String {
     let text = err.root_cause().to_string();
     if text.contains("forcing trap when growing memory") {
         "memory limit exceeded".to_owned()
+    } else if text.contains("table") && text.contains("grow") {
+        "table limit exceeded".to_owned()
     } else {
-        text
+        tracing::warn!(error = %format!("{err:#}"), "guest failed");
+        "the handler failed".to_owned()
     }
 }
 

@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use facegate_guest_sdk::effects::blur_faces;
+use facegate_guest_sdk::effects::{OutputOptions, blur_faces};
 use facegate_guest_sdk::image::encode_jpeg;
 use facegate_guest_sdk::{
     DetectOptions, Error, Handler, Request, Response, detect, export_handler,
@@ -22,12 +22,7 @@ impl Handler for Blur {
     fn handle(request: Request) -> Result<Response, Error> {
         let query = request.query();
         let options = DetectOptions::from_query(query)?;
-        let quality = query.parse_or("quality", 85u8, "an integer from 1 to 100", |q| {
-            (1..=100).contains(&q)
-        })?;
-        let margin = query.parse_or("margin", 0.1f32, "a number from 0 to 1", |m| {
-            (0.0..=1.0).contains(&m)
-        })?;
+        let OutputOptions { quality, margin } = OutputOptions::from_query(query, 0.1)?;
         let mut detection = detect(request.image_bytes()?, &options)?;
 
         let start = Instant::now();

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
-use facegate_guest_sdk::effects::{crop, face_region};
+use facegate_guest_sdk::effects::{OutputOptions, crop, face_region};
 use facegate_guest_sdk::image::encode_jpeg;
 use facegate_guest_sdk::serde_json::json;
 use facegate_guest_sdk::{
@@ -25,12 +25,7 @@ impl Handler for Crop {
     fn handle(request: Request) -> Result<Response, Error> {
         let query = request.query();
         let options = DetectOptions::from_query(query)?;
-        let quality = query.parse_or("quality", 85u8, "an integer from 1 to 100", |q| {
-            (1..=100).contains(&q)
-        })?;
-        let margin = query.parse_or("margin", 0.2f32, "a number from 0 to 1", |m| {
-            (0.0..=1.0).contains(&m)
-        })?;
+        let OutputOptions { quality, margin } = OutputOptions::from_query(query, 0.2)?;
         let detection = detect(request.image_bytes()?, &options)?;
 
         let start = Instant::now();

@@ -219,7 +219,8 @@ impl Backend for OnnxBackend {
             .map_err(BackendError::from_display)?;
         let mut per_sample: Vec<Vec<Tensor>> = (0..inputs.len()).map(|_| Vec::new()).collect();
         for (name, _) in &self.config.outputs {
-            let (shape, data) = outputs[name.as_str()].try_extract_tensor::<f32>().map_err(BackendError::from_display)?;
+            let output = outputs.get(name.as_str()).ok_or_else(|| BackendError(format!("model has no output {name}")))?;
+            let (shape, data) = output.try_extract_tensor::<f32>().map_err(BackendError::from_display)?;
             split_batch(shape, data, &mut per_sample)?;
         }
         Ok(per_sample)
@@ -246,6 +247,9 @@ fn split_batch(shape: &[i64], data: &[f32], per_sample: &mut [Vec<Tensor>]) -> R
         return Err(BackendError(format!("model returned batch {batch} for {} inputs", per_sample.len())));
     }
     let stride = sample_shape.iter().product::<usize>();
+    if data.len() != batch * stride {
+        return Err(BackendError(format!("output of shape {dims:?} holds {} values", data.len())));
+    }
     for (outputs, chunk) in per_sample.iter_mut().zip(data.chunks_exact(stride.max(1))) {
         outputs.push(Tensor::from_f32(sample_shape.to_vec(), chunk).map_err(BackendError::from_display)?);
     }

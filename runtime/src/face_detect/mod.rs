@@ -112,7 +112,11 @@ fn to_wit_error(e: InferError) -> wit::Error {
         InferError::UnknownModel(m) => wit::Error::UnknownModel(m),
         InferError::Overloaded | InferError::ShuttingDown => wit::Error::Overloaded,
         InferError::DeadlineExceeded => wit::Error::DeadlineExceeded,
-        InferError::Backend(m) => wit::Error::Backend(m),
+        InferError::Backend(m) => {
+            // The engine's own message (paths, library internals) stays in the log.
+            tracing::warn!(error = %m, "inference batch failed");
+            wit::Error::Backend("the inference engine failed on this batch".into())
+        }
     }
 }
 

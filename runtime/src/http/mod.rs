@@ -9,12 +9,18 @@ use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use routes::App;
+
+/// Longest a client may take to send a request's headers.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most open client connections; more are closed on accept.
+pub const MAX_CONNECTIONS: usize = 4096;
 
 /// How long in-flight requests get to finish after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -26,12 +32,21 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let graceful = GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Without a timer hyper enforces no header timeout: slow clients could
+    // hold connections forever.
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+    builder.http2().timer(TokioTimer::new()).keep_alive_interval(Some(HEADER_READ_TIMEOUT));
+    let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => serve_connection(&app, &builder, &graceful, stream, peer),
+                Ok((stream, peer)) => match Arc::clone(&connections).try_acquire_owned() {
+                    Ok(permit) => serve_connection(&app, &builder, &graceful, stream, peer, permit),
+                    // Over the cap: close at once rather than queue sockets.
+                    Err(_) => drop(stream),
+                },
                 // Out of file descriptors and the like: back off, keep serving.
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
@@ -55,6 +70,7 @@ fn serve_connection(
     graceful: &GracefulShutdown,
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
+    permit: OwnedSemaphorePermit,
 ) {
     // Responses are small and latency-bound; don't let Nagle hold them back.
     let _ = stream.set_nodelay(true);
@@ -66,6 +82,7 @@ fn serve_connection(
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
     let conn = graceful.watch(conn);
     tokio::spawn(async move {
+        let _permit = permit;
         if let Err(e) = conn.await {
             tracing::debug!(%peer, error = %e, "connection ended with an error");
         }

@@ -17,7 +17,7 @@ use crate::metrics::{self, HttpMetrics};
 use crate::sandbox::{Sandbox, SandboxError};
 use facegate_host_gpu::Models;
 
-/// Longest a client may take to send a request body.
+/// Longest a client may take to send a request body (also capped by the request timeout).
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Everything a request needs: handlers, sandbox, models, limits, counters.
@@ -83,22 +83,24 @@ impl App {
         let Some(handler) = self.registry.get(tenant, name) else {
             return response::error(StatusCode::NOT_FOUND, "unknown_handler", format!("no handler {name:?} for tenant {tenant:?}"));
         };
-        let response = self.run_handler(&handler, req, started).await;
+        let response = self.run_handler(&handler, req).await;
         self.metrics.record(tenant, name, response.status().as_u16(), started.elapsed());
         response
     }
 
-    async fn run_handler(&self, handler: &Arc<Handler>, req: Request<Incoming>, started: Instant) -> Response<Body> {
-        let deadline = started + self.config.request_timeout();
-        // Refuse before reading the body when no instance slot is free.
-        let Ok(_permit) = Arc::clone(&self.instances).try_acquire_owned() else {
+    async fn run_handler(&self, handler: &Arc<Handler>, req: Request<Incoming>) -> Response<Body> {
+        // Refuse before reading the body when no instance slot is free. The
+        // permit lives as long as the guest (it moves into the guest's task).
+        let Ok(permit) = Arc::clone(&self.instances).try_acquire_owned() else {
             return response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", "all handler instances are busy", 1);
         };
         let req = match self.buffer_body(req).await {
             Ok(req) => req,
             Err(refusal) => return refusal,
         };
-        match self.sandbox.handle(handler, req, deadline).await {
+        // The deadline covers the guest, queueing and inference, not the upload.
+        let deadline = Instant::now() + self.config.request_timeout();
+        match self.sandbox.handle(handler, req, deadline, permit).await {
             Ok(guest) => guest.response,
             Err(e) => sandbox_error(handler, &e),
         }
@@ -112,13 +114,18 @@ impl App {
             return Err(too_large());
         }
         let (mut parts, body) = req.into_parts();
-        let collected = tokio::time::timeout(BODY_READ_TIMEOUT, Limited::new(body, limit).collect()).await;
+        // A slow upload holds an instance slot: bound it like a request.
+        let read_timeout = BODY_READ_TIMEOUT.min(self.config.request_timeout());
+        let collected = tokio::time::timeout(read_timeout, Limited::new(body, limit).collect()).await;
         let bytes = match collected {
             Ok(Ok(c)) => c.to_bytes(),
             Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Err(too_large()),
-            Ok(Err(e)) => return Err(response::error(StatusCode::BAD_REQUEST, "bad_body", format!("cannot read request body: {e}"))),
+            Ok(Err(_)) => return Err(response::error(StatusCode::BAD_REQUEST, "bad_body", "the request body could not be read")),
             Err(_) => return Err(response::error(StatusCode::REQUEST_TIMEOUT, "body_timeout", "request body was not received in time")),
         };
+        if parts.headers.get(HOST).is_some_and(|h| h.to_str().is_err()) {
+            return Err(response::error(StatusCode::BAD_REQUEST, "bad_host", "the Host header is not valid text"));
+        }
         if parts.uri.authority().is_none() && !parts.headers.contains_key(HOST) {
             parts.headers.insert(HOST, hyper::header::HeaderValue::from_static("localhost"));
         }

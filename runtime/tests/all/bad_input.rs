@@ -90,11 +90,11 @@ fn huge_dimensions_are_refused_before_decoding() {
 
 /// Sends a raw HTTP/1.1 request (so the client never trips over an early
 /// answer while it is still writing) and returns the status and JSON body.
-fn raw_post(head: &str, body: &[u8]) -> (u16, Value) {
+fn raw_post(head: impl AsRef<[u8]>, body: &[u8]) -> (u16, Value) {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(crate::harness::gateway()).unwrap();
     stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
-    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(head.as_ref()).unwrap();
     stream.write_all(body).unwrap();
     let mut response = Vec::new();
     let _ = stream.read_to_end(&mut response);
@@ -157,4 +157,11 @@ fn gateway_keeps_serving_after_bad_input() {
     let (status, json) = post("/v1/demo/detect", image("grace_hopper.jpg"));
     assert_eq!(status, 200);
     assert_eq!(json["faces"].as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn host_header_that_is_not_text_is_a_400() {
+    let head = b"POST /v1/demo/detect HTTP/1.1\r\nHost: caf\xe9\r\nConnection: close\r\nContent-Length: 4\r\n\r\n";
+    let (status, json) = raw_post(head, b"junk");
+    assert_eq!((status, json["error"]["code"].as_str()), (400, Some("bad_host")), "{json}");
 }
