@@ -182,6 +182,8 @@ fn print_row(label: &str, concurrency: usize, m: &Measurement) {
 async fn start_gateway(serve: &BenchServe, engine: &EngineConfig, models: Models) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let config = ServeConfig {
         listen: "127.0.0.1:0".parse()?,
+        tls_cert: None,
+        tls_key: None,
         handlers_dir: serve.handlers_dir.clone(),
         request_timeout_ms: 60_000,
         max_body_bytes: crate::config::DEFAULT_MAX_BODY_BYTES,

@@ -45,6 +45,14 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
 
+    /// TLS certificate chain (PEM); with `--tls-key`, the listener speaks HTTPS (h2 and HTTP/1.1).
+    #[arg(long, env = "FACEGATE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// TLS private key (PEM) for `--tls-cert`.
+    #[arg(long, env = "FACEGATE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
     /// Directory of handler components, laid out as `<tenant>/<handler>.wasm`.
     #[arg(long, env = "FACEGATE_HANDLERS", default_value = ".facegate/handlers")]
     pub handlers_dir: PathBuf,

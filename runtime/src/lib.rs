@@ -71,6 +71,7 @@ pub fn batcher_config(config: &EngineConfig) -> BatcherConfig {
 pub struct Gateway {
     /// The request router and everything behind it.
     pub app: Arc<App>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     _ticker: EpochTicker,
 }
 
@@ -84,13 +85,17 @@ impl Gateway {
         let sandbox = Sandbox::new(engine, models.clone(), limits)?;
         let registry = Registry::load_dir(sandbox.engine(), sandbox.linker(), &config.handlers_dir)?;
         tracing::info!(handlers = registry.len(), dir = %config.handlers_dir.display(), "handlers loaded");
+        let tls = match (&config.tls_cert, &config.tls_key) {
+            (Some(cert), Some(key)) => Some(http::tls::acceptor(cert, key)?),
+            _ => None,
+        };
         let app = Arc::new(App::new(registry, sandbox, models, config.clone()));
-        Ok(Self { app, _ticker: ticker })
+        Ok(Self { app, tls, _ticker: ticker })
     }
 
     /// Serves on `listener` until `shutdown` resolves.
     pub async fn serve(self, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
-        http::serve(Arc::clone(&self.app), listener, shutdown).await
+        http::serve(Arc::clone(&self.app), listener, self.tls.clone(), shutdown).await
     }
 }
 
@@ -106,8 +111,9 @@ pub async fn run(config: ServeConfig) -> anyhow::Result<()> {
     let models = load_models(&config.engine)?;
     let gateway = Gateway::new(&config, models)?;
     let (listener, addr) = bind(config.listen).await?;
-    tracing::info!(%addr, "facegate listening");
-    println!("facegate listening on http://{addr}");
+    let scheme = if config.tls_cert.is_some() { "https" } else { "http" };
+    tracing::info!(%addr, scheme, "facegate listening");
+    println!("facegate listening on {scheme}://{addr}");
     gateway.serve(listener, shutdown_signal()).await
 }
 

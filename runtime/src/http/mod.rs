@@ -2,6 +2,7 @@
 
 pub mod response;
 mod routes;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use routes::App;
@@ -25,10 +27,12 @@ pub const MAX_CONNECTIONS: usize = 4096;
 /// How long in-flight requests get to finish after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// Serves `app` on `listener` until `shutdown` resolves, then drains connections.
+/// Serves `app` on `listener` (over TLS when `tls` is given) until
+/// `shutdown` resolves, then drains connections.
 pub async fn serve(
     app: Arc<App>,
     listener: TcpListener,
+    tls: Option<TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let graceful = GracefulShutdown::new();
@@ -43,7 +47,7 @@ pub async fn serve(
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => match Arc::clone(&connections).try_acquire_owned() {
-                    Ok(permit) => serve_connection(&app, &builder, &graceful, stream, peer, permit),
+                    Ok(permit) => accept(&app, &builder, &graceful, tls.clone(), stream, peer, permit),
                     // Over the cap: close at once rather than queue sockets.
                     Err(_) => drop(stream),
                 },
@@ -64,6 +68,47 @@ pub async fn serve(
     Ok(())
 }
 
+/// Starts serving one accepted connection, after a TLS handshake when configured.
+fn accept(
+    app: &Arc<App>,
+    builder: &auto::Builder<TokioExecutor>,
+    graceful: &GracefulShutdown,
+    tls: Option<TlsAcceptor>,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    permit: OwnedSemaphorePermit,
+) {
+    // Responses are small and latency-bound; don't let Nagle hold them back.
+    let _ = stream.set_nodelay(true);
+    let Some(tls) = tls else {
+        return serve_connection(app, builder, graceful, stream, peer, permit);
+    };
+    let (app, builder, watcher) = (Arc::clone(app), builder.clone(), graceful.watcher());
+    tokio::spawn(async move {
+        // The handshake runs off the accept loop, bounded like a header read.
+        match tokio::time::timeout(HEADER_READ_TIMEOUT, tls.accept(stream)).await {
+            Ok(Ok(stream)) => {
+                let service = service(&app);
+                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
+                let _permit = permit;
+                if let Err(e) = watcher.watch(conn).await {
+                    tracing::debug!(%peer, error = %e, "TLS connection ended with an error");
+                }
+            }
+            Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+        }
+    });
+}
+
+fn service(app: &Arc<App>) -> impl hyper::service::Service<hyper::Request<Incoming>, Response = hyper::Response<response::Body>, Error = std::convert::Infallible, Future: Send> + Clone + Send + 'static {
+    let app = Arc::clone(app);
+    service_fn(move |req: hyper::Request<Incoming>| {
+        let app = Arc::clone(&app);
+        async move { Ok::<_, std::convert::Infallible>(app.route(req).await) }
+    })
+}
+
 fn serve_connection(
     app: &Arc<App>,
     builder: &auto::Builder<TokioExecutor>,
@@ -72,14 +117,7 @@ fn serve_connection(
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
 ) {
-    // Responses are small and latency-bound; don't let Nagle hold them back.
-    let _ = stream.set_nodelay(true);
-    let app = Arc::clone(app);
-    let service = service_fn(move |req: hyper::Request<Incoming>| {
-        let app = Arc::clone(&app);
-        async move { Ok::<_, std::convert::Infallible>(app.route(req).await) }
-    });
-    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service(app)).into_owned();
     let conn = graceful.watch(conn);
     tokio::spawn(async move {
         let _permit = permit;

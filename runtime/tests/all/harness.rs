@@ -38,16 +38,20 @@ pub fn guest(name: &str) -> PathBuf {
     path
 }
 
-fn install(handlers: &Path, tenant: &str, handler: &str, component: &Path) {
+/// Copies a component to `<handlers>/<tenant>/<handler>.wasm`.
+pub fn install(handlers: &Path, tenant: &str, handler: &str, component: &Path) {
     let dir = handlers.join(tenant);
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(component, dir.join(format!("{handler}.wasm"))).unwrap();
 }
 
-fn config(handlers_dir: PathBuf) -> ServeConfig {
+/// The test gateway's settings, serving `handlers_dir`.
+pub fn config(handlers_dir: PathBuf) -> ServeConfig {
     let home = facegate_home();
     ServeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
+        tls_cert: None,
+        tls_key: None,
         handlers_dir,
         request_timeout_ms: REQUEST_TIMEOUT_MS,
         max_body_bytes: MAX_BODY_BYTES,
@@ -82,7 +86,8 @@ pub fn gateway() -> SocketAddr {
     })
 }
 
-fn start(config: ServeConfig) -> SocketAddr {
+/// Starts a gateway with `config` on a thread of its own; returns its address.
+pub fn start(config: ServeConfig) -> SocketAddr {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();

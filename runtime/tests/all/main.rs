@@ -5,3 +5,4 @@ mod bad_input;
 mod detect;
 mod harness;
 mod hostile;
+mod tls;
