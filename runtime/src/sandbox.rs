@@ -51,12 +51,6 @@ pub enum SandboxError {
     Internal(String),
 }
 
-/// A response from the guest plus what the request cost.
-pub struct GuestResponse {
-    /// The guest's response; its body may still be streaming from the guest.
-    pub response: hyper::Response<HyperOutgoingBody>,
-}
-
 /// The engine, linker and inference models every request runs against.
 pub struct Sandbox {
     engine: Engine,
@@ -103,7 +97,7 @@ impl Sandbox {
         request: hyper::Request<Full<Bytes>>,
         deadline: Instant,
         permit: OwnedSemaphorePermit,
-    ) -> Result<GuestResponse, SandboxError> {
+    ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
         let mut store = self.new_store(handler, deadline);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (req, out) = {
@@ -136,7 +130,7 @@ impl Sandbox {
             Ok(Ok(Ok(response))) => {
                 // The guest may still be streaming the body: let it run.
                 task.detach();
-                Ok(GuestResponse { response })
+                Ok(response)
             }
             Ok(Ok(Err(code))) => Err(SandboxError::Guest(code)),
             Ok(Err(_)) => Err(task_outcome(task.join().await, timeout)),

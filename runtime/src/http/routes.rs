@@ -101,7 +101,7 @@ impl App {
         // The deadline covers the guest, queueing and inference, not the upload.
         let deadline = Instant::now() + self.config.request_timeout();
         match self.sandbox.handle(handler, req, deadline, permit).await {
-            Ok(guest) => guest.response,
+            Ok(response) => response,
             Err(e) => sandbox_error(handler, &e),
         }
     }
