@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# One command from a fresh clone to a running gateway: set up, build, serve
-# the example handlers (tenant "demo") with the real CenterFace model.
+# One command from a fresh clone to a running gateway: set up, build, and
+# serve the example handlers with the real CenterFace model. On first run the
+# store (.facegate/data) is seeded with tenant "demo" (handlers detect, blur,
+# crop); its API key is printed and saved in .facegate/data/demo.key. The
+# admin API uses FACEGATE_ADMIN_TOKEN, or a token generated into
+# .facegate/data/admin.token (mode 0600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/setup.sh
 HOME_DIR=${FACEGATE_HOME:-$PWD/.facegate}
-export FACEGATE_HANDLERS=${FACEGATE_HANDLERS:-$HOME_DIR/handlers}
+export FACEGATE_DATA=${FACEGATE_DATA:-$HOME_DIR/data}
+export FACEGATE_SEED=${FACEGATE_SEED:-$HOME_DIR/handlers}
 export FACEGATE_MODEL=${FACEGATE_MODEL:-$HOME_DIR/models/centerface.onnx}
 export ORT_DYLIB_PATH=${ORT_DYLIB_PATH:-$HOME_DIR/lib/libonnxruntime.so}
-echo "try: curl -s --data-binary @runtime/tests/fixtures/images/grace_hopper.jpg http://${FACEGATE_LISTEN:-127.0.0.1:8080}/v1/demo/detect"
+if [ -z "${FACEGATE_ADMIN_TOKEN:-}" ]; then
+  token_file="$FACEGATE_DATA/admin.token"
+  if [ ! -s "$token_file" ]; then
+    mkdir -p "$FACEGATE_DATA" && chmod 700 "$FACEGATE_DATA"
+    (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' > "$token_file")
+  fi
+  FACEGATE_ADMIN_TOKEN=$(cat "$token_file")
+  export FACEGATE_ADMIN_TOKEN
+  echo "admin API token in $token_file; for the CLI: export FACEGATE_ADMIN_TOKEN=\$(cat $token_file)"
+fi
 exec target/release/facegate serve "$@"

@@ -50,7 +50,7 @@ impl ModelSpec {
 
     fn validate_dim(&self, axis: usize, want: usize, got: usize) -> Result<(), InferError> {
         let ok = if want == 0 {
-            got > 0 && got <= self.max_side && got % self.dim_multiple.max(1) == 0
+            got > 0 && got <= self.max_side && got.is_multiple_of(self.dim_multiple.max(1))
         } else {
             got == want
         };

@@ -57,9 +57,10 @@ pub struct BenchConfig {
 /// The subset of serve settings the bench exposes.
 #[derive(Debug, Clone, Args)]
 pub struct BenchServe {
-    /// Directory of handler components (`<tenant>/<handler>.wasm`); `demo/detect` is posted to.
-    #[arg(long, env = "FACEGATE_HANDLERS", default_value = ".facegate/handlers")]
-    pub handlers_dir: PathBuf,
+    /// Handler components (`<tenant>/<handler>.wasm`) seeded into a
+    /// throw-away store; `demo/detect` is posted to.
+    #[arg(long, env = "FACEGATE_SEED", default_value = ".facegate/handlers")]
+    pub seed_dir: PathBuf,
 
     /// Inference engines.
     #[command(flatten)]
@@ -116,8 +117,8 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
         let mut engine = config.serve.engine.clone();
         engine.max_batch = max_batch;
         let models = crate::load_models(&engine)?;
-        let (addr, server) = start_gateway(&config.serve, &engine, models.clone()).await?;
-        setups.push((max_batch, models, addr, server));
+        let (addr, key, server) = start_gateway(&config.serve, &engine, models.clone(), max_batch).await?;
+        setups.push((max_batch, models, (addr, key), server));
     }
     println!("\n== gateway (HTTP + wasm handler) vs raw engine (host-gpu only), same images, same run ==");
     println!("{} CPU workers × {} threads; {ROUNDS} interleaved rounds of {:.1} s per row", config.serve.engine.workers(), config.serve.engine.threads_per_worker(), duration.as_secs_f64() / f64::from(ROUNDS));
@@ -128,7 +129,7 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
         for _ in 0..ROUNDS {
             for ((_, models, addr, _), (raw, gw)) in setups.iter().zip(tallies.iter_mut()) {
                 raw.add(measure_engine(models, tensors, c, round).await, round);
-                gw.add(measure_gateway(*addr, models, images, c, round).await, round);
+                gw.add(measure_gateway(addr, models, images, c, round).await, round);
             }
         }
         let results: Vec<_> = tallies.into_iter().map(|(raw, gw)| (raw.summarize(), gw.summarize())).collect();
@@ -179,25 +180,33 @@ fn print_row(label: &str, concurrency: usize, m: &Measurement) {
     );
 }
 
-async fn start_gateway(serve: &BenchServe, engine: &EngineConfig, models: Models) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let config = ServeConfig {
-        listen: "127.0.0.1:0".parse()?,
-        tls_cert: None,
-        tls_key: None,
-        handlers_dir: serve.handlers_dir.clone(),
-        request_timeout_ms: 60_000,
-        max_body_bytes: crate::config::DEFAULT_MAX_BODY_BYTES,
-        memory_limit_mib: crate::config::DEFAULT_MEMORY_LIMIT_MIB,
-        max_instances: 256,
-        max_infer_calls: crate::config::DEFAULT_MAX_INFER_CALLS,
-        engine: engine.clone(),
-    };
+/// An in-process gateway on a throw-away store seeded from `--seed-dir`,
+/// with tenant limits out of the way; returns its address and demo's key.
+async fn start_gateway(
+    serve: &BenchServe,
+    engine: &EngineConfig,
+    models: Models,
+    label: usize,
+) -> anyhow::Result<(SocketAddr, String, tokio::task::JoinHandle<()>)> {
+    let data_dir = std::env::temp_dir().join(format!("facegate-bench-{}-{label}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&data_dir);
+    let mut config = ServeConfig::with_data_dir(data_dir.clone())?;
+    config.listen = "127.0.0.1:0".parse()?;
+    config.seed_dir = Some(serve.seed_dir.clone());
+    config.request_timeout_ms = 60_000;
+    config.max_instances = 256;
+    config.tenant_max_concurrency = 256;
+    config.tenant_rps = 0.0;
+    config.engine = engine.clone();
     let gateway = crate::Gateway::new(&config, models)?;
+    let key = std::fs::read_to_string(data_dir.join("demo.key"))?.trim().to_owned();
+    // Everything is loaded and the bench changes nothing: the store can go now.
+    let _ = std::fs::remove_dir_all(&data_dir);
     let (listener, addr) = crate::bind(config.listen).await?;
     let task = tokio::spawn(async move {
         let _ = gateway.serve(listener, std::future::pending()).await;
     });
-    Ok((addr, task))
+    Ok((addr, key, task))
 }
 
 /// Drives `call` from `concurrency` closed loops: a warm-up, then `duration`
@@ -306,17 +315,26 @@ async fn measure_engine(models: &Models, tensors: &[Tensor], concurrency: usize,
     (measured, batches, samples)
 }
 
-async fn measure_gateway(addr: SocketAddr, models: &Models, images: &[Bytes], concurrency: usize, duration: Duration) -> (LoopStats, u64, u64) {
+async fn measure_gateway(
+    (addr, key): &(SocketAddr, String),
+    models: &Models,
+    images: &[Bytes],
+    concurrency: usize,
+    duration: Duration,
+) -> (LoopStats, u64, u64) {
     let before = batch_counts(models);
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(256).build(connector);
     let (images, url) = (Arc::new(images.to_vec()), format!("http://{addr}/v1/demo/detect"));
+    let auth = format!("Bearer {key}");
     let measured = drive(concurrency, duration, move |i| {
-        let (client, images, url) = (client.clone(), Arc::clone(&images), url.clone());
+        let (client, images, url, auth) = (client.clone(), Arc::clone(&images), url.clone(), auth.clone());
         async move {
             let body = images[i % images.len()].clone();
-            let Ok(req) = hyper::Request::post(url).body(Full::new(body)) else { return false };
+            let Ok(req) = hyper::Request::post(url).header(hyper::header::AUTHORIZATION, auth).body(Full::new(body)) else {
+                return false;
+            };
             match client.request(req).await {
                 Ok(resp) => resp.status().is_success() && resp.into_body().collect().await.is_ok(),
                 Err(_) => false,

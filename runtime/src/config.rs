@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::control::limits::TenantLimits;
+
 /// Default listen address.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 /// Default per-request deadline, milliseconds.
@@ -19,6 +21,16 @@ pub const DEFAULT_MEMORY_LIMIT_MIB: usize = 256;
 pub const DEFAULT_MAX_INSTANCES: u32 = 128;
 /// Default most `face-detect.infer` calls per request.
 pub const DEFAULT_MAX_INFER_CALLS: u32 = 16;
+/// Default largest uploaded component (64 MiB).
+pub const DEFAULT_MAX_COMPONENT_BYTES: usize = 64 << 20;
+/// Default most requests of one tenant in flight.
+pub const DEFAULT_TENANT_MAX_CONCURRENCY: u32 = 32;
+/// Default sustained requests per second of one tenant.
+pub const DEFAULT_TENANT_RPS: f64 = 100.0;
+/// Default token-bucket size of one tenant.
+pub const DEFAULT_TENANT_BURST: u32 = 200;
+/// Shortest admin token accepted.
+pub const MIN_ADMIN_TOKEN_LEN: usize = 16;
 
 /// facegate: a serverless gateway for face detection.
 #[derive(Debug, Parser)]
@@ -36,6 +48,22 @@ pub enum Command {
     Serve(ServeConfig),
     /// Measure throughput and latency: the gateway over HTTP vs the raw engine.
     Bench(crate::bench::BenchConfig),
+    /// Manage tenants (admin API).
+    #[command(subcommand)]
+    Tenant(crate::cli::TenantCommand),
+    /// Manage a tenant's API keys (admin API).
+    #[command(subcommand)]
+    Key(crate::cli::KeyCommand),
+    /// Upload a handler component as a new version and activate it (admin API).
+    Deploy(crate::cli::DeployArgs),
+    /// List a handler's versions (admin API).
+    Versions(crate::cli::HandlerArgs),
+    /// Activate one version of a handler (admin API).
+    Activate(crate::cli::ActivateArgs),
+    /// Activate the version before the active one (admin API).
+    Rollback(crate::cli::HandlerArgs),
+    /// Check a store's integrity offline (database, references, component hashes).
+    Check(crate::cli::CheckArgs),
 }
 
 /// Everything `facegate serve` needs.
@@ -53,29 +81,55 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 
-    /// Directory of handler components, laid out as `<tenant>/<handler>.wasm`.
-    #[arg(long, env = "FACEGATE_HANDLERS", default_value = ".facegate/handlers")]
-    pub handlers_dir: PathBuf,
+    /// The store: SQLite database, component blobs, precompiled artifacts, key files.
+    #[arg(long, env = "FACEGATE_DATA", default_value = ".facegate/data")]
+    pub data_dir: PathBuf,
 
-    /// Per-request deadline (ms): guest CPU, queueing and inference together.
+    /// Seeds an empty store from `<tenant>/<handler>.wasm` files: each tenant
+    /// is created with one API key, written to `<data-dir>/<tenant>.key`.
+    #[arg(long, env = "FACEGATE_SEED")]
+    pub seed_dir: Option<PathBuf>,
+
+    /// Token of the admin API (`/admin/v1/...`, at least 16 characters).
+    /// Without one the admin API is off.
+    #[arg(long, env = "FACEGATE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+
+    /// Largest component an upload may carry (bytes).
+    #[arg(long, env = "FACEGATE_MAX_COMPONENT_BYTES", default_value_t = DEFAULT_MAX_COMPONENT_BYTES)]
+    pub max_component_bytes: usize,
+
+    /// Default per-request deadline (ms): guest CPU, queueing and inference together.
     #[arg(long, env = "FACEGATE_REQUEST_TIMEOUT_MS", default_value_t = DEFAULT_REQUEST_TIMEOUT_MS)]
     pub request_timeout_ms: u64,
 
-    /// Largest request body accepted (bytes); larger bodies get 413.
+    /// Default and largest request body (bytes); larger bodies get 413.
     #[arg(long, env = "FACEGATE_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
 
-    /// Linear-memory limit of one handler instance (MiB).
+    /// Default and largest linear memory of one handler instance (MiB).
     #[arg(long, env = "FACEGATE_MEMORY_LIMIT_MIB", default_value_t = DEFAULT_MEMORY_LIMIT_MIB)]
     pub memory_limit_mib: usize,
 
-    /// Most handler instances alive at once; further requests get 503.
+    /// Most handler instances alive at once, all tenants; further requests get 503.
     #[arg(long, env = "FACEGATE_MAX_INSTANCES", default_value_t = DEFAULT_MAX_INSTANCES)]
     pub max_instances: u32,
 
-    /// Most `face-detect.infer` calls one request may make.
+    /// Default most `face-detect.infer` calls one request may make.
     #[arg(long, env = "FACEGATE_MAX_INFER_CALLS", default_value_t = DEFAULT_MAX_INFER_CALLS)]
     pub max_infer_calls: u32,
+
+    /// Default most requests of one tenant in flight; more get 429.
+    #[arg(long, env = "FACEGATE_TENANT_MAX_CONCURRENCY", default_value_t = DEFAULT_TENANT_MAX_CONCURRENCY)]
+    pub tenant_max_concurrency: u32,
+
+    /// Default sustained requests per second of one tenant (0: unlimited); more get 429.
+    #[arg(long, env = "FACEGATE_TENANT_RPS", default_value_t = DEFAULT_TENANT_RPS)]
+    pub tenant_rps: f64,
+
+    /// Default burst above the sustained rate (token bucket size).
+    #[arg(long, env = "FACEGATE_TENANT_BURST", default_value_t = DEFAULT_TENANT_BURST)]
+    pub tenant_burst: u32,
 
     /// Inference engines.
     #[command(flatten)]
@@ -137,9 +191,37 @@ fn parse_weight(s: &str) -> Result<(String, u32), String> {
 }
 
 impl ServeConfig {
-    /// The per-request deadline.
+    /// The default per-request deadline.
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
+    }
+
+    /// Tenants' default limits (memory and body size are also ceilings).
+    pub fn default_limits(&self) -> TenantLimits {
+        TenantLimits {
+            memory_mib: self.memory_limit_mib,
+            timeout_ms: self.request_timeout_ms,
+            max_concurrency: self.tenant_max_concurrency,
+            rps: self.tenant_rps,
+            burst: self.tenant_burst,
+            max_body_bytes: self.max_body_bytes,
+            max_infer_calls: self.max_infer_calls,
+            weight: 1,
+            outgoing_http: false,
+        }
+    }
+
+    /// The settings `facegate serve` would get with no flags (flags' defaults
+    /// and `FACEGATE_*` environment), serving `data_dir`.
+    pub fn with_data_dir(data_dir: PathBuf) -> anyhow::Result<Self> {
+        #[derive(Parser)]
+        struct Serve {
+            #[command(flatten)]
+            config: ServeConfig,
+        }
+        let mut config = Serve::try_parse_from(["serve"])?.config;
+        config.data_dir = data_dir;
+        Ok(config)
     }
 }
 

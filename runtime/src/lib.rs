@@ -8,11 +8,15 @@
 //!
 //! Layout: [`config`] (flags), [`engine`] (the wasmtime engine),
 //! [`face_detect`] (the host side of the WIT interface), [`state`] (per-request
-//! store data), [`handlers`] (loading components), [`sandbox`] (running one
-//! request), [`http`] (server and routes), [`metrics`], [`bench`].
+//! store data), [`control`] (tenants, keys, handler versions, limits: the
+//! store and its live snapshot), [`handlers`] (a linked handler version),
+//! [`sandbox`] (running one request), [`http`] (server, data-plane and admin
+//! routes), [`cli`] (the admin client), [`metrics`], [`bench`].
 
 pub mod bench;
+pub mod cli;
 pub mod config;
+pub mod control;
 pub mod engine;
 pub mod face_detect;
 pub mod handlers;
@@ -30,11 +34,11 @@ use facegate_host_gpu::backend::onnx::{Device, ImageModelConfig, OnnxBackend, in
 use facegate_host_gpu::{Batcher, BatcherConfig, Models};
 use tokio::net::TcpListener;
 
-use crate::config::{EngineConfig, ServeConfig};
+use crate::config::{EngineConfig, MIN_ADMIN_TOKEN_LEN, ServeConfig};
+use crate::control::ControlPlane;
 use crate::engine::{EngineLimits, EpochTicker};
-use crate::handlers::Registry;
 use crate::http::App;
-use crate::sandbox::{Sandbox, SandboxLimits};
+use crate::sandbox::Sandbox;
 
 /// Loads ONNX Runtime and the model, and starts one batcher with
 /// one device worker per configured CPU worker.
@@ -76,20 +80,30 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// Builds the wasmtime engine and sandbox, and loads the handlers directory.
+    /// Builds the wasmtime engine and sandbox, opens the store (seeding it
+    /// when empty and `--seed-dir` is given) and loads every active handler.
     pub fn new(config: &ServeConfig, models: Models) -> anyhow::Result<Self> {
+        if config.admin_token.as_ref().is_some_and(|t| t.len() < MIN_ADMIN_TOKEN_LEN) {
+            anyhow::bail!("the admin token must be at least {MIN_ADMIN_TOKEN_LEN} characters");
+        }
         let memory_limit = config.memory_limit_mib << 20;
         let engine = engine::build(EngineLimits { max_instances: config.max_instances, memory_limit })?;
         let ticker = EpochTicker::start(&engine);
-        let limits = SandboxLimits { memory_limit, max_infer_calls: config.max_infer_calls };
-        let sandbox = Sandbox::new(engine, models.clone(), limits)?;
-        let registry = Registry::load_dir(sandbox.engine(), sandbox.linker(), &config.handlers_dir)?;
-        tracing::info!(handlers = registry.len(), dir = %config.handlers_dir.display(), "handlers loaded");
+        let sandbox = Arc::new(Sandbox::new(engine, models.clone())?);
+        let control = ControlPlane::open(&config.data_dir, Arc::clone(&sandbox), models.clone(), config.default_limits())?;
+        if let Some(seed) = &config.seed_dir {
+            control.seed(seed)?;
+        }
+        let live = control.live();
+        tracing::info!(tenants = live.tenants.len(), handlers = live.handler_count(), data = %config.data_dir.display(), "store loaded");
+        if config.admin_token.is_none() {
+            tracing::info!("admin API off (set --admin-token or FACEGATE_ADMIN_TOKEN to manage tenants and handlers)");
+        }
         let tls = match (&config.tls_cert, &config.tls_key) {
             (Some(cert), Some(key)) => Some(http::tls::acceptor(cert, key)?),
             _ => None,
         };
-        let app = Arc::new(App::new(registry, sandbox, models, config.clone()));
+        let app = Arc::new(App::new(Arc::new(control), sandbox, models, config.clone()));
         Ok(Self { app, tls, _ticker: ticker })
     }
 
@@ -113,8 +127,21 @@ pub async fn run(config: ServeConfig) -> anyhow::Result<()> {
     let (listener, addr) = bind(config.listen).await?;
     let scheme = if config.tls_cert.is_some() { "https" } else { "http" };
     tracing::info!(%addr, scheme, "facegate listening");
+    print_demo_key(&config, scheme, addr);
     println!("facegate listening on {scheme}://{addr}");
     gateway.serve(listener, shutdown_signal()).await
+}
+
+/// A first-time user's way in: the demo tenant's key and a request to try.
+fn print_demo_key(config: &ServeConfig, scheme: &str, addr: SocketAddr) {
+    let path = config.data_dir.join("demo.key");
+    if let Ok(key) = std::fs::read_to_string(&path) {
+        let key = key.trim();
+        println!("tenant demo, API key {key} (saved in {})", path.display());
+        println!(
+            "try: curl -s -H 'Authorization: Bearer {key}' --data-binary @runtime/tests/fixtures/images/grace_hopper.jpg {scheme}://{addr}/v1/demo/detect"
+        );
+    }
 }
 
 async fn shutdown_signal() {

@@ -15,5 +15,9 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(config) => runtime.block_on(facegate::run(config)),
         Command::Bench(config) => runtime.block_on(facegate::bench::run(config)),
+        client => {
+            let code = runtime.block_on(facegate::cli::run(client))?;
+            std::process::exit(code)
+        }
     }
 }

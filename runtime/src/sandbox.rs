@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::Full;
-use tokio::sync::OwnedSemaphorePermit;
 use wasmtime::component::Linker;
 use wasmtime::{Engine, Store, StoreLimitsBuilder, Trap, UpdateDeadline};
 use wasmtime_wasi_http::WasiHttpView;
@@ -51,12 +50,12 @@ pub enum SandboxError {
     Internal(String),
 }
 
-/// The engine, linker and inference models every request runs against.
+/// The engine, linkers and inference models every request runs against.
 pub struct Sandbox {
     engine: Engine,
     linker: Linker<RequestState>,
+    linker_with_http: Linker<RequestState>,
     models: Models,
-    limits: SandboxLimits,
 }
 
 /// Deadline marker error, so a timeout is told apart from other traps.
@@ -65,9 +64,10 @@ pub struct Sandbox {
 struct DeadlineReached;
 
 impl Sandbox {
-    /// Builds the linker: WASI (granting nothing by configuration),
-    /// wasi:http types (no outgoing HTTP) and face-detect.
-    pub fn new(engine: Engine, models: Models, limits: SandboxLimits) -> wasmtime::Result<Self> {
+    /// Builds the linkers: WASI (granting nothing by configuration),
+    /// wasi:http types and face-detect; the second one adds outgoing HTTP,
+    /// for tenants granted it.
+    pub fn new(engine: Engine, models: Models) -> wasmtime::Result<Self> {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         let options = wasmtime_wasi_http::p2::bindings::LinkOptions::default();
@@ -77,7 +77,12 @@ impl Sandbox {
             RequestState::http,
         )?;
         face_detect::add_to_linker(&mut linker, state::face_detect_view)?;
-        Ok(Self { engine, linker, models, limits })
+        let mut linker_with_http = linker.clone();
+        wasmtime_wasi_http::p2::bindings::http::outgoing_handler::add_to_linker::<_, wasmtime_wasi_http::WasiHttp>(
+            &mut linker_with_http,
+            RequestState::http,
+        )?;
+        Ok(Self { engine, linker, linker_with_http, models })
     }
 
     /// The engine.
@@ -85,20 +90,24 @@ impl Sandbox {
         &self.engine
     }
 
-    /// The linker handlers are instantiated with.
-    pub fn linker(&self) -> &Linker<RequestState> {
-        &self.linker
+    /// The linker handlers are instantiated with; with `outgoing_http`, the
+    /// one that also links `wasi:http/outgoing-handler`.
+    pub fn linker(&self, outgoing_http: bool) -> &Linker<RequestState> {
+        if outgoing_http { &self.linker_with_http } else { &self.linker }
     }
 
-    /// Runs `request` through `handler`, stopping the guest at `deadline`.
+    /// Runs `request` through `handler` under `limits`, stopping the guest
+    /// at `deadline`. `permits` (instance and tenant slots) are held until
+    /// the guest is gone.
     pub async fn handle(
         &self,
         handler: &Arc<Handler>,
         request: hyper::Request<Full<Bytes>>,
         deadline: Instant,
-        permit: OwnedSemaphorePermit,
+        limits: SandboxLimits,
+        permits: impl Send + 'static,
     ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
-        let mut store = self.new_store(handler, deadline);
+        let mut store = self.new_store(handler, deadline, limits);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (req, out) = {
             let mut http = store.data_mut().http();
@@ -112,7 +121,7 @@ impl Sandbox {
         // after the response head is sent; it is bounded by the same deadline.
         let task = tokio::spawn(async move {
             // The instance slot is held until the guest and its store are gone.
-            let _permit = permit;
+            let _permits = permits;
             let run = async {
                 let proxy = pre.instantiate_async(&mut store).await?;
                 proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await
@@ -138,10 +147,10 @@ impl Sandbox {
         }
     }
 
-    fn new_store(&self, handler: &Handler, deadline: Instant) -> Store<RequestState> {
-        let face = FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), deadline, self.limits.max_infer_calls);
+    fn new_store(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> Store<RequestState> {
+        let face = FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), deadline, limits.max_infer_calls);
         let limits = StoreLimitsBuilder::new()
-            .memory_size(self.limits.memory_limit)
+            .memory_size(limits.memory_limit)
             .table_elements(TABLE_ELEMENTS_LIMIT)
             // A failed memory.grow traps with a clear reason instead of
             // letting the guest's allocator abort with `unreachable`.

@@ -13,7 +13,7 @@
 //! | `memory`      | allocates and fills 1 MiB chunks forever, keeping them     | memory-limit trap           |
 //! | `recursion`   | recurses (not a tail call) without end                     | stack-overflow trap         |
 //! | `panic`       | `panic!`s (the release profile aborts: `unreachable`)      | trap                        |
-//! | `snoop`       | reads files, environment, cwd; opens a TCP connection      | 200, JSON of what it saw    |
+//! | `snoop`       | reads files, environment and cwd                           | 200, JSON of what it saw    |
 //! | `bad-tensor`  | calls `face-detect.infer` with malformed tensors           | 200, JSON of each outcome   |
 //! | `many-calls`  | calls `infer` 100 times with a valid tensor                | 200, JSON: successes, error |
 //!
@@ -27,10 +27,6 @@ use std::hint::black_box;
 use facegate_guest_sdk::face_detect::{self, ElementType, Tensor};
 use facegate_guest_sdk::http::HttpError;
 use facegate_guest_sdk::serde_json::{Value, json};
-use facegate_guest_sdk::wasi::sockets::network::{
-    ErrorCode, IpAddressFamily, IpSocketAddress, Ipv4SocketAddress,
-};
-use facegate_guest_sdk::wasi::sockets::{instance_network, tcp_create_socket};
 use facegate_guest_sdk::{Error, Handler, Request, Response, export_handler};
 
 /// The attacks, as `attack` accepts them (for the 400 message).
@@ -100,7 +96,8 @@ fn recurse(depth: u64) -> u64 {
     black_box(recurse(depth + 1)).wrapping_add(1)
 }
 
-/// What the handler can see of the host: files, environment, cwd, network.
+/// What the handler can see of the host: files, environment, cwd. (Sockets
+/// cannot even be imported: an upload importing `wasi:sockets` is refused.)
 fn snoop() -> Value {
     json!({
         "files": {
@@ -113,7 +110,6 @@ fn snoop() -> Value {
             "home": std::env::var_os("HOME").map(|h| h.to_string_lossy().into_owned()),
         },
         "cwd": outcome(std::env::current_dir(), |p| p.display().to_string()),
-        "tcp": tcp_connect(),
     })
 }
 
@@ -123,35 +119,6 @@ fn outcome<T, E: std::fmt::Display>(result: Result<T, E>, ok: impl FnOnce(T) -> 
         Ok(value) => format!("ok: {}", ok(value)),
         Err(e) => format!("error: {e}"),
     }
-}
-
-/// Connects to 127.0.0.1:80 with `wasi:sockets` directly. (`std::net` on
-/// `wasm32-wasip2` needs a wasi-libc with sockets, which Debian's preview-1
-/// wasi-libc lacks: it would not link there.)
-fn tcp_connect() -> String {
-    let connect = || -> Result<(), (&str, ErrorCode)> {
-        let network = instance_network::instance_network();
-        let socket = tcp_create_socket::create_tcp_socket(IpAddressFamily::Ipv4)
-            .map_err(|e| ("create-tcp-socket", e))?;
-        let address = IpSocketAddress::Ipv4(Ipv4SocketAddress {
-            port: 80,
-            address: (127, 0, 0, 1),
-        });
-        socket
-            .start_connect(&network, address)
-            .map_err(|e| ("start-connect", e))?;
-        loop {
-            match socket.finish_connect() {
-                Ok(_streams) => return Ok(()),
-                Err(ErrorCode::WouldBlock) => socket.subscribe().block(),
-                Err(e) => return Err(("finish-connect", e)),
-            }
-        }
-    };
-    outcome(
-        connect().map_err(|(step, e)| format!("{step}: {e}")),
-        |()| "connected to 127.0.0.1:80".into(),
-    )
 }
 
 /// A `u8` tensor of `len` zero bytes.

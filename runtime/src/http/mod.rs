@@ -1,5 +1,6 @@
 //! The HTTP side: listener, routes, limits, and graceful shutdown.
 
+mod admin;
 pub mod response;
 mod routes;
 pub mod tls;
@@ -17,7 +18,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-pub use routes::App;
+pub use routes::{App, VERSION_HEADER};
 
 /// Longest a client may take to send a request's headers.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);

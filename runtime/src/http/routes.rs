@@ -12,29 +12,39 @@ use tokio::sync::Semaphore;
 
 use super::response::{self, Body};
 use crate::config::ServeConfig;
-use crate::handlers::{Handler, Registry};
+use crate::control::{ControlPlane, TenantGate};
+use crate::handlers::Handler;
 use crate::metrics::{self, HttpMetrics};
-use crate::sandbox::{Sandbox, SandboxError};
+use crate::sandbox::{Sandbox, SandboxError, SandboxLimits};
 use facegate_host_gpu::Models;
 
 /// Longest a client may take to send a request body (also capped by the request timeout).
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Everything a request needs: handlers, sandbox, models, limits, counters.
+/// Response header naming the handler version that answered.
+pub const VERSION_HEADER: &str = "x-facegate-handler-version";
+
+/// Everything a request needs: the control plane (tenants, keys, handlers),
+/// sandbox, models, limits, counters.
 pub struct App {
-    registry: Registry,
-    sandbox: Sandbox,
+    pub(super) control: Arc<ControlPlane>,
+    sandbox: Arc<Sandbox>,
     models: Models,
-    config: ServeConfig,
+    pub(super) config: ServeConfig,
     metrics: HttpMetrics,
     instances: Arc<Semaphore>,
 }
 
 impl App {
     /// Assembles the app from loaded parts.
-    pub fn new(registry: Registry, sandbox: Sandbox, models: Models, config: ServeConfig) -> Self {
+    pub fn new(control: Arc<ControlPlane>, sandbox: Arc<Sandbox>, models: Models, config: ServeConfig) -> Self {
         let instances = Arc::new(Semaphore::new(config.max_instances as usize));
-        Self { registry, sandbox, models, config, metrics: HttpMetrics::default(), instances }
+        Self { control, sandbox, models, config, metrics: HttpMetrics::default(), instances }
+    }
+
+    /// The control plane.
+    pub fn control(&self) -> &Arc<ControlPlane> {
+        &self.control
     }
 
     /// Dispatches one request. Never fails: every problem becomes a response.
@@ -46,6 +56,7 @@ impl App {
             (&Method::GET, ["metrics"]) => self.prometheus(),
             (&Method::GET, ["v1", "models"]) => self.list_models(),
             (_, ["v1", tenant, handler]) => self.call_handler(tenant, handler, req).await,
+            (_, ["admin", "v1", rest @ ..]) => self.admin(rest, req).await,
             (_, ["healthz" | "metrics"] | ["v1", "models"]) => {
                 response::error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "use GET")
             }
@@ -55,7 +66,7 @@ impl App {
 
     fn health(&self) -> Response<Body> {
         let models: Vec<_> = self.models.iter().map(|b| b.spec().name.clone()).collect();
-        response::json(StatusCode::OK, &serde_json::json!({ "status": "ok", "handlers": self.registry.len(), "models": models }))
+        response::json(StatusCode::OK, &serde_json::json!({ "status": "ok", "handlers": self.control.live().handler_count(), "models": models }))
     }
 
     fn prometheus(&self) -> Response<Body> {
@@ -78,59 +89,91 @@ impl App {
         response::json(StatusCode::OK, &serde_json::json!({ "models": models }))
     }
 
-    async fn call_handler(&self, tenant: &str, name: &str, req: Request<Incoming>) -> Response<Body> {
+    /// Authenticates, admits (tenant rate and concurrency, instance slots)
+    /// and runs a tenant's handler. Authentication comes first and never
+    /// looks at the path's tenant: an unknown tenant and another tenant's
+    /// handler give the same 404 after the same work.
+    async fn call_handler(&self, tenant: &str, name: &str, mut req: Request<Incoming>) -> Response<Body> {
         let started = Instant::now();
-        let Some(handler) = self.registry.get(tenant, name) else {
+        let live = self.control.live();
+        let Some(key_tenant) = live.authenticate(bearer(&req)) else {
+            let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
+            refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+            return refusal;
+        };
+        let found = (key_tenant == tenant).then(|| live.handler(tenant, name)).flatten();
+        let Some((gate, handler)) = found.map(|(g, h)| (Arc::clone(g), Arc::clone(h))) else {
             return response::error(StatusCode::NOT_FOUND, "unknown_handler", format!("no handler {name:?} for tenant {tenant:?}"));
         };
-        let response = self.run_handler(&handler, req).await;
+        drop(live);
+        // The handler never sees the tenant's key.
+        req.headers_mut().remove(hyper::header::AUTHORIZATION);
+        let response = self.run_handler(&gate, &handler, req).await;
         self.metrics.record(tenant, name, response.status().as_u16(), started.elapsed());
         response
     }
 
-    async fn run_handler(&self, handler: &Arc<Handler>, req: Request<Incoming>) -> Response<Body> {
-        // Refuse before reading the body when no instance slot is free. The
-        // permit lives as long as the guest (it moves into the guest's task).
+    async fn run_handler(&self, gate: &TenantGate, handler: &Arc<Handler>, req: Request<Incoming>) -> Response<Body> {
+        let limits = &gate.limits;
+        if let Err(wait) = gate.rate.try_take() {
+            let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
+            return response::retry_later(StatusCode::TOO_MANY_REQUESTS, "rate_limited", "the tenant's request rate is exceeded", seconds);
+        }
+        // Slots are taken before the body is read; the permits live as long
+        // as the guest (they move into the guest's task).
+        let Ok(tenant_permit) = Arc::clone(&gate.concurrency).try_acquire_owned() else {
+            return response::retry_later(StatusCode::TOO_MANY_REQUESTS, "concurrency_limited", "the tenant has too many requests in flight", 1);
+        };
         let Ok(permit) = Arc::clone(&self.instances).try_acquire_owned() else {
             return response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", "all handler instances are busy", 1);
         };
-        let req = match self.buffer_body(req).await {
+        let req = match buffer_body(req, limits.max_body_bytes, limits.timeout()).await {
             Ok(req) => req,
             Err(refusal) => return refusal,
         };
         // The deadline covers the guest, queueing and inference, not the upload.
-        let deadline = Instant::now() + self.config.request_timeout();
-        match self.sandbox.handle(handler, req, deadline, permit).await {
-            Ok(response) => response,
+        let deadline = Instant::now() + limits.timeout();
+        let sandbox_limits = SandboxLimits { memory_limit: limits.memory_mib << 20, max_infer_calls: limits.max_infer_calls };
+        match self.sandbox.handle(handler, req, deadline, sandbox_limits, (permit, tenant_permit)).await {
+            Ok(mut response) => {
+                response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));
+                response
+            }
             Err(e) => sandbox_error(handler, &e),
         }
     }
+}
 
-    /// Reads the whole body under the size limit and a read timeout.
-    async fn buffer_body(&self, req: Request<Incoming>) -> Result<Request<Full<Bytes>>, Response<Body>> {
-        let limit = self.config.max_body_bytes;
-        let too_large = || response::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes"));
-        if content_length(&req).is_some_and(|n| n > limit as u64) {
-            return Err(too_large());
-        }
-        let (mut parts, body) = req.into_parts();
-        // A slow upload holds an instance slot: bound it like a request.
-        let read_timeout = BODY_READ_TIMEOUT.min(self.config.request_timeout());
-        let collected = tokio::time::timeout(read_timeout, Limited::new(body, limit).collect()).await;
-        let bytes = match collected {
-            Ok(Ok(c)) => c.to_bytes(),
-            Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Err(too_large()),
-            Ok(Err(_)) => return Err(response::error(StatusCode::BAD_REQUEST, "bad_body", "the request body could not be read")),
-            Err(_) => return Err(response::error(StatusCode::REQUEST_TIMEOUT, "body_timeout", "request body was not received in time")),
-        };
-        if parts.headers.get(HOST).is_some_and(|h| h.to_str().is_err()) {
-            return Err(response::error(StatusCode::BAD_REQUEST, "bad_host", "the Host header is not valid text"));
-        }
-        if parts.uri.authority().is_none() && !parts.headers.contains_key(HOST) {
-            parts.headers.insert(HOST, hyper::header::HeaderValue::from_static("localhost"));
-        }
-        Ok(Request::from_parts(parts, Full::new(bytes)))
+/// The bearer token of a request, if any.
+pub(super) fn bearer(req: &Request<Incoming>) -> Option<&str> {
+    let value = req.headers().get(hyper::header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token.trim())
+}
+
+/// Reads the whole body under a size limit and a read timeout (the shorter
+/// of [`BODY_READ_TIMEOUT`] and `timeout`: a slow upload holds a slot).
+pub(super) async fn buffer_body(req: Request<Incoming>, limit: usize, timeout: Duration) -> Result<Request<Full<Bytes>>, Response<Body>> {
+    let too_large = || response::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes"));
+    if content_length(&req).is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
     }
+    let (mut parts, body) = req.into_parts();
+    let read_timeout = BODY_READ_TIMEOUT.min(timeout);
+    let collected = tokio::time::timeout(read_timeout, Limited::new(body, limit).collect()).await;
+    let bytes = match collected {
+        Ok(Ok(c)) => c.to_bytes(),
+        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Err(too_large()),
+        Ok(Err(_)) => return Err(response::error(StatusCode::BAD_REQUEST, "bad_body", "the request body could not be read")),
+        Err(_) => return Err(response::error(StatusCode::REQUEST_TIMEOUT, "body_timeout", "request body was not received in time")),
+    };
+    if parts.headers.get(HOST).is_some_and(|h| h.to_str().is_err()) {
+        return Err(response::error(StatusCode::BAD_REQUEST, "bad_host", "the Host header is not valid text"));
+    }
+    if parts.uri.authority().is_none() && !parts.headers.contains_key(HOST) {
+        parts.headers.insert(HOST, hyper::header::HeaderValue::from_static("localhost"));
+    }
+    Ok(Request::from_parts(parts, Full::new(bytes)))
 }
 
 fn content_length(req: &Request<Incoming>) -> Option<u64> {

@@ -92,9 +92,12 @@ fn huge_dimensions_are_refused_before_decoding() {
 /// answer while it is still writing) and returns the status and JSON body.
 fn raw_post(head: impl AsRef<[u8]>, body: &[u8]) -> (u16, Value) {
     use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(crate::harness::gateway()).unwrap();
+    let mut stream = std::net::TcpStream::connect(crate::harness::gateway().addr).unwrap();
     stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
-    stream.write_all(head.as_ref()).unwrap();
+    // The key goes right after the request line: auth is checked before the body.
+    let head = String::from_utf8_lossy(head.as_ref())
+        .replacen("\r\n", &format!("\r\nAuthorization: Bearer {}\r\n", crate::harness::key("demo")), 1);
+    stream.write_all(head.as_bytes()).unwrap();
     stream.write_all(body).unwrap();
     let mut response = Vec::new();
     let _ = stream.read_to_end(&mut response);

@@ -38,52 +38,93 @@ pub fn guest(name: &str) -> PathBuf {
     path
 }
 
-/// Copies a component to `<handlers>/<tenant>/<handler>.wasm`.
-pub fn install(handlers: &Path, tenant: &str, handler: &str, component: &Path) {
-    let dir = handlers.join(tenant);
+/// Admin token of every test gateway.
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+
+/// Copies a component to `<dir>/<tenant>/<handler>.wasm` (a seed directory).
+pub fn install(dir: &Path, tenant: &str, handler: &str, component: &Path) {
+    let dir = dir.join(tenant);
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(component, dir.join(format!("{handler}.wasm"))).unwrap();
 }
 
-/// The test gateway's settings, serving `handlers_dir`.
-pub fn config(handlers_dir: PathBuf) -> ServeConfig {
+/// The seed of the test gateways: tenant `demo` serves the example handlers
+/// (`detect`, `blur`, `crop`); tenant `evil` serves the hostile test program as `attack`.
+pub fn seed_dir() -> PathBuf {
+    static SEED: OnceLock<PathBuf> = OnceLock::new();
+    SEED.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("seed-{}", std::process::id()));
+        install(&dir, "demo", "detect", &guest("detect"));
+        install(&dir, "demo", "blur", &guest("blur"));
+        install(&dir, "demo", "crop", &guest("crop"));
+        install(&dir, "evil", "attack", &guest("hostile"));
+        dir
+    })
+    .clone()
+}
+
+/// A fresh, empty data directory named `name`.
+pub fn fresh_dir(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// The test gateway's settings: a store in `data_dir`, seeded from `seed`.
+pub fn config(data_dir: PathBuf, seed: Option<PathBuf>) -> ServeConfig {
     let home = facegate_home();
-    ServeConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tls_cert: None,
-        tls_key: None,
-        handlers_dir,
-        request_timeout_ms: REQUEST_TIMEOUT_MS,
-        max_body_bytes: MAX_BODY_BYTES,
-        memory_limit_mib: 256,
-        max_instances: 64,
-        max_infer_calls: MAX_INFER_CALLS,
-        engine: EngineConfig {
-            model: home.join("models/centerface.onnx"),
-            onnxruntime: std::env::var_os("ORT_DYLIB_PATH").map(PathBuf::from).unwrap_or_else(|| home.join("lib/libonnxruntime.so")),
-            cpu_workers: 1,
-            cpu_threads: 0,
-            max_batch: 4,
-            batch_delay_us: 0,
-            queue_capacity: 256,
-            tenant_queue_capacity: 128,
-            tenant_weights: Vec::new(),
-        },
+    let mut config = ServeConfig::with_data_dir(data_dir).unwrap();
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    config.tls_cert = None;
+    config.tls_key = None;
+    config.seed_dir = seed;
+    config.admin_token = Some(ADMIN_TOKEN.to_owned());
+    config.request_timeout_ms = REQUEST_TIMEOUT_MS;
+    config.max_body_bytes = MAX_BODY_BYTES;
+    config.memory_limit_mib = 256;
+    config.max_instances = 64;
+    config.max_infer_calls = MAX_INFER_CALLS;
+    config.engine = engine_config(&home);
+    config
+}
+
+/// The real model on ONNX Runtime, as deploy/setup.sh installed it.
+pub fn engine_config(home: &Path) -> EngineConfig {
+    EngineConfig {
+        model: home.join("models/centerface.onnx"),
+        onnxruntime: std::env::var_os("ORT_DYLIB_PATH").map(PathBuf::from).unwrap_or_else(|| home.join("lib/libonnxruntime.so")),
+        cpu_workers: 1,
+        cpu_threads: 0,
+        max_batch: 4,
+        batch_delay_us: 0,
+        queue_capacity: 256,
+        tenant_queue_capacity: 128,
+        tenant_weights: Vec::new(),
     }
 }
 
-/// The shared gateway: tenant `demo` serves the example handlers
-/// (`detect`, `blur`, `crop`); tenant `evil` serves the hostile test program as `attack`.
-pub fn gateway() -> SocketAddr {
-    static ADDR: OnceLock<SocketAddr> = OnceLock::new();
-    *ADDR.get_or_init(|| {
-        let handlers = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("handlers-{}", std::process::id()));
-        install(&handlers, "demo", "detect", &guest("detect"));
-        install(&handlers, "demo", "blur", &guest("blur"));
-        install(&handlers, "demo", "crop", &guest("crop"));
-        install(&handlers, "evil", "attack", &guest("hostile"));
-        start(config(handlers))
+/// The shared test gateway: its address and its store.
+pub struct TestGateway {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Its data directory.
+    pub data_dir: PathBuf,
+}
+
+/// The shared gateway, seeded with `demo` and `evil`.
+pub fn gateway() -> &'static TestGateway {
+    static GATEWAY: OnceLock<TestGateway> = OnceLock::new();
+    GATEWAY.get_or_init(|| {
+        let data_dir = fresh_dir("data");
+        let addr = start(config(data_dir.clone(), Some(seed_dir())));
+        TestGateway { addr, data_dir }
     })
+}
+
+/// The API key the seed wrote for `tenant`.
+pub fn key(tenant: &str) -> String {
+    let path = gateway().data_dir.join(format!("{tenant}.key"));
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).trim().to_owned()
 }
 
 /// Starts a gateway with `config` on a thread of its own; returns its address.
@@ -102,12 +143,41 @@ pub fn start(config: ServeConfig) -> SocketAddr {
     rx.recv().expect("gateway failed to start")
 }
 
-/// A blocking HTTP client with a generous timeout.
-pub fn client() -> reqwest::blocking::Client {
+/// A blocking HTTP client with a generous timeout, sending no key.
+pub fn anonymous() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(std::time::Duration::from_secs(60)).build().unwrap()
+}
+
+/// A client sending `key` with every request.
+pub fn client_with_key(key: &str) -> reqwest::blocking::Client {
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(reqwest::header::AUTHORIZATION, format!("Bearer {key}").parse().unwrap());
+    reqwest::blocking::Client::builder().timeout(std::time::Duration::from_secs(60)).default_headers(headers).build().unwrap()
+}
+
+/// A client with `tenant`'s seeded key.
+pub fn client_as(tenant: &str) -> reqwest::blocking::Client {
+    client_with_key(&key(tenant))
+}
+
+/// A client with tenant `demo`'s key.
+pub fn client() -> reqwest::blocking::Client {
+    client_as("demo")
 }
 
 /// `http://<gateway>/<path>`.
 pub fn url(path: &str) -> String {
-    format!("http://{}{path}", gateway())
+    format!("http://{}{path}", gateway().addr)
+}
+
+/// An admin API request (`/admin/v1/<path>`) with the admin token.
+pub fn admin(method: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
+    anonymous().request(method, url(&format!("/admin/v1/{path}"))).bearer_auth(ADMIN_TOKEN)
+}
+
+/// Sends an admin request; returns the status and the JSON answer.
+pub fn admin_json(request: reqwest::blocking::RequestBuilder) -> (u16, serde_json::Value) {
+    let response = request.send().unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().unwrap_or(serde_json::Value::Null))
 }

@@ -2,7 +2,9 @@
 //! example handlers, the CenterFace model on ONNX Runtime) on an ephemeral port.
 
 mod bad_input;
+mod control;
 mod detect;
 mod harness;
 mod hostile;
+mod restart;
 mod tls;

@@ -1,0 +1,345 @@
+//! The admin client: `facegate tenant|key|deploy|versions|activate|rollback`
+//! talk to a running gateway's admin API (`--url` / `FACEGATE_URL`, token
+//! from `FACEGATE_ADMIN_TOKEN`); `facegate check` inspects a store offline.
+//! With `--json` each prints the API's JSON answer, for scripts; otherwise a
+//! short human summary. A refusal prints its message and exits non-zero.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::{Args, Subcommand};
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+
+use crate::control::limits::LimitOverrides;
+
+/// Where the admin API is and how to print.
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// Base URL of the gateway (plain HTTP; the admin API lives under `/admin/v1/`).
+    #[arg(long, env = "FACEGATE_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+
+    /// Print the API's JSON answer instead of a summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `facegate tenant ...`
+#[derive(Debug, Subcommand)]
+pub enum TenantCommand {
+    /// Create a tenant (limits not given follow the server's defaults).
+    Create {
+        /// Tenant name: 1-63 characters of a-z, 0-9 and '-'.
+        name: String,
+        /// Limits to override.
+        #[command(flatten)]
+        limits: LimitArgs,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// Change some limits of a tenant.
+    Limits {
+        /// Tenant name.
+        name: String,
+        /// Limits to override.
+        #[command(flatten)]
+        limits: LimitArgs,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// List tenants.
+    List {
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// Delete a tenant with its keys and handlers.
+    Delete {
+        /// Tenant name.
+        name: String,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+}
+
+/// Per-tenant limits settable from the command line.
+#[derive(Debug, Clone, Default, Args)]
+pub struct LimitArgs {
+    /// Linear memory of one instance (MiB).
+    #[arg(long)]
+    pub memory_mib: Option<usize>,
+    /// Request deadline (ms).
+    #[arg(long)]
+    pub timeout_ms: Option<u64>,
+    /// Requests in flight at once.
+    #[arg(long)]
+    pub max_concurrency: Option<u32>,
+    /// Sustained requests per second (0: unlimited).
+    #[arg(long)]
+    pub rps: Option<f64>,
+    /// Token-bucket size.
+    #[arg(long)]
+    pub burst: Option<u32>,
+    /// Largest request body (bytes).
+    #[arg(long)]
+    pub max_body_bytes: Option<usize>,
+    /// face-detect calls per request.
+    #[arg(long)]
+    pub max_infer_calls: Option<u32>,
+    /// Share of device batches.
+    #[arg(long)]
+    pub weight: Option<u32>,
+    /// Grant outgoing HTTP (wasi:http/outgoing-handler).
+    #[arg(long)]
+    pub outgoing_http: Option<bool>,
+}
+
+impl From<&LimitArgs> for LimitOverrides {
+    fn from(a: &LimitArgs) -> Self {
+        LimitOverrides {
+            memory_mib: a.memory_mib,
+            timeout_ms: a.timeout_ms,
+            max_concurrency: a.max_concurrency,
+            rps: a.rps,
+            burst: a.burst,
+            max_body_bytes: a.max_body_bytes,
+            max_infer_calls: a.max_infer_calls,
+            weight: a.weight,
+            outgoing_http: a.outgoing_http,
+        }
+    }
+}
+
+/// `facegate key ...`
+#[derive(Debug, Subcommand)]
+pub enum KeyCommand {
+    /// Create an API key; it is printed once (with --json, in field `key`).
+    Create {
+        /// Tenant name.
+        tenant: String,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// List a tenant's keys (ids only).
+    List {
+        /// Tenant name.
+        tenant: String,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// Revoke a key by id.
+    Revoke {
+        /// Tenant name.
+        tenant: String,
+        /// Key id (the part after `fg_`, before the next `_`).
+        key_id: String,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+}
+
+/// A tenant's handler.
+#[derive(Debug, Clone, Args)]
+pub struct HandlerArgs {
+    /// Tenant name.
+    #[arg(long)]
+    pub tenant: String,
+    /// Handler name.
+    #[arg(long)]
+    pub handler: String,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "flattened")]
+    pub client: ClientArgs,
+}
+
+/// `facegate deploy`
+#[derive(Debug, Clone, Args)]
+pub struct DeployArgs {
+    /// The handler component (wasm32-wasip2).
+    pub file: PathBuf,
+    /// Store the version without activating it.
+    #[arg(long)]
+    pub no_activate: bool,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "flattened")]
+    pub target: HandlerArgs,
+}
+
+/// `facegate activate`
+#[derive(Debug, Clone, Args)]
+pub struct ActivateArgs {
+    /// Version to activate.
+    pub version: i64,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "flattened")]
+    pub target: HandlerArgs,
+}
+
+/// `facegate check`
+#[derive(Debug, Clone, Args)]
+pub struct CheckArgs {
+    /// The store to check.
+    #[arg(long, env = "FACEGATE_DATA", default_value = ".facegate/data")]
+    pub data_dir: PathBuf,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs one client command; returns the process exit code.
+pub async fn run(command: crate::config::Command) -> anyhow::Result<i32> {
+    use crate::config::Command as C;
+    let (client, method, path, body, content_type) = match &command {
+        C::Tenant(TenantCommand::Create { name, limits, client }) => {
+            let body = json!({ "name": name, "limits": LimitOverrides::from(limits) });
+            (client, Method::POST, "tenants".to_owned(), body.to_string().into(), "application/json")
+        }
+        C::Tenant(TenantCommand::Limits { name, limits, client }) => {
+            let body = serde_json::to_string(&LimitOverrides::from(limits))?;
+            (client, Method::PATCH, format!("tenants/{name}"), body.into(), "application/json")
+        }
+        C::Tenant(TenantCommand::List { client }) => (client, Method::GET, "tenants".to_owned(), Bytes::new(), "application/json"),
+        C::Tenant(TenantCommand::Delete { name, client }) => (client, Method::DELETE, format!("tenants/{name}"), Bytes::new(), "application/json"),
+        C::Key(KeyCommand::Create { tenant, client }) => (client, Method::POST, format!("tenants/{tenant}/keys"), Bytes::new(), "application/json"),
+        C::Key(KeyCommand::List { tenant, client }) => (client, Method::GET, format!("tenants/{tenant}/keys"), Bytes::new(), "application/json"),
+        C::Key(KeyCommand::Revoke { tenant, key_id, client }) => {
+            (client, Method::DELETE, format!("tenants/{tenant}/keys/{key_id}"), Bytes::new(), "application/json")
+        }
+        C::Deploy(DeployArgs { file, no_activate, target }) => {
+            let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+            let query = if *no_activate { "?activate=false" } else { "" };
+            let path = format!("tenants/{}/handlers/{}{query}", target.tenant, target.handler);
+            (&target.client, Method::PUT, path, bytes.into(), "application/wasm")
+        }
+        C::Versions(t) => {
+            (&t.client, Method::GET, format!("tenants/{}/handlers/{}/versions", t.tenant, t.handler), Bytes::new(), "application/json")
+        }
+        C::Activate(ActivateArgs { version, target: t }) => {
+            let body = json!({ "version": version }).to_string();
+            (&t.client, Method::POST, format!("tenants/{}/handlers/{}/activate", t.tenant, t.handler), body.into(), "application/json")
+        }
+        C::Rollback(t) => {
+            (&t.client, Method::POST, format!("tenants/{}/handlers/{}/rollback", t.tenant, t.handler), Bytes::new(), "application/json")
+        }
+        C::Check(args) => return check(args),
+        C::Serve(_) | C::Bench(_) => bail!("not a client command"),
+    };
+    let token = std::env::var("FACEGATE_ADMIN_TOKEN").context("set FACEGATE_ADMIN_TOKEN to the gateway's admin token")?;
+    let (status, value) = call(&client.url, &token, method, &path, body, content_type).await?;
+    if !status.is_success() {
+        let message = value["error"]["message"].as_str().map_or_else(|| value.to_string(), str::to_owned);
+        if client.json {
+            println!("{value}");
+        }
+        eprintln!("error ({}): {message}", status.as_u16());
+        return Ok(1);
+    }
+    if client.json {
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        print_summary(&command, &value);
+    }
+    Ok(0)
+}
+
+/// One admin request; returns the status and the JSON answer.
+async fn call(base: &str, token: &str, method: Method, path: &str, body: Bytes, content_type: &str) -> anyhow::Result<(StatusCode, Value)> {
+    let url = format!("{}/admin/v1/{path}", base.trim_end_matches('/'));
+    let request = Request::builder()
+        .method(method)
+        .uri(&url)
+        .header(hyper::header::AUTHORIZATION, format!("Bearer {token}"))
+        .header(hyper::header::CONTENT_TYPE, content_type)
+        .body(Full::new(body))
+        .with_context(|| format!("bad URL {url}"))?;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let response = client.request(request).await.with_context(|| format!("cannot reach {url}"))?;
+    let status = response.status();
+    let bytes = response.into_body().collect().await.context("reading the answer")?.to_bytes();
+    let value = serde_json::from_slice(&bytes).unwrap_or_else(|_| json!({ "error": { "message": String::from_utf8_lossy(&bytes) } }));
+    Ok((status, value))
+}
+
+fn print_summary(command: &crate::config::Command, v: &Value) {
+    use crate::config::Command as C;
+    match command {
+        C::Tenant(TenantCommand::List { .. }) => {
+            for t in v["tenants"].as_array().into_iter().flatten() {
+                let handlers: Vec<String> = t["handlers"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|h| format!("{}@{}", h["name"].as_str().unwrap_or("?"), h["active_version"]))
+                    .collect();
+                println!("{}\t{}", t["name"].as_str().unwrap_or("?"), handlers.join(" "));
+            }
+        }
+        C::Tenant(TenantCommand::Create { .. } | TenantCommand::Limits { .. }) => {
+            println!("tenant {}: {}", v["name"].as_str().unwrap_or("?"), v["limits"]);
+        }
+        C::Tenant(TenantCommand::Delete { name, .. }) => println!("deleted tenant {name}"),
+        C::Key(KeyCommand::Create { .. }) => {
+            println!("{}", v["key"].as_str().unwrap_or_default());
+            eprintln!("key id {} (the key is shown only now)", v["id"].as_str().unwrap_or("?"));
+        }
+        C::Key(KeyCommand::List { .. }) => {
+            for k in v["keys"].as_array().into_iter().flatten() {
+                let state = if k["revoked_at"].is_null() { "active" } else { "revoked" };
+                println!("{}\t{state}", k["id"].as_str().unwrap_or("?"));
+            }
+        }
+        C::Key(KeyCommand::Revoke { key_id, .. }) => println!("revoked key {key_id}"),
+        C::Deploy(_) => println!(
+            "{}/{} version {} ({} bytes, sha256 {}); active version {}",
+            v["tenant"].as_str().unwrap_or("?"),
+            v["handler"].as_str().unwrap_or("?"),
+            v["version"],
+            v["size"],
+            v["sha256"].as_str().unwrap_or("?"),
+            v["active_version"]
+        ),
+        C::Versions(_) => {
+            for version in v["versions"].as_array().into_iter().flatten() {
+                let active = if version["version"] == v["active_version"] { "\tactive" } else { "" };
+                println!("{}\t{}\t{}{active}", version["version"], version["sha256"].as_str().unwrap_or("?"), version["size"]);
+            }
+        }
+        C::Activate(_) | C::Rollback(_) => println!(
+            "{}/{}: active version {} (was {})",
+            v["tenant"].as_str().unwrap_or("?"),
+            v["handler"].as_str().unwrap_or("?"),
+            v["active_version"],
+            v["previous_version"]
+        ),
+        _ => println!("{v}"),
+    }
+}
+
+fn check(args: &CheckArgs) -> anyhow::Result<i32> {
+    let report = crate::control::check_store(&args.data_dir)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        for problem in &report.problems {
+            println!("problem: {problem}");
+        }
+        println!(
+            "{}: {} versions checked, {} temp files of interrupted writes",
+            if report.ok { "ok" } else { "FAILED" },
+            report.versions,
+            report.temp_files
+        );
+    }
+    Ok(if report.ok { 0 } else { 1 })
+}

@@ -1,0 +1,150 @@
+//! Component bytes on disk, content-addressed by SHA-256, and their
+//! precompiled artifacts. Every file is written to `tmp/`, fsynced and
+//! renamed into place, so a reader never sees a partial file; `tmp/` is
+//! emptied at start (leftovers of a write that was interrupted).
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+
+use super::keys::{hex, random, sha256_hex};
+
+/// The blob directories under a data directory.
+#[derive(Debug, Clone)]
+pub struct Blobs {
+    root: PathBuf,
+}
+
+impl Blobs {
+    /// Opens (creating) the blob directories under `data_dir`, without touching `tmp/`.
+    pub fn open(data_dir: &Path) -> anyhow::Result<Self> {
+        let blobs = Self { root: data_dir.to_owned() };
+        for dir in [blobs.components_dir(), blobs.compiled_dir(), blobs.tmp_dir()] {
+            fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        }
+        Ok(blobs)
+    }
+
+    /// Removes what interrupted writes left in `tmp/`; returns how many files.
+    pub fn clear_tmp(&self) -> anyhow::Result<usize> {
+        let leftovers = self.tmp_files()?;
+        for path in &leftovers {
+            fs::remove_file(path).with_context(|| format!("cannot remove {}", path.display()))?;
+        }
+        Ok(leftovers.len())
+    }
+
+    /// Files in `tmp/` (interrupted writes; never served).
+    pub fn tmp_files(&self) -> anyhow::Result<Vec<PathBuf>> {
+        Ok(fs::read_dir(self.tmp_dir())?.filter_map(|e| e.ok().map(|e| e.path())).collect())
+    }
+
+    /// Stores component bytes; returns their SHA-256 (hex).
+    pub fn put_component(&self, bytes: &[u8]) -> anyhow::Result<String> {
+        let sha = sha256_hex(bytes);
+        let path = self.component_path(&sha);
+        if self.read_verified(&path, &sha).is_err() {
+            self.write_atomic(&path, bytes)?;
+        }
+        Ok(sha)
+    }
+
+    /// Stores a precompiled artifact; returns its SHA-256 (hex).
+    pub fn put_artifact(&self, component_sha: &str, engine: &str, bytes: &[u8]) -> anyhow::Result<String> {
+        self.write_atomic(&self.artifact_path(component_sha, engine), bytes)?;
+        Ok(sha256_hex(bytes))
+    }
+
+    /// Reads a file and checks it hashes to `sha`.
+    pub fn read_verified(&self, path: &Path, sha: &str) -> anyhow::Result<Vec<u8>> {
+        let bytes = fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let actual = sha256_hex(&bytes);
+        if actual != sha {
+            bail!("{} is corrupt: sha256 {actual}, expected {sha}", path.display());
+        }
+        Ok(bytes)
+    }
+
+    /// Where a component with this hash lives.
+    pub fn component_path(&self, sha: &str) -> PathBuf {
+        self.components_dir().join(format!("{sha}.wasm"))
+    }
+
+    /// Where the artifact of a component, compiled by an engine with this identity, lives.
+    pub fn artifact_path(&self, component_sha: &str, engine: &str) -> PathBuf {
+        self.compiled_dir().join(format!("{component_sha}-{engine}.cwasm"))
+    }
+
+    /// Directory of component blobs.
+    pub fn components_dir(&self) -> PathBuf {
+        self.root.join("components")
+    }
+
+    fn compiled_dir(&self) -> PathBuf {
+        self.root.join("compiled")
+    }
+
+    fn tmp_dir(&self) -> PathBuf {
+        self.root.join("tmp")
+    }
+
+    /// temp file → write → fsync → rename → fsync the directory.
+    fn write_atomic(&self, dest: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+        let tmp = self.tmp_dir().join(hex(&random::<8>()?));
+        let result = (|| {
+            let mut file = File::create(&tmp)?;
+            file.write_all(bytes)?;
+            file.sync_all()?;
+            fs::rename(&tmp, dest)?;
+            sync_dir(dest.parent().unwrap_or(Path::new(".")))
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        result.with_context(|| format!("cannot write {}", dest.display()))
+    }
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("facegate-blobs-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn components_are_content_addressed_and_verified() {
+        let dir = temp_dir("ca");
+        let blobs = Blobs::open(&dir).unwrap();
+        let sha = blobs.put_component(b"bytes").unwrap();
+        assert_eq!(sha, sha256_hex(b"bytes"));
+        assert_eq!(blobs.put_component(b"bytes").unwrap(), sha, "same bytes, same blob");
+        let path = blobs.component_path(&sha);
+        assert_eq!(blobs.read_verified(&path, &sha).unwrap(), b"bytes");
+        fs::write(&path, b"bytez").unwrap();
+        assert!(blobs.read_verified(&path, &sha).unwrap_err().to_string().contains("corrupt"));
+        blobs.put_component(b"bytes").unwrap();
+        assert_eq!(blobs.read_verified(&path, &sha).unwrap(), b"bytes", "a corrupt blob is rewritten");
+        assert!(blobs.tmp_files().unwrap().is_empty(), "no temp file left behind");
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn leftovers_of_interrupted_writes_are_cleared() {
+        let dir = temp_dir("tmp");
+        let blobs = Blobs::open(&dir).unwrap();
+        fs::write(dir.join("tmp/partial"), b"half").unwrap();
+        assert_eq!(blobs.clear_tmp().unwrap(), 1);
+        assert!(blobs.tmp_files().unwrap().is_empty());
+        fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,193 @@
+//! Per-tenant limits: the server's flags give the defaults (and, for memory
+//! and body size, the ceilings); a tenant stores only what it overrides.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// A tenant's effective limits.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TenantLimits {
+    /// Linear memory of one handler instance, MiB.
+    pub memory_mib: usize,
+    /// Deadline of one request (guest CPU, queueing and inference), ms.
+    pub timeout_ms: u64,
+    /// Requests of this tenant in flight at once; more get 429.
+    pub max_concurrency: u32,
+    /// Sustained requests per second (token bucket); 0 means unlimited.
+    pub rps: f64,
+    /// Requests that may arrive at once above the sustained rate.
+    pub burst: u32,
+    /// Largest request body, bytes.
+    pub max_body_bytes: usize,
+    /// `face-detect.infer` calls one request may make.
+    pub max_infer_calls: u32,
+    /// Share of device batches when tenants compete (deficit round-robin weight).
+    pub weight: u32,
+    /// Whether handlers may import `wasi:http/outgoing-handler` and send requests.
+    pub outgoing_http: bool,
+}
+
+/// What a tenant overrides; absent fields follow the server's defaults.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs, reason = "fields mirror TenantLimits")]
+pub struct LimitOverrides {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrency: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rps: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_body_bytes: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_infer_calls: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outgoing_http: Option<bool>,
+}
+
+impl LimitOverrides {
+    /// Fields set in `other` replace those here.
+    pub fn merge(&mut self, other: &LimitOverrides) {
+        macro_rules! take {
+            ($($f:ident),*) => { $( if other.$f.is_some() { self.$f = other.$f; } )* };
+        }
+        take!(memory_mib, timeout_ms, max_concurrency, rps, burst, max_body_bytes, max_infer_calls, weight, outgoing_http);
+    }
+}
+
+impl TenantLimits {
+    /// These defaults with `overrides` applied.
+    pub fn with(&self, o: &LimitOverrides) -> TenantLimits {
+        TenantLimits {
+            memory_mib: o.memory_mib.unwrap_or(self.memory_mib),
+            timeout_ms: o.timeout_ms.unwrap_or(self.timeout_ms),
+            max_concurrency: o.max_concurrency.unwrap_or(self.max_concurrency),
+            rps: o.rps.unwrap_or(self.rps),
+            burst: o.burst.unwrap_or(self.burst),
+            max_body_bytes: o.max_body_bytes.unwrap_or(self.max_body_bytes),
+            max_infer_calls: o.max_infer_calls.unwrap_or(self.max_infer_calls),
+            weight: o.weight.unwrap_or(self.weight),
+            outgoing_http: o.outgoing_http.unwrap_or(self.outgoing_http),
+        }
+    }
+
+    /// Checks `o` against these defaults, which are also the ceilings for
+    /// memory and body size (the engine's instance slots are sized by them).
+    pub fn validate(&self, o: &LimitOverrides) -> Result<(), String> {
+        let l = self.with(o);
+        let checks = [
+            (l.memory_mib >= 1 && l.memory_mib <= self.memory_mib, format!("memory_mib must be 1..={}", self.memory_mib)),
+            (l.timeout_ms >= 1 && l.timeout_ms <= 600_000, "timeout_ms must be 1..=600000".to_owned()),
+            (l.max_concurrency >= 1, "max_concurrency must be at least 1".to_owned()),
+            (l.rps.is_finite() && l.rps >= 0.0, "rps must be 0 (unlimited) or positive".to_owned()),
+            (l.burst >= 1, "burst must be at least 1".to_owned()),
+            (l.max_body_bytes >= 1 && l.max_body_bytes <= self.max_body_bytes, format!("max_body_bytes must be 1..={}", self.max_body_bytes)),
+            (l.max_infer_calls <= 1024, "max_infer_calls must be at most 1024".to_owned()),
+            (l.weight >= 1 && l.weight <= 1000, "weight must be 1..=1000".to_owned()),
+        ];
+        checks.into_iter().find(|(ok, _)| !ok).map_or(Ok(()), |(_, message)| Err(message))
+    }
+
+    /// The request deadline as a duration.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+}
+
+/// A token bucket: `rate` tokens per second, holding at most `burst`.
+#[derive(Debug)]
+pub struct TokenBucket {
+    rate: f64,
+    burst: f64,
+    state: Mutex<(f64, Instant)>,
+}
+
+impl TokenBucket {
+    /// A full bucket; `rate` 0 never refuses.
+    pub fn new(rate: f64, burst: u32) -> Self {
+        let burst = f64::from(burst.max(1));
+        Self { rate, burst, state: Mutex::new((burst, Instant::now())) }
+    }
+
+    /// Takes a token, or says how long until one is available.
+    pub fn try_take(&self) -> Result<(), Duration> {
+        self.try_take_at(Instant::now())
+    }
+
+    fn try_take_at(&self, now: Instant) -> Result<(), Duration> {
+        if self.rate <= 0.0 {
+            return Ok(());
+        }
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (tokens, last) = &mut *state;
+        *tokens = (*tokens + now.saturating_duration_since(*last).as_secs_f64() * self.rate).min(self.burst);
+        *last = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64((1.0 - *tokens) / self.rate))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defaults() -> TenantLimits {
+        TenantLimits {
+            memory_mib: 256,
+            timeout_ms: 10_000,
+            max_concurrency: 32,
+            rps: 100.0,
+            burst: 100,
+            max_body_bytes: 16 << 20,
+            max_infer_calls: 16,
+            weight: 1,
+            outgoing_http: false,
+        }
+    }
+
+    #[test]
+    fn overrides_apply_and_ceilings_hold() {
+        let o = LimitOverrides { memory_mib: Some(64), rps: Some(2.0), ..Default::default() };
+        let l = defaults().with(&o);
+        assert_eq!((l.memory_mib, l.rps, l.timeout_ms), (64, 2.0, 10_000));
+        assert!(defaults().validate(&o).is_ok());
+        let too_big = LimitOverrides { memory_mib: Some(512), ..Default::default() };
+        assert!(defaults().validate(&too_big).unwrap_err().contains("memory_mib"));
+        let zero = LimitOverrides { weight: Some(0), ..Default::default() };
+        assert!(defaults().validate(&zero).unwrap_err().contains("weight"));
+    }
+
+    #[test]
+    fn unknown_limit_names_are_refused() {
+        assert!(serde_json::from_str::<LimitOverrides>(r#"{"memroy_mib": 1}"#).is_err());
+        let o: LimitOverrides = serde_json::from_str(r#"{"rps": 5}"#).unwrap();
+        assert_eq!(o.rps, Some(5.0));
+    }
+
+    #[test]
+    fn bucket_allows_a_burst_then_the_rate() {
+        let bucket = TokenBucket::new(2.0, 3);
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            assert!(bucket.try_take_at(t0).is_ok());
+        }
+        let wait = bucket.try_take_at(t0).unwrap_err();
+        assert!((wait.as_secs_f64() - 0.5).abs() < 1e-6, "{wait:?}");
+        assert!(bucket.try_take_at(t0 + Duration::from_millis(500)).is_ok());
+        assert!(bucket.try_take_at(t0 + Duration::from_millis(500)).is_err());
+        assert!(TokenBucket::new(0.0, 1).try_take_at(t0).is_ok(), "rate 0 is unlimited");
+    }
+}

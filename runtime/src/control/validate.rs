@@ -1,0 +1,83 @@
+//! Upload validation: a component (not a core module) whose imports stay
+//! within the `handler` world and which exports `wasi:http/incoming-handler`.
+//! Each refusal names what is wrong.
+
+use wasmtime::Engine;
+use wasmtime::component::Component;
+
+/// Interfaces a handler may import (package/interface prefixes).
+pub const ALLOWED_IMPORTS: &[&str] = &[
+    "facegate:face-detect/",
+    "wasi:http/types@",
+    "wasi:io/",
+    "wasi:clocks/",
+    "wasi:random/",
+    "wasi:cli/",
+    // Rust's std imports these; the sandbox grants no preopened directory.
+    "wasi:filesystem/",
+];
+
+/// The one import that needs a grant.
+pub const OUTGOING_HTTP: &str = "wasi:http/outgoing-handler@";
+
+/// The export every handler must have.
+pub const INCOMING_HANDLER: &str = "wasi:http/incoming-handler@0.2";
+
+/// Checks the binary's header before anything parses it.
+pub fn check_header(bytes: &[u8]) -> Result<(), String> {
+    match bytes {
+        [] => Err("the upload is empty".to_owned()),
+        [0, b'a', b's', b'm', 1, 0, 0, 0, ..] => Err(
+            "this is a core WebAssembly module, not a component: build the handler for wasm32-wasip2 \
+             (or wrap the module with `wasm-tools component new`)"
+                .to_owned(),
+        ),
+        [0, b'a', b's', b'm', 0x0d, 0, 1, 0, ..] => Ok(()),
+        [0, b'a', b's', b'm', ..] => Err("unsupported WebAssembly binary version (expected a component, layer 1)".to_owned()),
+        _ => Err("not a WebAssembly binary (no \\0asm header)".to_owned()),
+    }
+}
+
+/// Checks every import name against the allowed interfaces.
+pub fn check_imports(engine: &Engine, component: &Component, tenant: &str, outgoing_http: bool) -> Result<(), String> {
+    let ty = component.component_type();
+    for (name, _) in ty.imports(engine) {
+        if ALLOWED_IMPORTS.iter().any(|p| name.starts_with(p)) || (outgoing_http && name.starts_with(OUTGOING_HTTP)) {
+            continue;
+        }
+        if name.starts_with(OUTGOING_HTTP) {
+            return Err(format!("the component imports `{name}`, but tenant {tenant:?} is not granted outgoing HTTP"));
+        }
+        return Err(format!(
+            "the component imports `{name}`, which handlers may not use (allowed: {}{})",
+            ALLOWED_IMPORTS.join(", "),
+            if outgoing_http { ", wasi:http/outgoing-handler" } else { "" }
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that the component exports the incoming handler.
+pub fn check_exports(engine: &Engine, component: &Component) -> Result<(), String> {
+    let ty = component.component_type();
+    let exports: Vec<&str> = ty.exports(engine).map(|(name, _)| name).collect();
+    if exports.iter().any(|name| name.starts_with(INCOMING_HANDLER)) {
+        return Ok(());
+    }
+    let found = if exports.is_empty() { "nothing".to_owned() } else { exports.join(", ") };
+    Err(format!("the component does not export wasi:http/incoming-handler@0.2.x (it exports {found})"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_are_told_apart() {
+        assert!(check_header(b"").unwrap_err().contains("empty"));
+        assert!(check_header(b"\x89PNG\r\n\x1a\n").unwrap_err().contains("not a WebAssembly binary"));
+        assert!(check_header(b"\0asm\x01\0\0\0").unwrap_err().contains("core WebAssembly module"));
+        assert!(check_header(b"\0asm\x0d\0\x01\0").is_ok());
+        assert!(check_header(b"\0asm\x0e\0\x01\0").unwrap_err().contains("version"));
+    }
+}

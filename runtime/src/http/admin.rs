@@ -1,0 +1,134 @@
+//! The admin API under `/admin/v1/`: tenants, keys, handler versions. It
+//! requires the admin token (`Authorization: Bearer <token>`) and is off
+//! when none is configured. Store work (SQLite, compilation, fsync) runs on
+//! blocking threads, never on the async workers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use super::response::{self, Body};
+use super::routes::{App, bearer, buffer_body};
+use crate::control::db::StoreError;
+use crate::control::keys;
+use crate::control::limits::LimitOverrides;
+use crate::control::ControlPlane;
+
+/// Longest an admin upload may take to arrive.
+const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateTenant {
+    name: String,
+    #[serde(default)]
+    limits: LimitOverrides,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Activate {
+    version: i64,
+}
+
+type AdminResult = Result<(StatusCode, Value), StoreError>;
+
+impl App {
+    /// Serves one admin request (`rest` is the path after `/admin/v1/`).
+    pub(super) async fn admin(&self, rest: &[&str], req: Request<Incoming>) -> Response<Body> {
+        let Some(expected) = self.config.admin_token.as_deref() else {
+            return response::error(StatusCode::FORBIDDEN, "admin_disabled", "the admin API is off: start facegate with --admin-token (FACEGATE_ADMIN_TOKEN)");
+        };
+        if !keys::token_matches(bearer(&req).unwrap_or(""), expected) {
+            let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong admin token");
+            refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+            return refusal;
+        }
+        let method = req.method().clone();
+        let query = req.uri().query().unwrap_or("").to_owned();
+        let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
+        let body = match buffer_body(req, self.config.max_component_bytes, UPLOAD_TIMEOUT).await {
+            Ok(req) => match req.into_body().collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(never) => match never {},
+            },
+            Err(refusal) => return refusal,
+        };
+        let control = Arc::clone(&self.control);
+        let outcome = tokio::task::spawn_blocking(move || admin_op(&control, &method, &path, &query, &body)).await;
+        match outcome {
+            Ok(Ok((status, value))) => response::json(status, &value),
+            Ok(Err(e)) => store_error(&e),
+            Err(e) => {
+                tracing::error!(error = %e, "admin operation panicked");
+                response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error")
+            }
+        }
+    }
+}
+
+fn admin_op(control: &ControlPlane, method: &Method, path: &[String], query: &str, body: &Bytes) -> AdminResult {
+    let p: Vec<&str> = path.iter().map(String::as_str).collect();
+    match (method.clone(), p.as_slice()) {
+        (Method::GET, ["tenants"]) => ok(json!({ "tenants": control.tenants()? })),
+        (Method::POST, ["tenants"]) => {
+            let req: CreateTenant = parse(body)?;
+            created(control.create_tenant(&req.name, &req.limits)?)
+        }
+        (Method::GET, ["tenants", t]) => ok(control.tenant(t)?),
+        (Method::PATCH, ["tenants", t]) => ok(control.update_limits(t, &parse(body)?)?),
+        (Method::DELETE, ["tenants", t]) => {
+            control.delete_tenant(t)?;
+            ok(json!({ "deleted": t }))
+        }
+        (Method::GET, ["tenants", t, "keys"]) => ok(json!({ "tenant": t, "keys": control.keys(t)? })),
+        (Method::POST, ["tenants", t, "keys"]) => created(control.create_key(t)?),
+        (Method::DELETE, ["tenants", t, "keys", id]) => {
+            control.revoke_key(t, id)?;
+            ok(json!({ "tenant": t, "revoked": id }))
+        }
+        (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
+        (Method::PUT, ["tenants", t, "handlers", h]) => {
+            let activate = !query.split('&').any(|kv| kv == "activate=false");
+            created(control.deploy(t, h, body, activate)?)
+        }
+        (Method::GET, ["tenants", t, "handlers", h, "versions"]) => ok(control.versions(t, h)?),
+        (Method::POST, ["tenants", t, "handlers", h, "activate"]) => {
+            let req: Activate = parse(body)?;
+            ok(control.activate(t, h, req.version)?)
+        }
+        (Method::POST, ["tenants", t, "handlers", h, "rollback"]) => ok(control.rollback(t, h)?),
+        _ => Err(StoreError::NotFound(format!("no admin route {method} /admin/v1/{}", path.join("/")))),
+    }
+}
+
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, StoreError> {
+    serde_json::from_slice(body).map_err(|e| StoreError::Invalid(format!("bad JSON body: {e}")))
+}
+
+fn ok(value: impl serde::Serialize) -> AdminResult {
+    Ok((StatusCode::OK, serde_json::to_value(value).map_err(anyhow::Error::from)?))
+}
+
+fn created(value: impl serde::Serialize) -> AdminResult {
+    Ok((StatusCode::CREATED, serde_json::to_value(value).map_err(anyhow::Error::from)?))
+}
+
+fn store_error(e: &StoreError) -> Response<Body> {
+    match e {
+        StoreError::NotFound(m) => response::error(StatusCode::NOT_FOUND, "not_found", m),
+        StoreError::Conflict(m) => response::error(StatusCode::CONFLICT, "conflict", m),
+        StoreError::Invalid(m) => response::error(StatusCode::BAD_REQUEST, "invalid", m),
+        StoreError::Internal(err) => {
+            tracing::error!(error = %format!("{err:#}"), "admin operation failed");
+            response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e)
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! The control plane end to end, on the shared gateway: the admin token,
+//! upload validation, API keys, per-tenant limits, hot swap and rollback
+//! under load, and the `facegate` CLI. Each test uses tenants of its own.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use reqwest::Method;
+use serde_json::{Value, json};
+
+use crate::harness::{ADMIN_TOKEN, admin, admin_json, anonymous, client_with_key, gateway, guest, image, key, url};
+
+/// Creates `name` with `limits` and one key; returns the key.
+fn tenant_with_key(name: &str, limits: Value) -> String {
+    let (status, body) = admin_json(admin(Method::POST, "tenants").json(&json!({ "name": name, "limits": limits })));
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = admin_json(admin(Method::POST, &format!("tenants/{name}/keys")));
+    assert_eq!(status, 201, "{body}");
+    body["key"].as_str().unwrap().to_owned()
+}
+
+fn upload(tenant: &str, handler: &str, bytes: Vec<u8>, activate: bool) -> (u16, Value) {
+    let query = if activate { "" } else { "?activate=false" };
+    admin_json(admin(Method::PUT, &format!("tenants/{tenant}/handlers/{handler}{query}")).body(bytes))
+}
+
+fn component(name: &str) -> Vec<u8> {
+    std::fs::read(guest(name)).unwrap()
+}
+
+fn stored_components() -> usize {
+    std::fs::read_dir(gateway().data_dir.join("components")).unwrap().count()
+}
+
+#[test]
+fn the_admin_api_needs_the_admin_token() {
+    let path = url("/admin/v1/tenants");
+    assert_eq!(anonymous().get(&path).send().unwrap().status(), 401);
+    assert_eq!(anonymous().get(&path).bearer_auth("wrong-token-wrong-token").send().unwrap().status(), 401);
+    assert_eq!(anonymous().get(&path).bearer_auth(key("demo")).send().unwrap().status(), 401, "a tenant key is not the admin token");
+    let (status, body) = admin_json(anonymous().get(&path).bearer_auth(ADMIN_TOKEN));
+    assert_eq!(status, 200, "{body}");
+    let names: Vec<&str> = body["tenants"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert!(names.contains(&"demo") && names.contains(&"evil"), "{names:?}");
+}
+
+#[test]
+fn uploads_that_are_not_handlers_are_refused_and_nothing_is_stored() {
+    tenant_with_key("uploads", json!({}));
+    let before = stored_components();
+    let cases: [(&str, Vec<u8>, &str); 5] = [
+        ("garbage", b"hello, not wasm".to_vec(), "not a WebAssembly binary"),
+        ("core module", wat::parse_str("(module)").unwrap(), "core WebAssembly module"),
+        (
+            "import outside the world",
+            wat::parse_str(r#"(component (import "wasi:sockets/tcp@0.2.12" (instance)))"#).unwrap(),
+            "`wasi:sockets/tcp@0.2.12`",
+        ),
+        (
+            "outgoing HTTP not granted",
+            wat::parse_str(r#"(component (import "wasi:http/outgoing-handler@0.2.12" (instance)))"#).unwrap(),
+            "not granted outgoing HTTP",
+        ),
+        ("no incoming handler", wat::parse_str("(component)").unwrap(), "does not export wasi:http/incoming-handler"),
+    ];
+    for (case, bytes, expected) in cases {
+        let (status, body) = upload("uploads", "h", bytes, true);
+        assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid")), "{case}: {body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(expected), "{case}: {message}");
+    }
+    assert_eq!(stored_components(), before, "a refused upload stores no file");
+    // A tenant granted outgoing HTTP may import the outgoing handler (this
+    // one is still refused, for exporting nothing).
+    tenant_with_key("granted", json!({ "outgoing_http": true }));
+    let bytes = wat::parse_str(r#"(component (import "wasi:http/outgoing-handler@0.2.12" (instance)))"#).unwrap();
+    let (status, body) = upload("granted", "h", bytes, true);
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("does not export"), "{body}");
+    let (status, _) = admin_json(admin(Method::GET, "tenants/uploads/handlers/h/versions"));
+    assert_eq!(status, 404, "a refused upload creates no handler");
+    let (status, body) = upload("nobody-at-all", "h", component("detect"), true);
+    assert_eq!(status, 404, "{body}");
+}
+
+#[test]
+fn keys_missing_wrong_revoked_or_of_another_tenant_are_refused() {
+    let good = tenant_with_key("keys-a", json!({}));
+    assert_eq!(upload("keys-a", "detect", component("detect"), true).0, 201);
+    let post = |client: reqwest::blocking::Client, path: &str| client.post(url(path)).body(image("grace_hopper.jpg")).send().unwrap();
+
+    let response = post(anonymous(), "/v1/keys-a/detect");
+    assert_eq!(response.status(), 401);
+    assert_eq!(response.headers()["www-authenticate"], "Bearer");
+    assert_eq!(post(client_with_key("not-a-key"), "/v1/keys-a/detect").status(), 401);
+    let (id, _) = good.strip_prefix("fg_").unwrap().split_once('_').unwrap();
+    let forged = format!("fg_{id}_{}", "0".repeat(64));
+    assert_eq!(post(client_with_key(&forged), "/v1/keys-a/detect").status(), 401, "right id, wrong secret");
+
+    let response = post(client_with_key(&good), "/v1/keys-a/detect");
+    assert_eq!(response.status(), 200);
+
+    // Another tenant's key: the same 404 as for a tenant that does not exist.
+    let other = post(client_with_key(&key("demo")), "/v1/keys-a/detect");
+    let missing = post(client_with_key(&key("demo")), "/v1/no-such-tenant/detect");
+    assert_eq!((other.status().as_u16(), missing.status().as_u16()), (404, 404));
+    let (other, missing): (Value, Value) = (other.json().unwrap(), missing.json().unwrap());
+    assert_eq!(other["error"]["code"], missing["error"]["code"]);
+
+    let (status, body) = admin_json(admin(Method::DELETE, &format!("tenants/keys-a/keys/{id}")));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(post(client_with_key(&good), "/v1/keys-a/detect").status(), 401, "revoked");
+    let (_, keys) = admin_json(admin(Method::GET, "tenants/keys-a/keys"));
+    assert!(!keys["keys"][0]["revoked_at"].is_null(), "{keys}");
+    assert!(!keys.to_string().contains(&good[20..]), "the key is never shown again");
+}
+
+#[test]
+fn hot_swap_and_rollback_under_load_fail_no_request() {
+    let key = tenant_with_key("swap", json!({ "max_concurrency": 64, "rps": 0 }));
+    assert_eq!(upload("swap", "h", component("detect"), true).0, 201);
+    let (status, body) = upload("swap", "h", component("blur"), false);
+    assert_eq!((status, body["version"].as_i64(), body["active_version"].as_i64()), (201, Some(2), Some(1)), "{body}");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let (stop, seen, key) = (Arc::clone(&stop), Arc::clone(&seen), key.clone());
+            std::thread::spawn(move || {
+                let (client, photo) = (client_with_key(&key), image("grace_hopper.jpg"));
+                while !stop.load(Ordering::SeqCst) {
+                    let response = client.post(url("/v1/swap/h")).body(photo.clone()).send().unwrap();
+                    let version = response.headers().get("x-facegate-handler-version").map(|v| v.to_str().unwrap().to_owned());
+                    let content_type = response.headers().get("content-type").map(|v| v.to_str().unwrap().to_owned());
+                    seen.lock().unwrap().push((response.status().as_u16(), version, content_type));
+                }
+            })
+        })
+        .collect();
+    let wait_for_requests = |n: usize| {
+        let start = seen.lock().unwrap().len();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while seen.lock().unwrap().len() < start + n && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    wait_for_requests(8);
+    let (status, body) = admin_json(admin(Method::POST, "tenants/swap/handlers/h/activate").json(&json!({ "version": 2 })));
+    assert_eq!((status, body["previous_version"].as_i64()), (200, Some(1)), "{body}");
+    wait_for_requests(8);
+    let (status, body) = admin_json(admin(Method::POST, "tenants/swap/handlers/h/rollback"));
+    assert_eq!((status, body["active_version"].as_i64()), (200, Some(1)), "{body}");
+    wait_for_requests(8);
+    stop.store(true, Ordering::SeqCst);
+    for client in clients {
+        client.join().unwrap();
+    }
+
+    let seen = seen.lock().unwrap();
+    let failed: Vec<_> = seen.iter().filter(|(status, ..)| *status != 200).collect();
+    assert!(failed.is_empty(), "{} of {} requests failed: {failed:?}", failed.len(), seen.len());
+    for (_, version, content_type) in seen.iter() {
+        // Each answer comes whole from one version: detect answers JSON, blur a JPEG.
+        let expected = if version.as_deref() == Some("1") { "application/json" } else { "image/jpeg" };
+        assert_eq!(content_type.as_deref(), Some(expected), "version {version:?}");
+    }
+    assert!(seen.iter().any(|(_, v, _)| v.as_deref() == Some("2")), "version 2 never served");
+    assert_eq!(seen.last().unwrap().1.as_deref(), Some("1"), "after the rollback, version 1 serves");
+}
+
+#[test]
+fn tenant_limits_apply_per_tenant() {
+    // Rate: a burst of 2, then 429 with Retry-After.
+    let key = tenant_with_key("rate", json!({ "rps": 0.2, "burst": 2 }));
+    assert_eq!(upload("rate", "detect", component("detect"), true).0, 201);
+    let client = client_with_key(&key);
+    let statuses: Vec<u16> = (0..2).map(|_| client.post(url("/v1/rate/detect")).send().unwrap().status().as_u16()).collect();
+    assert_eq!(statuses, [400, 400], "an empty body reaches the handler, which refuses it");
+    let response = client.post(url("/v1/rate/detect")).send().unwrap();
+    assert_eq!(response.status(), 429);
+    assert!(response.headers()["retry-after"].to_str().unwrap().parse::<u32>().unwrap() >= 1);
+
+    // Body size, deadline and face-detect calls.
+    let key = tenant_with_key("small", json!({ "max_body_bytes": 1000, "timeout_ms": 700, "max_infer_calls": 1 }));
+    assert_eq!(upload("small", "detect", component("detect"), true).0, 201);
+    assert_eq!(upload("small", "attack", component("hostile"), true).0, 201);
+    let client = client_with_key(&key);
+    let response = client.post(url("/v1/small/detect")).body(image("grace_hopper.jpg")).send().unwrap();
+    assert_eq!(response.status(), 413);
+    let started = Instant::now();
+    let response = client.get(url("/v1/small/attack?attack=loop")).send().unwrap();
+    assert_eq!(response.status(), 504);
+    assert!(started.elapsed() < Duration::from_millis(700 + 1500), "took {:?}", started.elapsed());
+    let body: Value = client.get(url("/v1/small/attack?attack=many-calls")).send().unwrap().json().unwrap();
+    assert_eq!(body["succeeded"], 1, "{body}");
+
+    // Memory: the photo another tenant's detect handles fits in 256 MiB, not in 4.
+    let key = tenant_with_key("lowmem", json!({ "memory_mib": 4 }));
+    assert_eq!(upload("lowmem", "detect", component("detect"), true).0, 201);
+    let response = client_with_key(&key).post(url("/v1/lowmem/detect")).body(image("city.jpg")).send().unwrap();
+    assert_eq!(response.status(), 500);
+    let body: Value = response.json().unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("memory limit exceeded"), "{body}");
+    let response = crate::harness::client().post(url("/v1/demo/detect")).body(image("city.jpg")).send().unwrap();
+    assert_eq!(response.status(), 200);
+
+    // Concurrency: one request in flight, the second is refused.
+    let key = tenant_with_key("single", json!({ "max_concurrency": 1, "timeout_ms": 2000 }));
+    assert_eq!(upload("single", "attack", component("hostile"), true).0, 201);
+    let busy = {
+        let key = key.clone();
+        std::thread::spawn(move || client_with_key(&key).get(url("/v1/single/attack?attack=loop")).send().unwrap().status())
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let response = client_with_key(&key).get(url("/v1/single/attack?attack=panic")).send().unwrap();
+    assert_eq!(response.status(), 429);
+    assert_eq!(busy.join().unwrap(), 504);
+
+    // Limits above the server's ceilings are refused.
+    let (status, body) = admin_json(admin(Method::POST, "tenants").json(&json!({ "name": "greedy", "limits": { "memory_mib": 100000 } })));
+    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid")), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("memory_mib"), "{body}");
+}
+
+/// Runs the `facegate` binary as a client of the shared gateway.
+fn cli(args: &[&str]) -> (i32, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_facegate"))
+        .args(args)
+        .env("FACEGATE_URL", format!("http://{}", gateway().addr))
+        .env("FACEGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    (output.status.code().unwrap_or(-1), stdout + &String::from_utf8_lossy(&output.stderr))
+}
+
+fn cli_json(args: &[&str]) -> Value {
+    let (code, out) = cli(args);
+    assert_eq!(code, 0, "facegate {args:?}: {out}");
+    let json_start = out.find(['{', '[']).unwrap_or(0);
+    serde_json::Deserializer::from_str(&out[json_start..]).into_iter::<Value>().next().unwrap().unwrap()
+}
+
+#[test]
+fn the_cli_manages_tenants_keys_and_versions() {
+    let detect = guest("detect").display().to_string();
+    let blur = guest("blur").display().to_string();
+    assert_eq!(cli_json(&["tenant", "create", "cli-t", "--rps", "0", "--json"])["name"], "cli-t");
+    let key = cli_json(&["key", "create", "cli-t", "--json"])["key"].as_str().unwrap().to_owned();
+    let deployed = cli_json(&["deploy", "--tenant", "cli-t", "--handler", "h", &detect, "--json"]);
+    assert_eq!(deployed["version"], 1);
+    assert_eq!(cli_json(&["deploy", "--tenant", "cli-t", "--handler", "h", &blur, "--json"])["active_version"], 2);
+    let call = || client_with_key(&key).post(url("/v1/cli-t/h")).body(image("grace_hopper.jpg")).send().unwrap();
+    assert_eq!(call().headers()["content-type"], "image/jpeg");
+    let versions = cli_json(&["versions", "--tenant", "cli-t", "--handler", "h", "--json"]);
+    assert_eq!((versions["versions"].as_array().unwrap().len(), &versions["active_version"]), (2, &json!(2)));
+    assert_eq!(cli_json(&["rollback", "--tenant", "cli-t", "--handler", "h", "--json"])["active_version"], 1);
+    assert_eq!(call().headers()["content-type"], "application/json");
+    let (code, out) = cli(&["rollback", "--tenant", "cli-t", "--handler", "h"]);
+    assert_eq!(code, 1, "nothing older than version 1: {out}");
+    assert!(out.contains("no version older"), "{out}");
+    let listed = cli_json(&["tenant", "list", "--json"]);
+    assert!(listed["tenants"].as_array().unwrap().iter().any(|t| t["name"] == "cli-t"), "{listed}");
+    let id = key.strip_prefix("fg_").unwrap().split_once('_').unwrap().0;
+    let (code, out) = cli(&["key", "revoke", "cli-t", id]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(call().status(), 401);
+    let (code, out) = cli(&["tenant", "delete", "cli-t"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = cli(&["tenant", "delete", "cli-t"]);
+    assert_eq!(code, 1, "{out}");
+    let report = cli_json(&["check", "--data-dir", gateway().data_dir.to_str().unwrap(), "--json"]);
+    assert_eq!(report["ok"], true, "{report}");
+}

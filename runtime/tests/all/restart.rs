@@ -1,0 +1,144 @@
+//! Durability: the gateway is killed (SIGKILL) while an upload arrives and
+//! while it is being compiled and stored; after a restart the store passes
+//! its integrity check and serves exactly what was active.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::{Value, json};
+
+use crate::harness::{ADMIN_TOKEN, anonymous, client_with_key, engine_config, facegate_home, fresh_dir, guest, image};
+
+/// A `facegate serve` process.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Server {
+    fn start(data: &Path) -> Self {
+        let engine = engine_config(&facegate_home());
+        let mut child = Command::new(env!("CARGO_BIN_EXE_facegate"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--admin-token", ADMIN_TOKEN, "--max-batch", "1"])
+            .arg("--data-dir")
+            .arg(data)
+            .arg("--model")
+            .arg(&engine.model)
+            .arg("--onnxruntime")
+            .arg(&engine.onnxruntime)
+            .env_remove("FACEGATE_SEED")
+            .stdout(Stdio::piped())
+            .env("FACEGATE_LOG", "error")
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines.next().expect("facegate exited before listening").unwrap();
+            if let Some(addr) = line.strip_prefix("facegate listening on http://") {
+                break addr.parse().unwrap();
+            }
+        };
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        Self { child, addr }
+    }
+
+    fn kill(mut self) {
+        self.child.kill().unwrap(); // SIGKILL on Unix
+        self.child.wait().unwrap();
+    }
+
+    fn admin(&self, method: Method, path: &str) -> reqwest::blocking::RequestBuilder {
+        anonymous().request(method, format!("http://{}/admin/v1/{path}", self.addr)).bearer_auth(ADMIN_TOKEN)
+    }
+
+    fn json(&self, request: reqwest::blocking::RequestBuilder) -> Value {
+        let response = request.send().unwrap();
+        assert!(response.status().is_success(), "{}", response.status());
+        response.json().unwrap()
+    }
+
+    /// Calls t/h; returns the status and the version that answered.
+    fn call(&self, key: &str) -> (u16, Option<i64>) {
+        let response = client_with_key(key).post(format!("http://{}/v1/t/h", self.addr)).body(image("grace_hopper.jpg")).send().unwrap();
+        let version = response.headers().get("x-facegate-handler-version").map(|v| v.to_str().unwrap().parse().unwrap());
+        (response.status().as_u16(), version)
+    }
+
+    /// Starts an upload over a raw socket: the head and `sent` bytes of `body`.
+    fn start_upload(&self, body: &[u8], sent: usize) -> TcpStream {
+        let mut stream = TcpStream::connect(self.addr).unwrap();
+        let head = format!(
+            "PUT /admin/v1/tenants/t/handlers/h HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).unwrap();
+        stream.write_all(&body[..sent]).unwrap();
+        stream
+    }
+}
+
+fn assert_store_ok(data: &Path) {
+    let report = facegate::control::check_store(data).unwrap();
+    assert!(report.ok, "{report:?}");
+}
+
+#[test]
+fn sigkill_during_uploads_loses_nothing_and_serves_no_partial_file() {
+    let data = fresh_dir("restart");
+    let server = Server::start(&data);
+    server.json(server.admin(Method::POST, "tenants").json(&json!({ "name": "t" })));
+    let key = server.json(server.admin(Method::POST, "tenants/t/keys"))["key"].as_str().unwrap().to_owned();
+    let v1 = server.json(server.admin(Method::PUT, "tenants/t/handlers/h").body(std::fs::read(guest("detect")).unwrap()));
+    assert_eq!(v1["version"], 1);
+    assert_eq!(server.call(&key), (200, Some(1)));
+    let blur = std::fs::read(guest("blur")).unwrap();
+
+    // Killed while the body is still arriving.
+    let upload = server.start_upload(&blur, blur.len() / 2);
+    std::thread::sleep(Duration::from_millis(300));
+    server.kill();
+    drop(upload);
+    assert_store_ok(&data);
+    let mut server = Server::start(&data);
+    assert_eq!(server.call(&key), (200, Some(1)), "the previous version serves");
+    let versions = server.json(server.admin(Method::GET, "tenants/t/handlers/h/versions"));
+    assert_eq!(versions["versions"].as_array().unwrap().len(), 1, "{versions}");
+
+    // Killed at points while the whole upload is validated, compiled and stored.
+    for delay_ms in [0, 30, 100, 250, 600, 900, 1200] {
+        let upload = server.start_upload(&blur, blur.len());
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        server.kill();
+        drop(upload);
+        assert_store_ok(&data);
+        server = Server::start(&data);
+        let versions = server.json(server.admin(Method::GET, "tenants/t/handlers/h/versions"));
+        let active = versions["active_version"].as_i64().unwrap();
+        let newest = versions["versions"].as_array().unwrap().last().unwrap()["version"].as_i64().unwrap();
+        assert_eq!(active, newest, "an upload is active once recorded: {versions}");
+        eprintln!("killed {delay_ms} ms after the upload: active version {active}");
+        assert_eq!(server.call(&key), (200, Some(active)), "after a kill {delay_ms} ms into an upload");
+        assert!(std::fs::read_dir(data.join("tmp")).unwrap().next().is_none(), "temp files are cleared at start");
+    }
+    // Precompiled artifacts that do not match their record are rebuilt, not loaded.
+    server.kill();
+    let artifacts: Vec<_> = std::fs::read_dir(data.join("compiled")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert!(!artifacts.is_empty());
+    for artifact in &artifacts {
+        std::fs::write(artifact, b"not machine code").unwrap();
+    }
+    let server = Server::start(&data);
+    let (status, version) = server.call(&key);
+    assert_eq!(status, 200, "served after recompiling");
+    assert!(version.is_some());
+    let rebuilt = artifacts.iter().filter(|a| std::fs::read(a).unwrap() != b"not machine code").count();
+    assert!(rebuilt >= 1, "the active version's artifact was rebuilt");
+    server.kill();
+    assert_store_ok(&data);
+}
