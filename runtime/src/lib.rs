@@ -75,6 +75,8 @@ pub fn batcher_config(config: &EngineConfig) -> BatcherConfig {
 pub struct Gateway {
     /// The request router and everything behind it.
     pub app: Arc<App>,
+    /// Keys the seeding created at this start (shown once).
+    pub seeded_keys: Vec<control::SeededKey>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     _ticker: EpochTicker,
 }
@@ -90,10 +92,11 @@ impl Gateway {
         let engine = engine::build(EngineLimits { max_instances: config.max_instances, memory_limit })?;
         let ticker = EpochTicker::start(&engine);
         let sandbox = Arc::new(Sandbox::new(engine, models.clone())?);
-        let control = ControlPlane::open(&config.data_dir, Arc::clone(&sandbox), models.clone(), config.default_limits())?;
-        if let Some(seed) = &config.seed_dir {
-            control.seed(seed)?;
-        }
+        let control = ControlPlane::open(&config.data_dir, Arc::clone(&sandbox), models.clone(), config.default_limits(), config.max_instances)?;
+        let seeded_keys = match &config.seed_dir {
+            Some(seed) => control.seed(seed)?,
+            None => Vec::new(),
+        };
         let live = control.live();
         tracing::info!(tenants = live.tenants.len(), handlers = live.handler_count(), data = %config.data_dir.display(), "store loaded");
         if config.admin_token.is_none() {
@@ -104,7 +107,7 @@ impl Gateway {
             _ => None,
         };
         let app = Arc::new(App::new(Arc::new(control), sandbox, models, config.clone()));
-        Ok(Self { app, tls, _ticker: ticker })
+        Ok(Self { app, tls, seeded_keys, _ticker: ticker })
     }
 
     /// Serves on `listener` until `shutdown` resolves.
@@ -127,19 +130,22 @@ pub async fn run(config: ServeConfig) -> anyhow::Result<()> {
     let (listener, addr) = bind(config.listen).await?;
     let scheme = if config.tls_cert.is_some() { "https" } else { "http" };
     tracing::info!(%addr, scheme, "facegate listening");
-    print_demo_key(&config, scheme, addr);
+    print_demo_key(&config, &gateway.seeded_keys, scheme, addr);
     println!("facegate listening on {scheme}://{addr}");
     gateway.serve(listener, shutdown_signal()).await
 }
 
-/// A first-time user's way in: the demo tenant's key and a request to try.
-fn print_demo_key(config: &ServeConfig, scheme: &str, addr: SocketAddr) {
+/// A first-time user's way in: the demo tenant's key (shown when it is
+/// created; afterwards only where it is saved) and a request to try.
+fn print_demo_key(config: &ServeConfig, seeded: &[control::SeededKey], scheme: &str, addr: SocketAddr) {
+    for key in seeded {
+        println!("tenant {}: new API key {} (saved in {})", key.tenant, key.key, key.path.display());
+    }
     let path = config.data_dir.join("demo.key");
-    if let Ok(key) = std::fs::read_to_string(&path) {
-        let key = key.trim();
-        println!("tenant demo, API key {key} (saved in {})", path.display());
+    if path.exists() {
         println!(
-            "try: curl -s -H 'Authorization: Bearer {key}' --data-binary @runtime/tests/fixtures/images/grace_hopper.jpg {scheme}://{addr}/v1/demo/detect"
+            "try: curl -s -H \"Authorization: Bearer $(cat {})\" --data-binary @runtime/tests/fixtures/images/grace_hopper.jpg {scheme}://{addr}/v1/demo/detect",
+            path.display()
         );
     }
 }

@@ -42,6 +42,10 @@ CREATE TABLE IF NOT EXISTS versions (
     PRIMARY KEY (tenant, handler, version),
     FOREIGN KEY (tenant, handler) REFERENCES handlers(tenant, name) ON DELETE CASCADE
 );
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS artifacts (
     component_sha256 TEXT NOT NULL,
     engine TEXT NOT NULL,
@@ -205,6 +209,20 @@ impl Db {
     /// Whether no tenant exists yet (a fresh store).
     pub fn is_empty(&self) -> StoreResult<bool> {
         Ok(self.conn.query_row("SELECT COUNT(*) FROM tenants", [], |r| r.get::<_, i64>(0))? == 0)
+    }
+
+    /// A store-wide setting.
+    pub fn meta(&self, key: &str) -> StoreResult<Option<String>> {
+        Ok(self.conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0)).optional()?)
+    }
+
+    /// Sets a store-wide setting.
+    pub fn set_meta(&self, key: &str, value: &str) -> StoreResult<()> {
+        self.conn.execute(
+            "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            params![key, value],
+        )?;
+        Ok(())
     }
 
     /// Records a key for `tenant`.

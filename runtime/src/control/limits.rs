@@ -6,6 +6,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+/// Slowest sustained rate a tenant may be given (one request in 1000 s).
+pub const MIN_RPS: f64 = 0.001;
+
 /// A tenant's effective limits.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TenantLimits {
@@ -88,7 +91,7 @@ impl TenantLimits {
             (l.memory_mib >= 1 && l.memory_mib <= self.memory_mib, format!("memory_mib must be 1..={}", self.memory_mib)),
             (l.timeout_ms >= 1 && l.timeout_ms <= 600_000, "timeout_ms must be 1..=600000".to_owned()),
             (l.max_concurrency >= 1, "max_concurrency must be at least 1".to_owned()),
-            (l.rps.is_finite() && l.rps >= 0.0, "rps must be 0 (unlimited) or positive".to_owned()),
+            (l.rps == 0.0 || (l.rps.is_finite() && l.rps >= MIN_RPS), format!("rps must be 0 (unlimited) or at least {MIN_RPS}")),
             (l.burst >= 1, "burst must be at least 1".to_owned()),
             (l.max_body_bytes >= 1 && l.max_body_bytes <= self.max_body_bytes, format!("max_body_bytes must be 1..={}", self.max_body_bytes)),
             (l.max_infer_calls <= 1024, "max_infer_calls must be at most 1024".to_owned()),
@@ -135,7 +138,7 @@ impl TokenBucket {
             *tokens -= 1.0;
             Ok(())
         } else {
-            Err(Duration::from_secs_f64((1.0 - *tokens) / self.rate))
+            Err(Duration::try_from_secs_f64((1.0 - *tokens) / self.rate).unwrap_or(Duration::MAX))
         }
     }
 }
@@ -168,6 +171,10 @@ mod tests {
         assert!(defaults().validate(&too_big).unwrap_err().contains("memory_mib"));
         let zero = LimitOverrides { weight: Some(0), ..Default::default() };
         assert!(defaults().validate(&zero).unwrap_err().contains("weight"));
+        for rps in [1e-30, -1.0, f64::NAN, f64::INFINITY] {
+            let o = LimitOverrides { rps: Some(rps), ..Default::default() };
+            assert!(defaults().validate(&o).unwrap_err().contains("rps"), "{rps}");
+        }
     }
 
     #[test]

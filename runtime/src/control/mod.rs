@@ -33,6 +33,20 @@ use facegate_host_gpu::Models;
 
 /// File name of the database inside the data directory.
 pub const DB_FILE: &str = "facegate.db";
+/// `meta` key recording the seeding: `started`, then `done`.
+const SEED_MARK: &str = "seed";
+const SEED_DONE: &str = "done";
+
+/// A key created by [`ControlPlane::seed`].
+#[derive(Debug, Clone)]
+pub struct SeededKey {
+    /// Its tenant.
+    pub tenant: String,
+    /// The key (also in `path`).
+    pub key: String,
+    /// The file it was written to (mode 0600).
+    pub path: PathBuf,
+}
 
 /// A tenant's admission state: limits, rate bucket, concurrency slots.
 /// Kept across snapshots while the limits do not change.
@@ -42,7 +56,7 @@ pub struct TenantGate {
     /// Effective limits.
     pub limits: TenantLimits,
     /// Requests-per-second bucket.
-    pub rate: TokenBucket,
+    pub rate: Arc<TokenBucket>,
     /// Concurrent-request slots.
     pub concurrency: Arc<Semaphore>,
 }
@@ -200,12 +214,15 @@ pub struct ControlPlane {
     models: Models,
     engine_id: String,
     defaults: TenantLimits,
+    max_instances: u32,
     live: RwLock<Arc<Live>>,
 }
 
 impl ControlPlane {
     /// Opens the store under `data_dir` and loads every active handler.
-    pub fn open(data_dir: &Path, sandbox: Arc<Sandbox>, models: Models, defaults: TenantLimits) -> anyhow::Result<Self> {
+    /// `defaults` are the tenants' default limits; no tenant may have more
+    /// concurrent requests than `max_instances`, the gateway's instance slots.
+    pub fn open(data_dir: &Path, sandbox: Arc<Sandbox>, models: Models, defaults: TenantLimits, max_instances: u32) -> anyhow::Result<Self> {
         create_private_dir(data_dir)?;
         let blobs = Blobs::open(data_dir)?;
         let leftovers = blobs.clear_tmp()?;
@@ -222,6 +239,7 @@ impl ControlPlane {
             models,
             engine_id,
             defaults,
+            max_instances,
             live: RwLock::new(Arc::new(Live::default())),
         };
         control.refresh(&control.db(), Vec::new())?;
@@ -268,7 +286,7 @@ impl ControlPlane {
     /// Creates a tenant.
     pub fn create_tenant(&self, name: &str, overrides: &LimitOverrides) -> StoreResult<TenantInfo> {
         let name = valid_name(name).map_err(|e| StoreError::Invalid(e.to_string()))?;
-        self.defaults.validate(overrides).map_err(StoreError::Invalid)?;
+        self.validate_limits(overrides)?;
         let db = self.db();
         db.create_tenant(&name, overrides)?;
         self.refresh(&db, Vec::new())?;
@@ -281,11 +299,44 @@ impl ControlPlane {
         let db = self.db();
         let mut overrides = db.tenant(name)?.overrides;
         overrides.merge(patch);
-        self.defaults.validate(&overrides).map_err(StoreError::Invalid)?;
+        self.validate_limits(&overrides)?;
+        if !self.defaults.with(&overrides).outgoing_http {
+            self.refuse_if_outgoing_http_needed(name)?;
+        }
         db.set_limits(name, &overrides)?;
         self.refresh(&db, Vec::new())?;
         let row = db.tenant(name)?;
         self.tenant_info(&db, row)
+    }
+
+    fn validate_limits(&self, overrides: &LimitOverrides) -> StoreResult<()> {
+        self.defaults.validate(overrides).map_err(StoreError::Invalid)?;
+        let concurrency = self.defaults.with(overrides).max_concurrency;
+        if concurrency > self.max_instances {
+            return Err(StoreError::Invalid(format!("max_concurrency must be at most {} (the gateway's instance slots)", self.max_instances)));
+        }
+        Ok(())
+    }
+
+    /// Refuses to withdraw outgoing HTTP while an active version imports it.
+    fn refuse_if_outgoing_http_needed(&self, tenant: &str) -> StoreResult<()> {
+        let live = self.live();
+        let mut needing: Vec<&str> = live
+            .tenants
+            .get(tenant)
+            .into_iter()
+            .flat_map(|t| t.handlers.values())
+            .filter(|h| h.imports_outgoing_http)
+            .map(|h| h.name.as_str())
+            .collect();
+        if needing.is_empty() {
+            return Ok(());
+        }
+        needing.sort_unstable();
+        Err(StoreError::Conflict(format!(
+            "active handlers of {tenant:?} import wasi:http/outgoing-handler ({}); activate versions without it first",
+            needing.join(", ")
+        )))
     }
 
     /// Deletes a tenant, its keys and handlers; its requests in flight finish.
@@ -330,21 +381,19 @@ impl ControlPlane {
         validate::check_imports(engine, &component, tenant, outgoing_http).map_err(StoreError::Invalid)?;
         validate::check_exports(engine, &component).map_err(StoreError::Invalid)?;
         // Link before storing anything: a component that cannot run is refused.
-        let linked = Handler::link(self.sandbox.linker(outgoing_http), &component, tenant, &handler, 0, outgoing_http)
+        let mut linked = Handler::link(self.sandbox.linker(outgoing_http), &component, tenant, &handler, 0, outgoing_http)
             .map_err(StoreError::Invalid)?;
-        drop(linked);
         // Files first (atomic, fsynced), then the row that makes them visible.
         let sha256 = self.blobs.put_component(bytes)?;
         let mut db = self.db();
+        // The grant may have changed while this compiled (outside the lock).
+        if self.defaults.with(&db.tenant(tenant)?.overrides).outgoing_http != outgoing_http {
+            return Err(StoreError::Conflict(format!("tenant {tenant:?}'s outgoing HTTP grant changed during the upload; upload again")));
+        }
         self.cache_artifact(&db, &sha256, &component)?;
         let version = db.add_version(tenant, &handler, &sha256, bytes.len(), activate)?;
-        let preloaded = if activate {
-            let linked = Handler::link(self.sandbox.linker(outgoing_http), &component, tenant, &handler, version, outgoing_http)
-                .map_err(StoreError::Invalid)?;
-            vec![Arc::new(linked)]
-        } else {
-            Vec::new()
-        };
+        linked.version = version;
+        let preloaded = if activate { vec![Arc::new(linked)] } else { Vec::new() };
         self.refresh(&db, preloaded)?;
         let active_version = db.versions(tenant, &handler)?.1;
         tracing::info!(tenant, handler, version, %sha256, activate, "handler version stored");
@@ -360,34 +409,45 @@ impl ControlPlane {
     /// Makes `version` active. It is loaded before the switch: if it cannot
     /// be served, nothing changes.
     pub fn activate(&self, tenant: &str, handler: &str, version: i64) -> StoreResult<Activated> {
+        self.activate_locked(&self.db(), tenant, handler, version)
+    }
+
+    /// Activates the newest version older than the active one.
+    pub fn rollback(&self, tenant: &str, handler: &str) -> StoreResult<Activated> {
         let db = self.db();
+        let target = db.rollback_target(tenant, handler)?;
+        self.activate_locked(&db, tenant, handler, target)
+    }
+
+    fn activate_locked(&self, db: &Db, tenant: &str, handler: &str, version: i64) -> StoreResult<Activated> {
         let (versions, _) = db.versions(tenant, handler)?;
         let row = versions
             .iter()
             .find(|v| v.version == version)
             .ok_or_else(|| StoreError::NotFound(format!("{tenant}/{handler} has no version {version}")))?;
-        let outgoing_http = self.live().tenants.get(tenant).is_some_and(|t| t.gate.limits.outgoing_http);
+        let outgoing_http = self.defaults.with(&db.tenant(tenant)?.overrides).outgoing_http;
         let active = ActiveHandler { tenant: tenant.to_owned(), handler: handler.to_owned(), version, sha256: row.sha256.clone() };
-        let loaded = self.load_handler(&db, &active, outgoing_http)?;
+        let loaded = self.load_handler(db, &active, outgoing_http)?;
         let previous_version = db.activate(tenant, handler, version)?;
-        self.refresh(&db, vec![Arc::new(loaded)])?;
+        self.refresh(db, vec![Arc::new(loaded)])?;
         tracing::info!(tenant, handler, version, ?previous_version, "handler version activated");
         Ok(Activated { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version: version, previous_version })
     }
 
-    /// Activates the newest version older than the active one.
-    pub fn rollback(&self, tenant: &str, handler: &str) -> StoreResult<Activated> {
-        let target = self.db().rollback_target(tenant, handler)?;
-        self.activate(tenant, handler, target)
-    }
-
     /// Seeds an empty store from `<dir>/<tenant>/<handler>.wasm`: each tenant
     /// gets default limits, version 1 of each handler, and one API key
-    /// written to `<data-dir>/<tenant>.key` (mode 0600). A store that has
-    /// tenants is left alone. Returns the key files written.
-    pub fn seed(&self, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
-        if !self.db().is_empty()? {
-            return Ok(Vec::new());
+    /// written to `<data-dir>/<tenant>.key` (mode 0600). Seeding resumes
+    /// where it stopped if it was interrupted; a store that was seeded, or
+    /// that had tenants before, is left alone. Returns the keys created.
+    pub fn seed(&self, dir: &Path) -> anyhow::Result<Vec<SeededKey>> {
+        {
+            let db = self.db();
+            match db.meta(SEED_MARK)?.as_deref() {
+                Some(SEED_DONE) => return Ok(Vec::new()),
+                Some(_) => {}
+                None if !db.is_empty()? => return Ok(Vec::new()),
+                None => db.set_meta(SEED_MARK, "started")?,
+            }
         }
         let mut tenants: Vec<_> = std::fs::read_dir(dir)
             .with_context(|| format!("cannot read seed directory {}", dir.display()))?
@@ -396,24 +456,38 @@ impl ControlPlane {
             .map(|e| e.path())
             .collect();
         tenants.sort();
-        let mut written = Vec::new();
+        let mut created = Vec::new();
         for tenant_dir in tenants {
             let tenant = tenant_dir.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
-            self.create_tenant(&tenant, &LimitOverrides::default())?;
-            let mut files: Vec<_> = std::fs::read_dir(&tenant_dir)?.filter_map(Result::ok).map(|e| e.path()).collect();
-            files.sort();
-            for file in files.iter().filter(|p| p.extension().is_some_and(|e| e == "wasm")) {
-                let handler = file.file_stem().and_then(|n| n.to_str()).unwrap_or_default();
-                let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-                self.deploy(&tenant, handler, &bytes, true).with_context(|| format!("seeding {}", file.display()))?;
-            }
-            let key = self.create_key(&tenant)?;
-            let path = self.data_dir.join(format!("{tenant}.key"));
-            write_secret(&path, &key.key)?;
-            tracing::info!(tenant, key_id = %key.id, path = %path.display(), "seeded tenant; API key written");
-            written.push(path);
+            created.extend(self.seed_tenant(&tenant, &tenant_dir)?);
         }
-        Ok(written)
+        self.db().set_meta(SEED_MARK, SEED_DONE)?;
+        Ok(created)
+    }
+
+    fn seed_tenant(&self, tenant: &str, dir: &Path) -> anyhow::Result<Option<SeededKey>> {
+        if !self.live().tenants.contains_key(tenant) {
+            self.create_tenant(tenant, &LimitOverrides::default())?;
+        }
+        let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(Result::ok).map(|e| e.path()).collect();
+        files.sort();
+        for file in files.iter().filter(|p| p.extension().is_some_and(|e| e == "wasm")) {
+            let handler = file.file_stem().and_then(|n| n.to_str()).unwrap_or_default();
+            if self.live().handler(tenant, handler).is_some() {
+                continue;
+            }
+            let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+            self.deploy(tenant, handler, &bytes, true).with_context(|| format!("seeding {}", file.display()))?;
+        }
+        let path = self.data_dir.join(format!("{tenant}.key"));
+        let saved = std::fs::read_to_string(&path).unwrap_or_default();
+        if self.live().authenticate(Some(saved.trim())) == Some(tenant) {
+            return Ok(None);
+        }
+        let key = self.create_key(tenant)?;
+        write_secret(&path, &key.key)?;
+        tracing::info!(tenant, key_id = %key.id, path = %path.display(), "seeded tenant; API key written");
+        Ok(Some(SeededKey { tenant: tenant.to_owned(), key: key.key, path }))
     }
 
     /// Builds a new snapshot from the database and swaps it in. Handlers
@@ -426,7 +500,7 @@ impl ControlPlane {
             let limits = self.defaults.with(&row.overrides);
             let gate = match old.tenants.get(&row.name) {
                 Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
-                _ => Arc::new(new_gate(&row.name, limits)),
+                old_entry => Arc::new(new_gate(&row.name, limits, old_entry.map(|e| &*e.gate))),
             };
             // Without an override, the weight stays what --tenant-weight set (default 1).
             if let Some(weight) = row.overrides.weight {
@@ -468,6 +542,7 @@ impl ControlPlane {
 
     fn load_handler(&self, db: &Db, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
         let component = self.load_component(db, &active.sha256)?;
+        validate::check_imports(self.sandbox.engine(), &component, &active.tenant, outgoing_http).map_err(StoreError::Conflict)?;
         Handler::link(self.sandbox.linker(outgoing_http), &component, &active.tenant, &active.handler, active.version, outgoing_http)
             .map_err(|e| StoreError::Internal(anyhow::anyhow!(e)))
     }
@@ -499,13 +574,19 @@ impl ControlPlane {
     }
 }
 
-fn new_gate(name: &str, limits: TenantLimits) -> TenantGate {
-    TenantGate {
-        name: name.into(),
-        rate: TokenBucket::new(limits.rps, limits.burst),
-        concurrency: Arc::new(Semaphore::new(limits.max_concurrency as usize)),
-        limits,
-    }
+/// A gate for `limits`, keeping the old gate's bucket and slots where their
+/// own limits did not change (so a change of, say, the timeout neither
+/// refills the bucket nor frees slots held by requests in flight).
+fn new_gate(name: &str, limits: TenantLimits, old: Option<&TenantGate>) -> TenantGate {
+    let rate = match old {
+        Some(old) if (old.limits.rps, old.limits.burst) == (limits.rps, limits.burst) => Arc::clone(&old.rate),
+        _ => Arc::new(TokenBucket::new(limits.rps, limits.burst)),
+    };
+    let concurrency = match old {
+        Some(old) if old.limits.max_concurrency == limits.max_concurrency => Arc::clone(&old.concurrency),
+        _ => Arc::new(Semaphore::new(limits.max_concurrency as usize)),
+    };
+    TenantGate { name: name.into(), rate, concurrency, limits }
 }
 
 /// Loads a precompiled artifact.

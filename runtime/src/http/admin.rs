@@ -41,14 +41,27 @@ struct Activate {
 type AdminResult = Result<(StatusCode, Value), StoreError>;
 
 impl App {
+    /// The refusal of a request that lacks the admin token (`None`: let it
+    /// through). Without a configured token every such request is refused.
+    pub(super) fn admin_refusal(&self, req: &Request<Incoming>) -> Option<Response<Body>> {
+        let Some(expected) = self.config.admin_token.as_deref() else {
+            return Some(response::error(
+                StatusCode::FORBIDDEN,
+                "admin_disabled",
+                "the admin API is off: start facegate with --admin-token (FACEGATE_ADMIN_TOKEN)",
+            ));
+        };
+        if keys::token_matches(bearer(req).unwrap_or(""), expected) {
+            return None;
+        }
+        let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong admin token");
+        refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+        Some(refusal)
+    }
+
     /// Serves one admin request (`rest` is the path after `/admin/v1/`).
     pub(super) async fn admin(&self, rest: &[&str], req: Request<Incoming>) -> Response<Body> {
-        let Some(expected) = self.config.admin_token.as_deref() else {
-            return response::error(StatusCode::FORBIDDEN, "admin_disabled", "the admin API is off: start facegate with --admin-token (FACEGATE_ADMIN_TOKEN)");
-        };
-        if !keys::token_matches(bearer(&req).unwrap_or(""), expected) {
-            let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong admin token");
-            refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+        if let Some(refusal) = self.admin_refusal(&req) {
             return refusal;
         }
         let method = req.method().clone();
@@ -96,7 +109,7 @@ fn admin_op(control: &ControlPlane, method: &Method, path: &[String], query: &st
         }
         (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
         (Method::PUT, ["tenants", t, "handlers", h]) => {
-            let activate = !query.split('&').any(|kv| kv == "activate=false");
+            let activate = !query.split('&').any(|kv| matches!(kv, "activate=false" | "activate=0" | "activate=no"));
             created(control.deploy(t, h, body, activate)?)
         }
         (Method::GET, ["tenants", t, "handlers", h, "versions"]) => ok(control.versions(t, h)?),

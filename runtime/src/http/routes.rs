@@ -53,7 +53,8 @@ impl App {
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (req.method(), segments.as_slice()) {
             (&Method::GET, ["healthz"]) => self.health(),
-            (&Method::GET, ["metrics"]) => self.prometheus(),
+            // Metrics name tenants and handlers: they are for the operator.
+            (&Method::GET, ["metrics"]) => self.admin_refusal(&req).unwrap_or_else(|| self.prometheus()),
             (&Method::GET, ["v1", "models"]) => self.list_models(),
             (_, ["v1", tenant, handler]) => self.call_handler(tenant, handler, req).await,
             (_, ["admin", "v1", rest @ ..]) => self.admin(rest, req).await,
@@ -116,6 +117,7 @@ impl App {
     async fn run_handler(&self, gate: &TenantGate, handler: &Arc<Handler>, req: Request<Incoming>) -> Response<Body> {
         let limits = &gate.limits;
         if let Err(wait) = gate.rate.try_take() {
+            // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
             let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
             return response::retry_later(StatusCode::TOO_MANY_REQUESTS, "rate_limited", "the tenant's request rate is exceeded", seconds);
         }

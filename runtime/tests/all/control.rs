@@ -131,10 +131,12 @@ fn hot_swap_and_rollback_under_load_fail_no_request() {
             std::thread::spawn(move || {
                 let (client, photo) = (client_with_key(&key), image("grace_hopper.jpg"));
                 while !stop.load(Ordering::SeqCst) {
+                    let started = Instant::now();
                     let response = client.post(url("/v1/swap/h")).body(photo.clone()).send().unwrap();
                     let version = response.headers().get("x-facegate-handler-version").map(|v| v.to_str().unwrap().to_owned());
                     let content_type = response.headers().get("content-type").map(|v| v.to_str().unwrap().to_owned());
-                    seen.lock().unwrap().push((response.status().as_u16(), version, content_type));
+                    let answer = (response.status().as_u16(), version, content_type);
+                    seen.lock().unwrap().push(Seen { started, ended: Instant::now(), answer });
                 }
             })
         })
@@ -147,10 +149,14 @@ fn hot_swap_and_rollback_under_load_fail_no_request() {
         }
     };
     wait_for_requests(8);
+    let activating = Instant::now();
     let (status, body) = admin_json(admin(Method::POST, "tenants/swap/handlers/h/activate").json(&json!({ "version": 2 })));
+    let activated = Instant::now();
     assert_eq!((status, body["previous_version"].as_i64()), (200, Some(1)), "{body}");
     wait_for_requests(8);
+    let rolling_back = Instant::now();
     let (status, body) = admin_json(admin(Method::POST, "tenants/swap/handlers/h/rollback"));
+    let rolled_back = Instant::now();
     assert_eq!((status, body["active_version"].as_i64()), (200, Some(1)), "{body}");
     wait_for_requests(8);
     stop.store(true, Ordering::SeqCst);
@@ -159,15 +165,31 @@ fn hot_swap_and_rollback_under_load_fail_no_request() {
     }
 
     let seen = seen.lock().unwrap();
-    let failed: Vec<_> = seen.iter().filter(|(status, ..)| *status != 200).collect();
+    let failed: Vec<_> = seen.iter().filter(|s| s.answer.0 != 200).collect();
     assert!(failed.is_empty(), "{} of {} requests failed: {failed:?}", failed.len(), seen.len());
-    for (_, version, content_type) in seen.iter() {
+    for Seen { answer: (_, version, content_type), .. } in seen.iter() {
         // Each answer comes whole from one version: detect answers JSON, blur a JPEG.
         let expected = if version.as_deref() == Some("1") { "application/json" } else { "image/jpeg" };
         assert_eq!(content_type.as_deref(), Some(expected), "version {version:?}");
     }
-    assert!(seen.iter().any(|(_, v, _)| v.as_deref() == Some("2")), "version 2 never served");
-    assert_eq!(seen.last().unwrap().1.as_deref(), Some("1"), "after the rollback, version 1 serves");
+    let version_of = |s: &Seen| s.answer.1.clone().unwrap();
+    // Requests in flight while a switch happened finished (200, above) on
+    // one version or the other; those wholly before or after it saw the
+    // version active then.
+    let straddling = seen.iter().filter(|s| s.started < activated && s.ended > activating).count();
+    assert!(straddling >= 1, "no request was in flight during the activation");
+    assert!(seen.iter().filter(|s| s.ended < activating).all(|s| version_of(s) == "1"));
+    assert!(seen.iter().filter(|s| s.started > activated && s.ended < rolling_back).all(|s| version_of(s) == "2"));
+    assert!(seen.iter().filter(|s| s.started > rolled_back).all(|s| version_of(s) == "1"));
+    assert!(seen.iter().any(|s| s.started > activated && s.ended < rolling_back), "version 2 was never measured alone");
+}
+
+/// One request of the hot-swap test.
+#[derive(Debug)]
+struct Seen {
+    started: Instant,
+    ended: Instant,
+    answer: (u16, Option<String>, Option<String>),
 }
 
 #[test]
@@ -207,21 +229,28 @@ fn tenant_limits_apply_per_tenant() {
     assert_eq!(response.status(), 200);
 
     // Concurrency: one request in flight, the second is refused.
-    let key = tenant_with_key("single", json!({ "max_concurrency": 1, "timeout_ms": 2000 }));
+    let key = tenant_with_key("single", json!({ "max_concurrency": 1, "timeout_ms": 4000 }));
     assert_eq!(upload("single", "attack", component("hostile"), true).0, 201);
     let busy = {
         let key = key.clone();
         std::thread::spawn(move || client_with_key(&key).get(url("/v1/single/attack?attack=loop")).send().unwrap().status())
     };
-    std::thread::sleep(Duration::from_millis(500));
+    std::thread::sleep(Duration::from_millis(1500));
     let response = client_with_key(&key).get(url("/v1/single/attack?attack=panic")).send().unwrap();
     assert_eq!(response.status(), 429);
     assert_eq!(busy.join().unwrap(), 504);
 
-    // Limits above the server's ceilings are refused.
-    let (status, body) = admin_json(admin(Method::POST, "tenants").json(&json!({ "name": "greedy", "limits": { "memory_mib": 100000 } })));
-    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid")), "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("memory_mib"), "{body}");
+    // Limits above the server's ceilings, or nonsensical, are refused.
+    for (limits, named) in [
+        (json!({ "memory_mib": 100000 }), "memory_mib"),
+        (json!({ "max_concurrency": 100000 }), "max_concurrency"),
+        (json!({ "rps": 1e-30 }), "rps"),
+        (json!({ "memroy_mib": 1 }), "memroy_mib"),
+    ] {
+        let (status, body) = admin_json(admin(Method::POST, "tenants").json(&json!({ "name": "greedy", "limits": limits })));
+        assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid")), "{body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains(named), "{body}");
+    }
 }
 
 /// Runs the `facegate` binary as a client of the shared gateway.
@@ -273,4 +302,14 @@ fn the_cli_manages_tenants_keys_and_versions() {
     assert_eq!(code, 1, "{out}");
     let report = cli_json(&["check", "--data-dir", gateway().data_dir.to_str().unwrap(), "--json"]);
     assert_eq!(report["ok"], true, "{report}");
+}
+
+#[test]
+fn the_seeded_key_file_is_private_and_works() {
+    use std::os::unix::fs::PermissionsExt;
+    let path = gateway().data_dir.join("demo.key");
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "{}", path.display());
+    let response = client_with_key(&key("demo")).post(url("/v1/demo/detect")).body(image("grace_hopper.jpg")).send().unwrap();
+    assert_eq!(response.status(), 200);
 }

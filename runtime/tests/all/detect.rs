@@ -130,7 +130,8 @@ fn health_and_metrics() {
     let health: Value = client().get(url("/healthz")).send().unwrap().json().unwrap();
     assert_eq!(health["status"], "ok");
     detect("grace_hopper.jpg");
-    let metrics = client().get(url("/metrics")).send().unwrap().text().unwrap();
+    assert_eq!(client().get(url("/metrics")).send().unwrap().status(), 401, "metrics are for the operator, not tenants");
+    let metrics = crate::harness::anonymous().get(url("/metrics")).bearer_auth(crate::harness::ADMIN_TOKEN).send().unwrap().text().unwrap();
     assert!(metrics.contains("facegate_batch_size_bucket{model=\"centerface\""), "{metrics}");
     assert!(metrics.contains("facegate_requests_seconds_count{tenant=\"demo\",handler=\"detect\",status=\"200\"}"));
     assert!(metrics.contains("facegate_device_busy_seconds_total"));

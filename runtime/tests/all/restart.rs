@@ -107,13 +107,22 @@ fn sigkill_during_uploads_loses_nothing_and_serves_no_partial_file() {
     assert_store_ok(&data);
     let mut server = Server::start(&data);
     assert_eq!(server.call(&key), (200, Some(1)), "the previous version serves");
+    let mut previous_active = 1;
     let versions = server.json(server.admin(Method::GET, "tenants/t/handlers/h/versions"));
     assert_eq!(versions["versions"].as_array().unwrap().len(), 1, "{versions}");
 
-    // Killed at points while the whole upload is validated, compiled and stored.
-    for delay_ms in [0, 30, 100, 250, 600, 900, 1200] {
-        let upload = server.start_upload(&blur, blur.len());
-        std::thread::sleep(Duration::from_millis(delay_ms));
+    // Killed at points while the whole upload is validated, compiled and
+    // stored; the last kill comes once the upload has been answered.
+    let mut outcomes = Vec::new();
+    for delay_ms in [0, 30, 100, 250, 600, 900, 1200, u64::MAX] {
+        let mut upload = server.start_upload(&blur, blur.len());
+        if delay_ms == u64::MAX {
+            let mut answer = String::new();
+            std::io::Read::read_to_string(&mut upload, &mut answer).unwrap();
+            assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+        } else {
+            std::thread::sleep(Duration::from_millis(delay_ms));
+        }
         server.kill();
         drop(upload);
         assert_store_ok(&data);
@@ -122,10 +131,15 @@ fn sigkill_during_uploads_loses_nothing_and_serves_no_partial_file() {
         let active = versions["active_version"].as_i64().unwrap();
         let newest = versions["versions"].as_array().unwrap().last().unwrap()["version"].as_i64().unwrap();
         assert_eq!(active, newest, "an upload is active once recorded: {versions}");
-        eprintln!("killed {delay_ms} ms after the upload: active version {active}");
+        outcomes.push((delay_ms, active > previous_active));
+        previous_active = active;
         assert_eq!(server.call(&key), (200, Some(active)), "after a kill {delay_ms} ms into an upload");
         assert!(std::fs::read_dir(data.join("tmp")).unwrap().next().is_none(), "temp files are cleared at start");
     }
+    eprintln!("(kill delay ms, upload recorded): {outcomes:?}");
+    assert!(outcomes.iter().any(|(_, recorded)| !recorded), "every kill came after the upload was recorded");
+    assert!(outcomes.iter().any(|(_, recorded)| *recorded));
+
     // Precompiled artifacts that do not match their record are rebuilt, not loaded.
     server.kill();
     let artifacts: Vec<_> = std::fs::read_dir(data.join("compiled")).unwrap().map(|e| e.unwrap().path()).collect();
