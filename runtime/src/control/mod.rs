@@ -658,3 +658,20 @@ pub fn write_secret(path: &Path, secret: &str) -> anyhow::Result<()> {
     file.sync_all()?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{EngineLimits, build};
+
+    #[test]
+    fn artifacts_are_keyed_by_the_engine_configuration() {
+        let limits = EngineLimits { max_instances: 2, memory_limit: 16 << 20 };
+        let a = engine_id(&build(limits).unwrap());
+        assert_eq!(a, engine_id(&build(limits).unwrap()), "stable for the same configuration");
+        assert_eq!(a.len(), 16);
+        let mut other = wasmtime::Config::new();
+        other.wasm_component_model(true);
+        assert_ne!(a, engine_id(&Engine::new(&other).unwrap()), "another configuration, another key");
+    }
+}
