@@ -95,6 +95,12 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
 
+    /// Serve the admin API and `/metrics` on this address only (plain HTTP;
+    /// keep it on loopback or an internal network); without it they share
+    /// `--listen`.
+    #[arg(long, env = "FACEGATE_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+
     /// Largest component an upload may carry (bytes).
     #[arg(long, env = "FACEGATE_MAX_COMPONENT_BYTES", default_value_t = DEFAULT_MAX_COMPONENT_BYTES)]
     pub max_component_bytes: usize,

@@ -37,7 +37,7 @@ use tokio::net::TcpListener;
 use crate::config::{EngineConfig, MIN_ADMIN_TOKEN_LEN, ServeConfig};
 use crate::control::ControlPlane;
 use crate::engine::{EngineLimits, EpochTicker};
-use crate::http::App;
+use crate::http::{App, Plane};
 use crate::sandbox::Sandbox;
 
 /// Loads ONNX Runtime and the model, and starts one batcher with
@@ -110,9 +110,31 @@ impl Gateway {
         Ok(Self { app, tls, seeded_keys, _ticker: ticker })
     }
 
-    /// Serves on `listener` until `shutdown` resolves.
+    /// Serves every route on `listener` until `shutdown` resolves.
     pub async fn serve(self, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
-        http::serve(Arc::clone(&self.app), listener, self.tls.clone(), shutdown).await
+        http::serve(Arc::clone(&self.app), Plane::Both, listener, self.tls.clone(), shutdown).await
+    }
+
+    /// Serves tenants on `public` and the admin API and metrics on `admin`
+    /// (plain HTTP) until `shutdown` resolves.
+    pub async fn serve_split(
+        self,
+        public: TcpListener,
+        admin: TcpListener,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<()> {
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+        let admin = http::serve(Arc::clone(&self.app), Plane::Admin, admin, None, wait(stopped.clone()));
+        let public = http::serve(Arc::clone(&self.app), Plane::Data, public, self.tls.clone(), wait(stopped));
+        let signal = async move {
+            shutdown.await;
+            let _ = stop.send(true);
+            Ok(())
+        };
+        tokio::try_join!(signal, admin, public).map(|_| ())
     }
 }
 
@@ -132,7 +154,15 @@ pub async fn run(config: ServeConfig) -> anyhow::Result<()> {
     tracing::info!(%addr, scheme, "facegate listening");
     print_demo_key(&config, &gateway.seeded_keys, scheme, addr);
     println!("facegate listening on {scheme}://{addr}");
-    gateway.serve(listener, shutdown_signal()).await
+    match config.admin_listen {
+        Some(admin_addr) => {
+            let (admin, admin_addr) = bind(admin_addr).await?;
+            tracing::info!(%admin_addr, "admin API and metrics listening");
+            println!("admin API and metrics on http://{admin_addr}");
+            gateway.serve_split(listener, admin, shutdown_signal()).await
+        }
+        None => gateway.serve(listener, shutdown_signal()).await,
+    }
 }
 
 /// A first-time user's way in: the demo tenant's key (shown when it is

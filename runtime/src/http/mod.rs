@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-pub use routes::{App, VERSION_HEADER};
+pub use routes::{App, Plane, VERSION_HEADER};
 
 /// Longest a client may take to send a request's headers.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -28,10 +28,11 @@ pub const MAX_CONNECTIONS: usize = 4096;
 /// How long in-flight requests get to finish after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// Serves `app` on `listener` (over TLS when `tls` is given) until
-/// `shutdown` resolves, then drains connections.
+/// Serves `plane` of `app` on `listener` (over TLS when `tls` is given)
+/// until `shutdown` resolves, then drains connections.
 pub async fn serve(
     app: Arc<App>,
+    plane: Plane,
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()>,
@@ -48,7 +49,7 @@ pub async fn serve(
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => match Arc::clone(&connections).try_acquire_owned() {
-                    Ok(permit) => accept(&app, &builder, &graceful, tls.clone(), stream, peer, permit),
+                    Ok(permit) => accept(&app, plane, &builder, &graceful, tls.clone(), stream, peer, permit),
                     // Over the cap: close at once rather than queue sockets.
                     Err(_) => drop(stream),
                 },
@@ -70,8 +71,10 @@ pub async fn serve(
 }
 
 /// Starts serving one accepted connection, after a TLS handshake when configured.
+#[allow(clippy::too_many_arguments, reason = "one call site; the connection's parts")]
 fn accept(
     app: &Arc<App>,
+    plane: Plane,
     builder: &auto::Builder<TokioExecutor>,
     graceful: &GracefulShutdown,
     tls: Option<TlsAcceptor>,
@@ -82,14 +85,14 @@ fn accept(
     // Responses are small and latency-bound; don't let Nagle hold them back.
     let _ = stream.set_nodelay(true);
     let Some(tls) = tls else {
-        return serve_connection(app, builder, graceful, stream, peer, permit);
+        return serve_connection(app, plane, builder, graceful, stream, peer, permit);
     };
     let (app, builder, watcher) = (Arc::clone(app), builder.clone(), graceful.watcher());
     tokio::spawn(async move {
         // The handshake runs off the accept loop, bounded like a header read.
         match tokio::time::timeout(HEADER_READ_TIMEOUT, tls.accept(stream)).await {
             Ok(Ok(stream)) => {
-                let service = service(&app);
+                let service = service(&app, plane);
                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
                 let _permit = permit;
                 if let Err(e) = watcher.watch(conn).await {
@@ -102,23 +105,24 @@ fn accept(
     });
 }
 
-fn service(app: &Arc<App>) -> impl hyper::service::Service<hyper::Request<Incoming>, Response = hyper::Response<response::Body>, Error = std::convert::Infallible, Future: Send> + Clone + Send + 'static {
+fn service(app: &Arc<App>, plane: Plane) -> impl hyper::service::Service<hyper::Request<Incoming>, Response = hyper::Response<response::Body>, Error = std::convert::Infallible, Future: Send> + Clone + Send + 'static {
     let app = Arc::clone(app);
     service_fn(move |req: hyper::Request<Incoming>| {
         let app = Arc::clone(&app);
-        async move { Ok::<_, std::convert::Infallible>(app.route(req).await) }
+        async move { Ok::<_, std::convert::Infallible>(app.route(req, plane).await) }
     })
 }
 
 fn serve_connection(
     app: &Arc<App>,
+    plane: Plane,
     builder: &auto::Builder<TokioExecutor>,
     graceful: &GracefulShutdown,
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
 ) {
-    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service(app)).into_owned();
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service(app, plane)).into_owned();
     let conn = graceful.watch(conn);
     tokio::spawn(async move {
         let _permit = permit;

@@ -21,6 +21,17 @@ use facegate_host_gpu::Models;
 /// Longest a client may take to send a request body (also capped by the request timeout).
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Which routes a listener serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plane {
+    /// Tenants' handlers, models, health (with `--admin-listen`, the public listener).
+    Data,
+    /// Admin API, metrics, health (the `--admin-listen` listener).
+    Admin,
+    /// Everything on one listener (no `--admin-listen`).
+    Both,
+}
+
 /// Response header naming the handler version that answered.
 pub const VERSION_HEADER: &str = "x-facegate-handler-version";
 
@@ -47,24 +58,32 @@ impl App {
         &self.control
     }
 
-    /// Dispatches one request. Never fails: every problem becomes a response.
-    pub async fn route(&self, req: Request<Incoming>) -> Response<Body> {
+    /// Dispatches one request arriving on a listener serving `plane`.
+    /// Never fails: every problem becomes a response.
+    pub async fn route(&self, req: Request<Incoming>, plane: Plane) -> Response<Body> {
         let path = req.uri().path().to_owned();
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let (data, admin) = (plane != Plane::Admin, plane != Plane::Data);
         match (req.method(), segments.as_slice()) {
             (&Method::GET, ["healthz"]) => self.health(),
             // Metrics name tenants and handlers: they are for the operator.
-            (&Method::GET, ["metrics"]) => self.admin_refusal(&req).unwrap_or_else(|| self.prometheus()),
-            (&Method::GET, ["v1", "models"]) => self.list_models(),
-            (_, ["v1", tenant, handler]) => self.call_handler(tenant, handler, req).await,
-            (_, ["admin", "v1", rest @ ..]) => self.admin(rest, req).await,
-            (_, ["healthz" | "metrics"] | ["v1", "models"]) => {
-                response::error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "use GET")
-            }
+            (&Method::GET, ["metrics"]) if admin => self.admin_refusal(&req).unwrap_or_else(|| self.prometheus()),
+            (&Method::GET, ["v1", "models"]) if data => self.list_models(),
+            (_, ["v1", tenant, handler]) if data => self.call_handler(tenant, handler, req).await,
+            (_, ["admin", "v1", rest @ ..]) if admin => self.admin(rest, req).await,
+            (_, ["healthz"]) => method_not_allowed(),
+            (_, ["metrics"]) if admin => method_not_allowed(),
+            (_, ["v1", "models"]) if data => method_not_allowed(),
             _ => response::error(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}")),
         }
     }
+}
 
+fn method_not_allowed() -> Response<Body> {
+    response::error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "use GET")
+}
+
+impl App {
     fn health(&self) -> Response<Body> {
         let models: Vec<_> = self.models.iter().map(|b| b.spec().name.clone()).collect();
         response::json(StatusCode::OK, &serde_json::json!({ "status": "ok", "handlers": self.control.live().handler_count(), "models": models }))

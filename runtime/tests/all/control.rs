@@ -313,3 +313,36 @@ fn the_seeded_key_file_is_private_and_works() {
     let response = client_with_key(&key("demo")).post(url("/v1/demo/detect")).body(image("grace_hopper.jpg")).send().unwrap();
     assert_eq!(response.status(), 200);
 }
+
+#[test]
+fn with_an_admin_listener_the_admin_api_and_metrics_leave_the_public_one() {
+    use crate::harness::{config, fresh_dir, install};
+    let seed = fresh_dir("split-seed");
+    install(&seed, "demo", "detect", &guest("detect"));
+    let data = fresh_dir("split-data");
+    let config = config(data.clone(), Some(seed));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let models = facegate::load_models(&config.engine).unwrap();
+            let gateway = facegate::Gateway::new(&config, models).unwrap();
+            let (public, public_addr) = facegate::bind(config.listen).await.unwrap();
+            let (admin, admin_addr) = facegate::bind(config.listen).await.unwrap();
+            tx.send((public_addr, admin_addr)).unwrap();
+            gateway.serve_split(public, admin, std::future::pending()).await.unwrap();
+        });
+    });
+    let (public, admin) = rx.recv().unwrap();
+    let get = |addr: std::net::SocketAddr, path: &str, token: &str| {
+        anonymous().get(format!("http://{addr}{path}")).bearer_auth(token).send().unwrap().status().as_u16()
+    };
+    let key = std::fs::read_to_string(data.join("demo.key")).unwrap().trim().to_owned();
+    assert_eq!(get(public, "/admin/v1/tenants", ADMIN_TOKEN), 404);
+    assert_eq!(get(public, "/metrics", ADMIN_TOKEN), 404);
+    assert_eq!(get(admin, "/admin/v1/tenants", ADMIN_TOKEN), 200);
+    assert_eq!(get(admin, "/metrics", ADMIN_TOKEN), 200);
+    assert_eq!(get(admin, "/v1/models", &key), 404, "tenants are not served on the admin listener");
+    let response = client_with_key(&key).post(format!("http://{public}/v1/demo/detect")).body(image("grace_hopper.jpg")).send().unwrap();
+    assert_eq!(response.status(), 200);
+}
