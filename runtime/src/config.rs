@@ -153,6 +153,14 @@ pub struct EngineConfig {
     #[arg(long, env = "ORT_DYLIB_PATH", default_value = ".facegate/lib/libonnxruntime.so")]
     pub onnxruntime: PathBuf,
 
+    /// Devices the model runs on, comma-separated: `cpu`, `cuda:N`,
+    /// `tensorrt:N` (e.g. `cuda:0,cuda:1`). Each GPU is one device worker;
+    /// `cpu` adds `--cpu-workers` of them. GPUs need a build with
+    /// `--features facegate-host-gpu/cuda` (or `tensorrt`) and the
+    /// onnxruntime-gpu library as `--onnxruntime`.
+    #[arg(long, env = "FACEGATE_DEVICES", value_delimiter = ',', default_value = "cpu", value_parser = parse_device)]
+    pub devices: Vec<DeviceSpec>,
+
     /// Device workers (ONNX Runtime sessions) on the CPU, each pulling its own
     /// batches (0: one per core). One worker using every core halves a lone
     /// request's latency; one per core gives about the same throughput under load.
@@ -185,6 +193,27 @@ pub struct EngineConfig {
     /// with weights 3 and 1, two busy tenants get three samples to one).
     #[arg(long = "tenant-weight", env = "FACEGATE_TENANT_WEIGHTS", value_delimiter = ',', value_parser = parse_weight)]
     pub tenant_weights: Vec<(String, u32)>,
+}
+
+/// One `--devices` entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The CPU (`--cpu-workers` sessions).
+    Cpu,
+    /// CUDA device N.
+    Cuda(i32),
+    /// TensorRT on CUDA device N.
+    TensorRt(i32),
+}
+
+fn parse_device(s: &str) -> Result<DeviceSpec, String> {
+    let ordinal = |n: &str| n.parse::<i32>().ok().filter(|n| *n >= 0).ok_or_else(|| format!("bad device ordinal in {s:?}"));
+    match s.split_once(':') {
+        None if s == "cpu" => Ok(DeviceSpec::Cpu),
+        Some(("cuda", n)) => Ok(DeviceSpec::Cuda(ordinal(n)?)),
+        Some(("tensorrt", n)) => Ok(DeviceSpec::TensorRt(ordinal(n)?)),
+        _ => Err(format!("unknown device {s:?}: use cpu, cuda:N or tensorrt:N")),
+    }
 }
 
 fn parse_weight(s: &str) -> Result<(String, u32), String> {
@@ -259,5 +288,12 @@ mod tests {
         assert_eq!(config.engine.tenant_weights, vec![("a".to_owned(), 3), ("b".to_owned(), 1)]);
         assert!(Cli::try_parse_from(["facegate", "serve", "--tenant-weight", "a=0"]).is_err());
         assert!(Cli::try_parse_from(["facegate", "serve", "--tenant-weight", "a"]).is_err());
+        assert_eq!(config.engine.devices, vec![DeviceSpec::Cpu]);
+        let cli = Cli::try_parse_from(["facegate", "serve", "--devices", "cuda:0,tensorrt:1,cpu"]).unwrap();
+        let Command::Serve(config) = cli.command else { panic!("not serve") };
+        assert_eq!(config.engine.devices, vec![DeviceSpec::Cuda(0), DeviceSpec::TensorRt(1), DeviceSpec::Cpu]);
+        for bad in ["gpu", "cuda", "cuda:-1", "cuda:x"] {
+            assert!(Cli::try_parse_from(["facegate", "serve", "--devices", bad]).is_err(), "{bad}");
+        }
     }
 }

@@ -34,31 +34,49 @@ use facegate_host_gpu::backend::onnx::{Device, ImageModelConfig, OnnxBackend, in
 use facegate_host_gpu::{Batcher, BatcherConfig, Models};
 use tokio::net::TcpListener;
 
-use crate::config::{EngineConfig, MIN_ADMIN_TOKEN_LEN, ServeConfig};
+use crate::config::{DeviceSpec, EngineConfig, MIN_ADMIN_TOKEN_LEN, ServeConfig};
 use crate::control::ControlPlane;
 use crate::engine::{EngineLimits, EpochTicker};
 use crate::http::{App, Plane};
 use crate::sandbox::Sandbox;
 
-/// Loads ONNX Runtime and the model, and starts one batcher with
-/// one device worker per configured CPU worker.
+/// Loads ONNX Runtime and the model, and starts one batcher with one
+/// device worker per GPU and per configured CPU worker.
 pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
     init_onnx_runtime(&config.onnxruntime)?;
     let threads = config.threads_per_worker();
-    let backends = (0..config.workers())
-        .map(|_| {
+    let backends = devices(config)
+        .iter()
+        .map(|device| {
             let model = ImageModelConfig::centerface(&config.model, config.max_batch);
-            OnnxBackend::new(model, &Device::Cpu { threads }).map(|b| Box::new(b) as Box<dyn Backend>)
+            OnnxBackend::new(model, device)
+                .map(|b| Box::new(b) as Box<dyn Backend>)
+                .with_context(|| format!("cannot start the model on {device:?}"))
         })
         .collect::<Result<Vec<_>, _>>()?;
     let batcher = Batcher::start(backends, &batcher_config(config))?;
     for (tenant, weight) in &config.tenant_weights {
         batcher.set_tenant_weight(tenant, *weight);
     }
-    tracing::info!(model = %batcher.spec().name, workers = config.workers(), threads, max_batch = batcher.spec().max_batch, "model loaded");
+    tracing::info!(model = %batcher.spec().name, devices = ?config.devices, cpu_workers = config.workers(), threads, max_batch = batcher.spec().max_batch, "model loaded");
     let mut models = Models::new();
     models.insert(batcher);
     Ok(models)
+}
+
+/// One device per worker: each GPU listed once, the CPU `--cpu-workers` times.
+fn devices(config: &EngineConfig) -> Vec<Device> {
+    let threads = config.threads_per_worker();
+    let cache_dir = config.model.parent().map(|dir| dir.join("tensorrt-cache"));
+    config
+        .devices
+        .iter()
+        .flat_map(|spec| match *spec {
+            DeviceSpec::Cpu => vec![Device::Cpu { threads }; config.workers()],
+            DeviceSpec::Cuda(device_id) => vec![Device::Cuda { device_id }],
+            DeviceSpec::TensorRt(device_id) => vec![Device::TensorRt { device_id, cache_dir: cache_dir.clone() }],
+        })
+        .collect()
 }
 
 /// The batcher settings an engine config asks for.

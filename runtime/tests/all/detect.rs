@@ -161,3 +161,14 @@ fn crop_returns_one_crop_per_face() {
         assert!(crop["jpeg_base64"].as_str().unwrap().starts_with("/9j/"), "base64 of a JPEG");
     }
 }
+
+#[test]
+fn a_gpu_that_cannot_be_driven_is_a_clear_error() {
+    let mut engine = crate::harness::engine_config(&crate::harness::facegate_home());
+    engine.devices = vec![facegate::config::DeviceSpec::Cuda(0)];
+    // Where this build and machine do drive CUDA, loading simply works.
+    if let Err(e) = facegate::load_models(&engine) {
+        let error = format!("{e:#}");
+        assert!(error.contains("Cuda { device_id: 0 }") && error.contains("CUDA"), "{error}");
+    }
+}

@@ -93,6 +93,7 @@ pub fn engine_config(home: &Path) -> EngineConfig {
     EngineConfig {
         model: home.join("models/centerface.onnx"),
         onnxruntime: std::env::var_os("ORT_DYLIB_PATH").map(PathBuf::from).unwrap_or_else(|| home.join("lib/libonnxruntime.so")),
+        devices: vec![facegate::config::DeviceSpec::Cpu],
         cpu_workers: 1,
         cpu_threads: 0,
         max_batch: 4,
