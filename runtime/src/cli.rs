@@ -33,27 +33,9 @@ pub struct ClientArgs {
 #[derive(Debug, Subcommand)]
 pub enum TenantCommand {
     /// Create a tenant (limits not given follow the server's defaults).
-    Create {
-        /// Tenant name: 1-63 characters of a-z, 0-9 and '-'.
-        name: String,
-        /// Limits to override.
-        #[command(flatten)]
-        limits: LimitArgs,
-        #[command(flatten)]
-        #[allow(missing_docs, reason = "flattened")]
-        client: ClientArgs,
-    },
+    Create(TenantLimitsArgs),
     /// Change some limits of a tenant.
-    Limits {
-        /// Tenant name.
-        name: String,
-        /// Limits to override.
-        #[command(flatten)]
-        limits: LimitArgs,
-        #[command(flatten)]
-        #[allow(missing_docs, reason = "flattened")]
-        client: ClientArgs,
-    },
+    Limits(TenantLimitsArgs),
     /// List tenants.
     List {
         #[command(flatten)]
@@ -70,52 +52,17 @@ pub enum TenantCommand {
     },
 }
 
-/// Per-tenant limits settable from the command line.
-#[derive(Debug, Clone, Default, Args)]
-pub struct LimitArgs {
-    /// Linear memory of one instance (MiB).
-    #[arg(long)]
-    pub memory_mib: Option<usize>,
-    /// Request deadline (ms).
-    #[arg(long)]
-    pub timeout_ms: Option<u64>,
-    /// Requests in flight at once.
-    #[arg(long)]
-    pub max_concurrency: Option<u32>,
-    /// Sustained requests per second (0: unlimited).
-    #[arg(long)]
-    pub rps: Option<f64>,
-    /// Token-bucket size.
-    #[arg(long)]
-    pub burst: Option<u32>,
-    /// Largest request body (bytes).
-    #[arg(long)]
-    pub max_body_bytes: Option<usize>,
-    /// face-detect calls per request.
-    #[arg(long)]
-    pub max_infer_calls: Option<u32>,
-    /// Share of device batches.
-    #[arg(long)]
-    pub weight: Option<u32>,
-    /// Grant outgoing HTTP (wasi:http/outgoing-handler).
-    #[arg(long)]
-    pub outgoing_http: Option<bool>,
-}
-
-impl From<&LimitArgs> for LimitOverrides {
-    fn from(a: &LimitArgs) -> Self {
-        LimitOverrides {
-            memory_mib: a.memory_mib,
-            timeout_ms: a.timeout_ms,
-            max_concurrency: a.max_concurrency,
-            rps: a.rps,
-            burst: a.burst,
-            max_body_bytes: a.max_body_bytes,
-            max_infer_calls: a.max_infer_calls,
-            weight: a.weight,
-            outgoing_http: a.outgoing_http,
-        }
-    }
+/// A tenant and limits to override.
+#[derive(Debug, Clone, Args)]
+pub struct TenantLimitsArgs {
+    /// Tenant name: 1-63 characters of a-z, 0-9 and '-'.
+    pub name: String,
+    /// Limits to override.
+    #[command(flatten)]
+    pub limits: LimitOverrides,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "flattened")]
+    pub client: ClientArgs,
 }
 
 /// `facegate key ...`
@@ -201,12 +148,12 @@ pub struct CheckArgs {
 pub async fn run(command: crate::config::Command) -> anyhow::Result<i32> {
     use crate::config::Command as C;
     let (client, method, path, body, content_type) = match &command {
-        C::Tenant(TenantCommand::Create { name, limits, client }) => {
-            let body = json!({ "name": name, "limits": LimitOverrides::from(limits) });
+        C::Tenant(TenantCommand::Create(TenantLimitsArgs { name, limits, client })) => {
+            let body = json!({ "name": name, "limits": limits });
             (client, Method::POST, "tenants".to_owned(), body.to_string().into(), "application/json")
         }
-        C::Tenant(TenantCommand::Limits { name, limits, client }) => {
-            let body = serde_json::to_string(&LimitOverrides::from(limits))?;
+        C::Tenant(TenantCommand::Limits(TenantLimitsArgs { name, limits, client })) => {
+            let body = serde_json::to_string(limits)?;
             (client, Method::PATCH, format!("tenants/{name}"), body.into(), "application/json")
         }
         C::Tenant(TenantCommand::List { client }) => (client, Method::GET, "tenants".to_owned(), Bytes::new(), "application/json"),
@@ -285,7 +232,7 @@ fn print_summary(command: &crate::config::Command, v: &Value) {
                 println!("{}\t{}", t["name"].as_str().unwrap_or("?"), handlers.join(" "));
             }
         }
-        C::Tenant(TenantCommand::Create { .. } | TenantCommand::Limits { .. }) => {
+        C::Tenant(TenantCommand::Create(_) | TenantCommand::Limits(_)) => {
             println!("tenant {}: {}", v["name"].as_str().unwrap_or("?"), v["limits"]);
         }
         C::Tenant(TenantCommand::Delete { name, .. }) => println!("deleted tenant {name}"),

@@ -118,7 +118,7 @@ impl Gateway {
         let live = control.live();
         tracing::info!(tenants = live.tenants.len(), handlers = live.handler_count(), data = %config.data_dir.display(), "store loaded");
         if config.admin_token.is_none() {
-            tracing::info!("admin API off (set --admin-token or FACEGATE_ADMIN_TOKEN to manage tenants and handlers)");
+            tracing::warn!("admin API and /metrics off (set --admin-token or FACEGATE_ADMIN_TOKEN to manage tenants and handlers)");
         }
         let tls = match (&config.tls_cert, &config.tls_key) {
             (Some(cert), Some(key)) => Some(http::tls::acceptor(cert, key)?),
@@ -141,18 +141,32 @@ impl Gateway {
         admin: TcpListener,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> anyhow::Result<()> {
+        // Whichever ends first (the signal, or a listener failing) stops both,
+        // and each drains its own connections.
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|stop| *stop).await;
         };
-        let admin = http::serve(Arc::clone(&self.app), Plane::Admin, admin, None, wait(stopped.clone()));
-        let public = http::serve(Arc::clone(&self.app), Plane::Data, public, self.tls.clone(), wait(stopped));
-        let signal = async move {
-            shutdown.await;
+        let stop = &stop;
+        let admin = async {
+            let result = http::serve(Arc::clone(&self.app), Plane::Admin, admin, None, wait(stopped.clone())).await;
             let _ = stop.send(true);
-            Ok(())
+            result
         };
-        tokio::try_join!(signal, admin, public).map(|_| ())
+        let public = async {
+            let result = http::serve(Arc::clone(&self.app), Plane::Data, public, self.tls.clone(), wait(stopped.clone())).await;
+            let _ = stop.send(true);
+            result
+        };
+        let signal = async {
+            tokio::select! {
+                () = shutdown => {}
+                () = wait(stopped.clone()) => {}
+            }
+            let _ = stop.send(true);
+        };
+        let ((), admin, public) = tokio::join!(signal, admin, public);
+        admin.and(public)
     }
 }
 
@@ -176,7 +190,7 @@ pub async fn run(config: ServeConfig) -> anyhow::Result<()> {
         Some(admin_addr) => {
             let (admin, admin_addr) = bind(admin_addr).await?;
             tracing::info!(%admin_addr, "admin API and metrics listening");
-            println!("admin API and metrics on http://{admin_addr}");
+            println!("admin API and metrics on http://{admin_addr} (for the CLI: export FACEGATE_URL=http://{admin_addr})");
             gateway.serve_split(listener, admin, shutdown_signal()).await
         }
         None => gateway.serve(listener, shutdown_signal()).await,

@@ -33,26 +33,44 @@ pub struct TenantLimits {
 }
 
 /// What a tenant overrides; absent fields follow the server's defaults.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+/// The same struct is the admin API's `limits` JSON and the CLI's flags.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields)]
-#[allow(missing_docs, reason = "fields mirror TenantLimits")]
 pub struct LimitOverrides {
+    /// Linear memory of one instance (MiB).
+    #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mib: Option<usize>,
+    /// Request deadline (ms).
+    #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Requests in flight at once.
+    #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_concurrency: Option<u32>,
+    /// Sustained requests per second (0: unlimited).
+    #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rps: Option<f64>,
+    /// Token-bucket size.
+    #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst: Option<u32>,
+    /// Largest request body (bytes).
+    #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_body_bytes: Option<usize>,
+    /// face-detect calls per request.
+    #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_infer_calls: Option<u32>,
+    /// Share of device batches.
+    #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight: Option<u32>,
+    /// Grant outgoing HTTP (wasi:http/outgoing-handler): true or false.
+    #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outgoing_http: Option<bool>,
 }

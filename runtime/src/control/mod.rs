@@ -224,6 +224,9 @@ impl ControlPlane {
     /// concurrent requests than `max_instances`, the gateway's instance slots.
     pub fn open(data_dir: &Path, sandbox: Arc<Sandbox>, models: Models, defaults: TenantLimits, max_instances: u32) -> anyhow::Result<Self> {
         create_private_dir(data_dir)?;
+        if let Err(e) = validate_defaults(&defaults, max_instances) {
+            anyhow::bail!("the tenants' default limits (--tenant-*, --memory-limit-mib, --max-body-bytes, --request-timeout-ms flags) are invalid: {e}");
+        }
         let blobs = Blobs::open(data_dir)?;
         let leftovers = blobs.clear_tmp()?;
         if leftovers > 0 {
@@ -317,6 +320,7 @@ impl ControlPlane {
         }
         Ok(())
     }
+
 
     /// Refuses to withdraw outgoing HTTP while an active version imports it.
     fn refuse_if_outgoing_http_needed(&self, tenant: &str) -> StoreResult<()> {
@@ -458,7 +462,11 @@ impl ControlPlane {
         tenants.sort();
         let mut created = Vec::new();
         for tenant_dir in tenants {
-            let tenant = tenant_dir.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
+            let name = tenant_dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            let Ok(tenant) = valid_name(name) else {
+                tracing::warn!(dir = %tenant_dir.display(), "not a tenant name; not seeded");
+                continue;
+            };
             created.extend(self.seed_tenant(&tenant, &tenant_dir)?);
         }
         self.db().set_meta(SEED_MARK, SEED_DONE)?;
@@ -473,6 +481,10 @@ impl ControlPlane {
         files.sort();
         for file in files.iter().filter(|p| p.extension().is_some_and(|e| e == "wasm")) {
             let handler = file.file_stem().and_then(|n| n.to_str()).unwrap_or_default();
+            if valid_name(handler).is_err() {
+                tracing::warn!(file = %file.display(), "not a handler name; not seeded");
+                continue;
+            }
             if self.live().handler(tenant, handler).is_some() {
                 continue;
             }
@@ -483,6 +495,10 @@ impl ControlPlane {
         let saved = std::fs::read_to_string(&path).unwrap_or_default();
         if self.live().authenticate(Some(saved.trim())) == Some(tenant) {
             return Ok(None);
+        }
+        // A key whose file was never written (a crash in between) is useless: revoke it.
+        for stale in self.keys(tenant)?.into_iter().filter(|k| k.revoked_at.is_none()) {
+            self.revoke_key(tenant, &stale.id)?;
         }
         let key = self.create_key(tenant)?;
         write_secret(&path, &key.key)?;
@@ -577,6 +593,15 @@ impl ControlPlane {
 /// A gate for `limits`, keeping the old gate's bucket and slots where their
 /// own limits did not change (so a change of, say, the timeout neither
 /// refills the bucket nor frees slots held by requests in flight).
+/// The server's defaults must themselves be a valid tenant's limits.
+fn validate_defaults(defaults: &TenantLimits, max_instances: u32) -> Result<(), String> {
+    defaults.validate(&LimitOverrides::default())?;
+    if defaults.max_concurrency > max_instances {
+        return Err(format!("--tenant-max-concurrency ({}) exceeds --max-instances ({max_instances})", defaults.max_concurrency));
+    }
+    Ok(())
+}
+
 fn new_gate(name: &str, limits: TenantLimits, old: Option<&TenantGate>) -> TenantGate {
     let rate = match old {
         Some(old) if (old.limits.rps, old.limits.burst) == (limits.rps, limits.burst) => Arc::clone(&old.rate),
@@ -663,6 +688,16 @@ pub fn write_secret(path: &Path, secret: &str) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use crate::engine::{EngineLimits, build};
+
+    #[test]
+    fn server_defaults_that_no_tenant_could_have_are_refused() {
+        let config = crate::config::ServeConfig::with_data_dir("unused".into()).unwrap();
+        assert!(validate_defaults(&config.default_limits(), config.max_instances).is_ok());
+        let error = validate_defaults(&config.default_limits(), 16).unwrap_err();
+        assert!(error.contains("--tenant-max-concurrency"), "{error}");
+        let slow = TenantLimits { rps: 0.0001, ..config.default_limits() };
+        assert!(validate_defaults(&slow, config.max_instances).unwrap_err().contains("rps"));
+    }
 
     #[test]
     fn artifacts_are_keyed_by_the_engine_configuration() {
