@@ -77,8 +77,7 @@ impl Blobs {
         self.compiled_dir().join(format!("{component_sha}-{engine}.cwasm"))
     }
 
-    /// Directory of component blobs.
-    pub fn components_dir(&self) -> PathBuf {
+    fn components_dir(&self) -> PathBuf {
         self.root.join("components")
     }
 

@@ -156,22 +156,25 @@ impl Db {
 
     /// All tenants, by name.
     pub fn tenants(&self) -> StoreResult<Vec<TenantRow>> {
-        let mut stmt = self.conn.prepare("SELECT name, limits, created_at FROM tenants ORDER BY name")?;
-        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get(2)?)))?;
+        self.select_tenants("SELECT name, limits, created_at FROM tenants ORDER BY name", &[])
+    }
+
+    /// One tenant.
+    pub fn tenant(&self, name: &str) -> StoreResult<TenantRow> {
+        self.select_tenants("SELECT name, limits, created_at FROM tenants WHERE name = ?1", &[&name])?
+            .pop()
+            .ok_or_else(|| StoreError::NotFound(format!("no tenant {name:?}")))
+    }
+
+    fn select_tenants(&self, sql: &str, args: &[&dyn rusqlite::ToSql]) -> StoreResult<Vec<TenantRow>> {
+        let mut stmt = self.conn.prepare(sql)?;
+        let rows = stmt.query_map(args, |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get(2)?)))?;
         rows.map(|row| {
             let (name, limits, created_at) = row?;
             let overrides = serde_json::from_str(&limits).map_err(|e| anyhow::anyhow!("limits of {name}: {e}"))?;
             Ok(TenantRow { name, overrides, created_at })
         })
         .collect()
-    }
-
-    /// One tenant.
-    pub fn tenant(&self, name: &str) -> StoreResult<TenantRow> {
-        self.tenants()?
-            .into_iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| StoreError::NotFound(format!("no tenant {name:?}")))
     }
 
     /// Creates a tenant.

@@ -51,8 +51,6 @@ pub struct SeededKey {
 /// A tenant's admission state: limits, rate bucket, concurrency slots.
 /// Kept across snapshots while the limits do not change.
 pub struct TenantGate {
-    /// Tenant name.
-    pub name: Arc<str>,
     /// Effective limits.
     pub limits: TenantLimits,
     /// Requests-per-second bucket.
@@ -252,16 +250,6 @@ impl ControlPlane {
     /// The current snapshot.
     pub fn live(&self) -> Arc<Live> {
         Arc::clone(&self.live.read().unwrap_or_else(std::sync::PoisonError::into_inner))
-    }
-
-    /// The data directory.
-    pub fn data_dir(&self) -> &Path {
-        &self.data_dir
-    }
-
-    /// The server's default limits.
-    pub fn defaults(&self) -> &TenantLimits {
-        &self.defaults
     }
 
     fn db(&self) -> MutexGuard<'_, Db> {
@@ -516,7 +504,7 @@ impl ControlPlane {
             let limits = self.defaults.with(&row.overrides);
             let gate = match old.tenants.get(&row.name) {
                 Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
-                old_entry => Arc::new(new_gate(&row.name, limits, old_entry.map(|e| &*e.gate))),
+                old_entry => Arc::new(new_gate(limits, old_entry.map(|e| &*e.gate))),
             };
             // Without an override, the weight stays what --tenant-weight set (default 1).
             if let Some(weight) = row.overrides.weight {
@@ -602,7 +590,7 @@ fn validate_defaults(defaults: &TenantLimits, max_instances: u32) -> Result<(), 
     Ok(())
 }
 
-fn new_gate(name: &str, limits: TenantLimits, old: Option<&TenantGate>) -> TenantGate {
+fn new_gate(limits: TenantLimits, old: Option<&TenantGate>) -> TenantGate {
     let rate = match old {
         Some(old) if (old.limits.rps, old.limits.burst) == (limits.rps, limits.burst) => Arc::clone(&old.rate),
         _ => Arc::new(TokenBucket::new(limits.rps, limits.burst)),
@@ -611,7 +599,7 @@ fn new_gate(name: &str, limits: TenantLimits, old: Option<&TenantGate>) -> Tenan
         Some(old) if old.limits.max_concurrency == limits.max_concurrency => Arc::clone(&old.concurrency),
         _ => Arc::new(Semaphore::new(limits.max_concurrency as usize)),
     };
-    TenantGate { name: name.into(), rate, concurrency, limits }
+    TenantGate { rate, concurrency, limits }
 }
 
 /// Loads a precompiled artifact.

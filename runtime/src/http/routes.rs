@@ -53,11 +53,6 @@ impl App {
         Self { control, sandbox, models, config, metrics: HttpMetrics::default(), instances }
     }
 
-    /// The control plane.
-    pub fn control(&self) -> &Arc<ControlPlane> {
-        &self.control
-    }
-
     /// Dispatches one request arriving on a listener serving `plane`.
     /// Never fails: every problem becomes a response.
     pub async fn route(&self, req: Request<Incoming>, plane: Plane) -> Response<Body> {
