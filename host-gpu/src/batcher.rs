@@ -15,6 +15,7 @@ use crate::error::InferError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::model::ModelSpec;
 use crate::queue::{Entry, QueueConfig, Readiness, Reply, State};
+use crate::sizing::{BatchSizer, Sizing};
 use crate::tensor::Tensor;
 
 /// Default bound on calls waiting per model, all tenants together.
@@ -34,6 +35,9 @@ pub struct BatcherConfig {
     /// How long to hold a partial batch to fill it. Zero: a batch grows only
     /// while every device is busy, which is what measurements favour.
     pub max_delay: Duration,
+    /// Whether each device learns the batch size that pays for each input
+    /// shape (up to `max_batch`), or always fills to `max_batch`.
+    pub sizing: Sizing,
 }
 
 impl Default for BatcherConfig {
@@ -43,6 +47,7 @@ impl Default for BatcherConfig {
             queue_capacity: DEFAULT_QUEUE_CAPACITY,
             tenant_capacity: DEFAULT_TENANT_CAPACITY,
             max_delay: Duration::ZERO,
+            sizing: Sizing::Adaptive,
         }
     }
 }
@@ -126,7 +131,7 @@ impl Batcher {
             shutdown: AtomicBool::new(false),
             metrics: Metrics::new(spec.max_batch, backends.len()),
         });
-        let threads = spawn_workers(&shared, backends, &spec.name)?;
+        let threads = spawn_workers(&shared, backends, &spec.name, spec.max_batch, config.sizing)?;
         let workers = Arc::new(Workers { shared: Arc::clone(&shared), threads });
         Ok(Self { shared, spec: Arc::new(spec), _workers: workers })
     }
@@ -198,41 +203,52 @@ fn spawn_workers(
     shared: &Arc<Shared>,
     backends: Vec<Box<dyn Backend>>,
     model: &str,
+    max_batch: usize,
+    sizing: Sizing,
 ) -> Result<Vec<JoinHandle<()>>, BackendError> {
     backends
         .into_iter()
         .enumerate()
         .map(|(index, backend)| {
+            // Each device learns its own sizes: a CPU and a GPU in one pool differ.
             let shared = Arc::clone(shared);
+            let sizer = BatchSizer::new(max_batch, sizing, backend.batches_pay());
             std::thread::Builder::new()
                 .name(format!("{model}-dev{index}"))
-                .spawn(move || worker_loop(&shared, index, backend))
+                .spawn(move || worker_loop(&shared, index, backend, sizer))
                 .map_err(|e| BackendError(format!("cannot start worker thread: {e}")))
         })
         .collect()
 }
 
-fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>) {
-    while let Some(batch) = wait_for_batch(shared) {
-        run_batch(shared, index, backend.as_mut(), batch);
+fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut sizer: BatchSizer) {
+    while let Some(batch) = wait_for_batch(shared, &sizer) {
+        let shape = batch[0].input.shape().to_vec();
+        let (size, elapsed, ok) = run_batch(shared, index, backend.as_mut(), batch);
+        if ok {
+            sizer.record(&shape, size, elapsed);
+        }
+        shared.metrics.record_batch_limit(index, sizer.chosen(&shape));
     }
 }
 
-/// Blocks until a batch is due (or shutdown: `None`). Answers expired calls on the way.
-fn wait_for_batch(shared: &Shared) -> Option<Vec<Entry>> {
+/// Blocks until a batch is due (or shutdown: `None`). Answers expired calls
+/// on the way. Batches are limited to what `sizer` says pays on this device.
+fn wait_for_batch(shared: &Shared, sizer: &BatchSizer) -> Option<Vec<Entry>> {
+    let limit = |shape: &[usize]| sizer.limit(shape);
     let mut state = shared.lock();
     loop {
         if shared.shutdown.load(Ordering::SeqCst) {
             return None;
         }
         let now = Instant::now();
-        state = match state.readiness(now) {
+        state = match state.readiness(now, limit) {
             Readiness::Empty => shared.wake.wait(state).unwrap_or_else(|p| p.into_inner()),
             Readiness::WaitUntil(due) => {
                 shared.wake.wait_timeout(state, due - now).unwrap_or_else(|p| p.into_inner()).0
             }
             Readiness::Ready => {
-                let formed = state.next_batch(now);
+                let formed = state.next_batch(now, limit);
                 let more = !state.is_empty();
                 drop(state);
                 if more {
@@ -252,7 +268,9 @@ fn wait_for_batch(shared: &Shared) -> Option<Vec<Entry>> {
     }
 }
 
-fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Vec<Entry>) {
+/// Runs a non-empty batch and answers its calls; returns its size, how long
+/// the device took and whether it succeeded.
+fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Vec<Entry>) -> (usize, Duration, bool) {
     let started = Instant::now();
     for entry in &batch {
         shared.metrics.record_wait(started.saturating_duration_since(entry.enqueued));
@@ -262,7 +280,8 @@ fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Ve
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| backend.run(&inputs)))
         .unwrap_or_else(|_| Err(BackendError("backend panicked".into())));
     let result = result.and_then(|outputs| check_len(outputs, batch.len()));
-    shared.metrics.record_batch(index, batch.len(), started.elapsed(), result.is_ok());
+    let (size, elapsed, ok) = (batch.len(), started.elapsed(), result.is_ok());
+    shared.metrics.record_batch(index, size, elapsed, ok);
     match result {
         Ok(outputs) => {
             for (entry, output) in batch.into_iter().zip(outputs) {
@@ -276,6 +295,7 @@ fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Ve
             }
         }
     }
+    (size, elapsed, ok)
 }
 
 fn check_len(outputs: Vec<Vec<Tensor>>, expected: usize) -> Result<Vec<Vec<Tensor>>, BackendError> {

@@ -31,6 +31,7 @@ mod error;
 pub mod metrics;
 mod model;
 pub mod queue;
+pub mod sizing;
 mod tensor;
 
 use std::collections::BTreeMap;
@@ -38,6 +39,7 @@ use std::collections::BTreeMap;
 pub use batcher::{Batcher, BatcherConfig, DEFAULT_QUEUE_CAPACITY, DEFAULT_TENANT_CAPACITY, InferRequest};
 pub use error::InferError;
 pub use model::{ModelSpec, TensorSpec};
+pub use sizing::Sizing;
 pub use tensor::{ElementType, ShapeMismatch, Tensor, byte_len};
 
 /// The models a host serves, by name, each behind its own batcher.

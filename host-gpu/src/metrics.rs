@@ -16,6 +16,8 @@ pub struct Metrics {
     wait_sum_us: AtomicU64,
     /// Busy time per worker (device), microseconds.
     busy_us: Vec<AtomicU64>,
+    /// Batch size each worker last chose for the shape it ran.
+    batch_limit: Vec<AtomicU64>,
     samples_ok: AtomicU64,
     samples_failed: AtomicU64,
     rejected_overloaded: AtomicU64,
@@ -36,6 +38,8 @@ pub struct MetricsSnapshot {
     pub wait_sum_seconds: f64,
     /// Busy seconds of each worker.
     pub busy_seconds: Vec<f64>,
+    /// The batch size each worker last chose (learned, or `max_batch` when fixed).
+    pub batch_limit: Vec<u64>,
     /// Samples answered with outputs.
     pub samples_ok: u64,
     /// Samples whose batch failed in the backend.
@@ -72,6 +76,7 @@ impl Metrics {
             wait_count: AtomicU64::new(0),
             wait_sum_us: AtomicU64::new(0),
             busy_us: (0..workers).map(|_| AtomicU64::new(0)).collect(),
+            batch_limit: (0..workers).map(|_| AtomicU64::new(max_batch as u64)).collect(),
             samples_ok: AtomicU64::new(0),
             samples_failed: AtomicU64::new(0),
             rejected_overloaded: AtomicU64::new(0),
@@ -102,6 +107,12 @@ impl Metrics {
         counter.fetch_add(size as u64, Ordering::Relaxed);
     }
 
+    pub(crate) fn record_batch_limit(&self, worker: usize, limit: usize) {
+        if let Some(slot) = self.batch_limit.get(worker) {
+            slot.store(limit as u64, Ordering::Relaxed);
+        }
+    }
+
     pub(crate) fn record_overloaded(&self) {
         self.rejected_overloaded.fetch_add(1, Ordering::Relaxed);
     }
@@ -119,6 +130,7 @@ impl Metrics {
             wait_count: load(&self.wait_count),
             wait_sum_seconds: load(&self.wait_sum_us) as f64 / 1e6,
             busy_seconds: self.busy_us.iter().map(|a| load(a) as f64 / 1e6).collect(),
+            batch_limit: self.batch_limit.iter().map(load).collect(),
             samples_ok: load(&self.samples_ok),
             samples_failed: load(&self.samples_failed),
             rejected_overloaded: load(&self.rejected_overloaded),

@@ -174,16 +174,24 @@ impl State {
         self.ring.retain(|t| tenants.contains_key(t));
     }
 
-    /// Whether a batch should be taken now (see [`QueueConfig::max_delay`]).
-    pub fn readiness(&self, now: Instant) -> Readiness {
+    /// Whether a batch should be taken now (see [`QueueConfig::max_delay`]);
+    /// `limit` gives the largest batch wanted for an input shape (it is
+    /// capped at `max_batch`), so a held batch goes as soon as it is that full.
+    pub fn readiness(&self, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Readiness {
         let Some(oldest) = self.tenants.values().filter_map(|q| q.items.front()).map(|e| e.enqueued).min() else {
             return Readiness::Empty;
         };
-        if self.config.max_delay.is_zero() || self.front_shape_count() >= self.config.max_batch {
+        if self.config.max_delay.is_zero() || self.front_shape_count() >= self.cap(limit) {
             return Readiness::Ready;
         }
         let due = oldest + self.config.max_delay;
         if due <= now { Readiness::Ready } else { Readiness::WaitUntil(due) }
+    }
+
+    /// The batch size to fill for the front shape: `limit`'s, within 1..=max_batch.
+    fn cap(&self, limit: impl Fn(&[usize]) -> usize) -> usize {
+        let wanted = self.front_shape().map_or(self.config.max_batch, |shape| limit(&shape));
+        wanted.clamp(1, self.config.max_batch.max(1))
     }
 
     fn front_shape(&self) -> Option<Vec<usize>> {
@@ -197,14 +205,16 @@ impl State {
     }
 
     /// Takes the next batch: drops expired and cancelled calls, then fills
-    /// up to `max_batch` calls of one shape by deficit round-robin.
-    pub fn next_batch(&mut self, now: Instant) -> Formed {
+    /// up to `limit(shape)` (at most `max_batch`) calls of one shape by
+    /// deficit round-robin.
+    pub fn next_batch(&mut self, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Formed {
         let mut formed = Formed::default();
         self.drop_dead(now, &mut formed);
         let Some(shape) = self.front_shape() else { return formed };
+        let cap = self.cap(limit);
         let mut idle_visits = 0;
-        while formed.batch.len() < self.config.max_batch && idle_visits < self.ring.len() {
-            let took = self.serve_front(&shape, &mut formed.batch);
+        while formed.batch.len() < cap && idle_visits < self.ring.len() {
+            let took = self.serve_front(&shape, cap, &mut formed.batch);
             idle_visits = if took == 0 { idle_visits + 1 } else { 0 };
         }
         formed
@@ -212,10 +222,9 @@ impl State {
 
     /// Gives the front tenant its turn; returns how many calls it contributed.
     /// The tenant keeps the turn only if the batch filled before its deficit ran out.
-    fn serve_front(&mut self, shape: &[usize], batch: &mut Vec<Entry>) -> usize {
+    fn serve_front(&mut self, shape: &[usize], max_batch: usize, batch: &mut Vec<Entry>) -> usize {
         let Some(tenant) = self.ring.front().cloned() else { return 0 };
         let weight = self.weight(&tenant);
-        let max_batch = self.config.max_batch;
         let Some(queue) = self.tenants.get_mut(&tenant) else { return 0 };
         if !queue.credited {
             // Unused credit carries over, but never beyond two turns' worth.
@@ -273,6 +282,8 @@ mod tests {
     use crate::tensor::ElementType;
 
     const SECOND: Duration = Duration::from_secs(1);
+    /// No limit below `max_batch`.
+    const FULL: fn(&[usize]) -> usize = |_| usize::MAX;
 
     fn config(max_batch: usize) -> QueueConfig {
         QueueConfig { max_batch, capacity: 100, tenant_capacity: 100, max_delay: Duration::ZERO }
@@ -306,12 +317,12 @@ mod tests {
         let now = Instant::now();
         let mut state = State::new(config(4));
         let _rx = push_n(&mut state, "a", 10, now);
-        assert_eq!(state.next_batch(now).batch.len(), 4);
+        assert_eq!(state.next_batch(now, FULL).batch.len(), 4);
         assert_eq!(state.len(), 6);
-        assert_eq!(state.next_batch(now).batch.len(), 4);
-        assert_eq!(state.next_batch(now).batch.len(), 2);
+        assert_eq!(state.next_batch(now, FULL).batch.len(), 4);
+        assert_eq!(state.next_batch(now, FULL).batch.len(), 2);
         assert!(state.is_empty());
-        assert!(state.next_batch(now).batch.is_empty());
+        assert!(state.next_batch(now, FULL).batch.is_empty());
     }
 
     #[test]
@@ -324,10 +335,31 @@ mod tests {
             state.push(entry).unwrap();
             keep.push(rx);
         }
-        let first = state.next_batch(now);
+        let first = state.next_batch(now, FULL);
         assert_eq!(first.batch.iter().map(|e| e.input.shape()[0]).collect::<Vec<_>>(), vec![4, 4, 4]);
-        let second = state.next_batch(now);
+        let second = state.next_batch(now, FULL);
         assert_eq!(second.batch.iter().map(|e| e.input.shape()[0]).collect::<Vec<_>>(), vec![8, 8]);
+    }
+
+    #[test]
+    fn a_device_limit_caps_the_batch_below_max_batch() {
+        let now = Instant::now();
+        let mut state = State::new(config(8));
+        let _rx = push_n(&mut state, "a", 5, now);
+        let limit = |shape: &[usize]| if shape == [4] { 2 } else { 8 };
+        assert_eq!(state.next_batch(now, limit).batch.len(), 2);
+        assert_eq!(state.next_batch(now, |_| 0).batch.len(), 1, "a limit of 0 still takes one call");
+        assert_eq!(state.next_batch(now, FULL).batch.len(), 2);
+    }
+
+    #[test]
+    fn a_held_batch_goes_when_it_reaches_the_device_limit() {
+        let now = Instant::now();
+        let delay = Duration::from_millis(5);
+        let mut state = State::new(QueueConfig { max_delay: delay, ..config(8) });
+        let _rx = push_n(&mut state, "a", 2, now);
+        assert_eq!(state.readiness(now, FULL), Readiness::WaitUntil(now + delay));
+        assert_eq!(state.readiness(now, |_| 2), Readiness::Ready);
     }
 
     #[test]
@@ -335,12 +367,12 @@ mod tests {
         let now = Instant::now();
         let delay = Duration::from_millis(5);
         let mut state = State::new(QueueConfig { max_delay: delay, ..config(3) });
-        assert_eq!(state.readiness(now), Readiness::Empty);
+        assert_eq!(state.readiness(now, FULL), Readiness::Empty);
         let mut keep = push_n(&mut state, "a", 2, now);
-        assert_eq!(state.readiness(now), Readiness::WaitUntil(now + delay));
-        assert_eq!(state.readiness(now + delay), Readiness::Ready);
+        assert_eq!(state.readiness(now, FULL), Readiness::WaitUntil(now + delay));
+        assert_eq!(state.readiness(now + delay, FULL), Readiness::Ready);
         keep.extend(push_n(&mut state, "b", 1, now));
-        assert_eq!(state.readiness(now), Readiness::Ready, "a full batch goes at once");
+        assert_eq!(state.readiness(now, FULL), Readiness::Ready, "a full batch goes at once");
     }
 
     #[test]
@@ -348,7 +380,7 @@ mod tests {
         let now = Instant::now();
         let mut state = State::new(config(8));
         let _rx = push_n(&mut state, "a", 1, now);
-        assert_eq!(state.readiness(now), Readiness::Ready);
+        assert_eq!(state.readiness(now, FULL), Readiness::Ready);
     }
 
     #[test]
@@ -357,7 +389,7 @@ mod tests {
         let mut state = State::new(config(4));
         let _a = push_n(&mut state, "a", 10, now);
         let _b = push_n(&mut state, "b", 10, now);
-        let formed = state.next_batch(now);
+        let formed = state.next_batch(now, FULL);
         assert_eq!(tenants_of(&formed), vec!["a", "b", "a", "b"]);
     }
 
@@ -370,7 +402,7 @@ mod tests {
         let _b = push_n(&mut state, "b", 40, now);
         let mut counts = HashMap::new();
         for _ in 0..4 {
-            for e in state.next_batch(now).batch {
+            for e in state.next_batch(now, FULL).batch {
                 *counts.entry(e.tenant.to_string()).or_insert(0) += 1;
             }
         }
@@ -383,7 +415,7 @@ mod tests {
         let mut state = State::new(config(4));
         let _a = push_n(&mut state, "a", 50, now);
         let _b = push_n(&mut state, "b", 2, now);
-        let formed = state.next_batch(now);
+        let formed = state.next_batch(now, FULL);
         assert_eq!(formed.batch.iter().filter(|e| &*e.tenant == "b").count(), 2);
     }
 
@@ -395,7 +427,7 @@ mod tests {
         old.deadline = now + Duration::from_millis(1);
         state.push(old).unwrap();
         let _rx2 = push_n(&mut state, "a", 1, now);
-        let formed = state.next_batch(now + Duration::from_millis(2));
+        let formed = state.next_batch(now + Duration::from_millis(2), FULL);
         assert_eq!((formed.batch.len(), formed.expired.len()), (1, 1));
         assert!(state.is_empty());
     }
@@ -407,7 +439,7 @@ mod tests {
         let rx = push_n(&mut state, "a", 3, now);
         drop(rx);
         let _live = push_n(&mut state, "b", 1, now);
-        let formed = state.next_batch(now);
+        let formed = state.next_batch(now, FULL);
         assert_eq!((formed.batch.len(), formed.cancelled), (1, 3));
         assert_eq!(tenants_of(&formed), vec!["b"]);
         assert!(state.is_empty());
@@ -445,6 +477,6 @@ mod tests {
         let _b = push_n(&mut state, "b", 2, now);
         assert_eq!(state.drain().len(), 5);
         assert!(state.is_empty());
-        assert_eq!(state.readiness(now), Readiness::Empty);
+        assert_eq!(state.readiness(now, FULL), Readiness::Empty);
     }
 }

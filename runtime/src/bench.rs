@@ -45,9 +45,20 @@ pub struct BenchConfig {
     #[arg(long, default_value_t = 8)]
     pub batch_on: usize,
 
-    /// Letterbox side the handler uses (the raw engine gets the same tensor).
+    /// Letterbox side: passed to the handler as `?size=` and used for the
+    /// raw engine's tensors, so both run the same input.
     #[arg(long, default_value_t = 640)]
     pub side: u32,
+
+    /// Seconds each configuration runs, unmeasured, before each concurrency
+    /// level: steady state, with batch sizes learned (`--batch-sizing adaptive`).
+    #[arg(long, default_value_t = 3.0)]
+    pub warmup: f64,
+
+    /// Interleaved rounds per row: configurations compared are measured
+    /// A B A B …, so drift on a shared machine hits all of them alike.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
 
     /// Gateway settings (handlers directory, limits) for the in-process gateway.
     #[command(flatten)]
@@ -105,10 +116,6 @@ fn preprocess(bytes: &[u8], side: u32) -> anyhow::Result<Tensor> {
     Ok(Tensor::new(vec![side, side, 3], facegate_host_gpu::ElementType::U8, boxed.pixels)?)
 }
 
-/// Rounds per configuration: measurements of the configurations compared
-/// are interleaved (A B A B ...) so drift on a shared machine hits both alike.
-const ROUNDS: u32 = 3;
-
 async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Tensor], duration: Duration) -> anyhow::Result<()> {
     let batch_sizes: Vec<usize> =
         if config.suite == "issue2" { vec![config.serve.engine.max_batch] } else { vec![1, config.batch_on] };
@@ -121,15 +128,30 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
         setups.push((max_batch, models, (addr, key), server));
     }
     println!("\n== gateway (HTTP + wasm handler) vs raw engine (host-gpu only), same images, same run ==");
-    println!("{} CPU workers × {} threads; {ROUNDS} interleaved rounds of {:.1} s per row", config.serve.engine.workers(), config.serve.engine.threads_per_worker(), duration.as_secs_f64() / f64::from(ROUNDS));
+    let rounds = config.rounds.max(1);
+    let engine = &config.serve.engine;
+    println!(
+        "devices {:?}, {} CPU workers × {} threads, {:?} batch sizing, {}×{} images; {rounds} interleaved rounds of {:.1} s per row",
+        engine.devices,
+        engine.workers(),
+        engine.threads_per_worker(),
+        engine.batch_sizing,
+        config.side,
+        config.side,
+        duration.as_secs_f64() / f64::from(rounds)
+    );
     println!("{:<28} {:>5} {:>10} {:>9} {:>9} {:>7} {:>6}", "configuration", "conc", "req/s", "p50 ms", "p99 ms", "batch", "errors");
-    let round = duration / ROUNDS;
+    let round = duration / rounds;
     for &c in &config.concurrency {
+        let warmup = Duration::from_secs_f64(config.warmup);
+        for (_, models, addr, _) in &setups {
+            measure_gateway(addr, models, images, c, warmup, config.side).await;
+        }
         let mut tallies: Vec<(Tally, Tally)> = setups.iter().map(|_| Default::default()).collect();
-        for _ in 0..ROUNDS {
+        for _ in 0..rounds {
             for ((_, models, addr, _), (raw, gw)) in setups.iter().zip(tallies.iter_mut()) {
                 raw.add(measure_engine(models, tensors, c, round).await, round);
-                gw.add(measure_gateway(addr, models, images, c, round).await, round);
+                gw.add(measure_gateway(addr, models, images, c, round, config.side).await, round);
             }
         }
         let results: Vec<_> = tallies.into_iter().map(|(raw, gw)| (raw.summarize(), gw.summarize())).collect();
@@ -321,12 +343,13 @@ async fn measure_gateway(
     images: &[Bytes],
     concurrency: usize,
     duration: Duration,
+    side: u32,
 ) -> (LoopStats, u64, u64) {
     let before = batch_counts(models);
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(256).build(connector);
-    let (images, url) = (Arc::new(images.to_vec()), format!("http://{addr}/v1/demo/detect"));
+    let (images, url) = (Arc::new(images.to_vec()), format!("http://{addr}/v1/demo/detect?size={side}"));
     let auth = format!("Bearer {key}");
     let measured = drive(concurrency, duration, move |i| {
         let (client, images, url, auth) = (client.clone(), Arc::clone(&images), url.clone(), auth.clone());

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use facegate_host_gpu::Sizing;
 
 use crate::control::limits::TenantLimits;
 
@@ -171,11 +172,17 @@ pub struct EngineConfig {
     #[arg(long, env = "FACEGATE_CPU_THREADS", default_value_t = 0)]
     pub cpu_threads: usize,
 
-    /// Most samples per device batch. On CPUs batching does not lower the
-    /// per-image cost (measured: batch 1 is as fast or faster), so the
-    /// default is 1; raise it for GPUs.
-    #[arg(long, env = "FACEGATE_MAX_BATCH", default_value_t = 1)]
+    /// Most samples per device batch. With `--batch-sizing adaptive` each
+    /// device learns, per image size, the batch size (up to this) that is
+    /// cheapest per image: on a CPU that is 1 for 640×640 images and 4–8
+    /// for small ones; on a GPU, the largest.
+    #[arg(long, env = "FACEGATE_MAX_BATCH", default_value_t = 8)]
     pub max_batch: usize,
+
+    /// `adaptive`: batches only as large as pays on each device, measured
+    /// per input shape; `fixed`: always fill to `--max-batch`.
+    #[arg(long, env = "FACEGATE_BATCH_SIZING", default_value = "adaptive", value_parser = parse_sizing)]
+    pub batch_sizing: Sizing,
 
     /// How long (µs) to hold a partial batch to fill it; 0 batches only what waits while devices are busy.
     #[arg(long, env = "FACEGATE_BATCH_DELAY_US", default_value_t = 0)]
@@ -204,6 +211,14 @@ pub enum DeviceSpec {
     Cuda(i32),
     /// TensorRT on CUDA device N.
     TensorRt(i32),
+}
+
+fn parse_sizing(s: &str) -> Result<Sizing, String> {
+    match s {
+        "adaptive" => Ok(Sizing::Adaptive),
+        "fixed" => Ok(Sizing::Fixed),
+        other => Err(format!("unknown batch sizing {other:?} (expected adaptive or fixed)")),
+    }
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec, String> {

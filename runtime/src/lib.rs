@@ -86,6 +86,7 @@ pub fn batcher_config(config: &EngineConfig) -> BatcherConfig {
         queue_capacity: config.queue_capacity,
         tenant_capacity: config.tenant_queue_capacity,
         max_delay: std::time::Duration::from_micros(config.batch_delay_us),
+        sizing: config.batch_sizing,
     }
 }
 

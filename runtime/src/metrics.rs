@@ -66,6 +66,7 @@ pub fn render(http: &HttpMetrics, models: &Models, instances_in_use: usize) -> S
     family(&mut out, "facegate_batch_size", "histogram", "Samples per device batch.", &snapshots, batch_sizes);
     family(&mut out, "facegate_queue_wait_seconds", "histogram", "Time calls waited for a device.", &snapshots, queue_wait);
     family(&mut out, "facegate_device_busy_seconds_total", "counter", "Time each device spent running batches.", &snapshots, busy);
+    family(&mut out, "facegate_batch_limit", "gauge", "Batch size each device last chose (learned per input shape).", &snapshots, limits);
     family(&mut out, "facegate_queue_depth", "gauge", "Calls waiting now.", &snapshots, depth);
     family(&mut out, "facegate_inferences_total", "counter", "Inference calls by outcome.", &snapshots, outcomes);
     out
@@ -104,6 +105,12 @@ fn queue_wait(out: &mut String, l: &str, m: &MetricsSnapshot) {
 fn busy(out: &mut String, l: &str, m: &MetricsSnapshot) {
     for (device, seconds) in m.busy_seconds.iter().enumerate() {
         let _ = writeln!(out, "facegate_device_busy_seconds_total{{{l},device=\"{device}\"}} {seconds}");
+    }
+}
+
+fn limits(out: &mut String, l: &str, m: &MetricsSnapshot) {
+    for (device, limit) in m.batch_limit.iter().enumerate() {
+        let _ = writeln!(out, "facegate_batch_limit{{{l},device=\"{device}\"}} {limit}");
     }
 }
 

@@ -19,6 +19,13 @@ pub trait Backend: Send + 'static {
     /// [`Backend::spec`] and share one shape. Returns, for each input in
     /// order, its outputs in the order of `spec().outputs`.
     fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError>;
+
+    /// Whether full batches are presumed cheaper per sample before anything
+    /// is measured: true for accelerators (the default), false for CPUs.
+    /// Adaptive sizing starts from this and then follows measurements.
+    fn batches_pay(&self) -> bool {
+        true
+    }
 }
 
 /// The engine failed on a batch. Every call of that batch gets this error;

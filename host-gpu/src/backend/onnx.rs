@@ -128,6 +128,8 @@ pub struct OnnxBackend {
     config: ImageModelConfig,
     spec: ModelSpec,
     session: Session,
+    /// Whether the session runs on the CPU (where batches rarely pay).
+    on_cpu: bool,
     /// Reused NCHW input buffer, so steady state allocates nothing per batch.
     scratch: Vec<f32>,
 }
@@ -139,7 +141,8 @@ impl OnnxBackend {
             BackendError(format!("cannot load model {} from {}: {e}", config.name, config.path.display()))
         })?;
         let spec = config.spec();
-        Ok(Self { config, spec, session, scratch: Vec::new() })
+        let on_cpu = matches!(device, Device::Cpu { .. });
+        Ok(Self { config, spec, session, on_cpu, scratch: Vec::new() })
     }
 
     fn fill_input(&mut self, inputs: &[&Tensor], h: usize, w: usize) {
@@ -161,7 +164,7 @@ fn build_session(config: &ImageModelConfig, device: &Device) -> ort::Result<Sess
     builder = match device {
         Device::Cpu { threads } => builder.with_intra_threads((*threads).max(1))?,
         Device::Cuda { device_id } => with_cuda(builder, *device_id)?,
-        Device::TensorRt { device_id, cache_dir } => with_tensorrt(builder, *device_id, cache_dir.as_deref())?,
+        Device::TensorRt { device_id, cache_dir } => with_tensorrt(builder, config, *device_id, cache_dir.as_deref())?,
     };
     builder.commit_from_file(&config.path)
 }
@@ -180,12 +183,25 @@ fn with_cuda(_: ort::session::builder::SessionBuilder, _: i32) -> ort::Result<or
 #[cfg(feature = "tensorrt")]
 fn with_tensorrt(
     builder: ort::session::builder::SessionBuilder,
+    config: &ImageModelConfig,
     device_id: i32,
     cache_dir: Option<&Path>,
 ) -> ort::Result<ort::session::builder::SessionBuilder> {
-    let mut trt = ort::ep::TensorRT::default().with_device_id(device_id).with_fp16(true);
+    let [min, opt, max] = tensorrt_profile(config);
+    // One optimisation profile covering every batch and size the model
+    // accepts: without it TensorRT builds a new engine for each new shape.
+    let mut trt = ort::ep::TensorRT::default()
+        .with_device_id(device_id)
+        .with_fp16(true)
+        .with_profile_min_shapes(min)
+        .with_profile_opt_shapes(opt)
+        .with_profile_max_shapes(max);
     if let Some(dir) = cache_dir {
-        trt = trt.with_engine_cache(true).with_engine_cache_path(dir.display());
+        trt = trt
+            .with_engine_cache(true)
+            .with_engine_cache_path(dir.display())
+            .with_timing_cache(true)
+            .with_timing_cache_path(dir.display());
     }
     let cuda = ort::ep::CUDA::default().with_device_id(device_id).build();
     Ok(builder.with_execution_providers([trt.build().error_on_failure(), cuda])?)
@@ -194,6 +210,7 @@ fn with_tensorrt(
 #[cfg(not(feature = "tensorrt"))]
 fn with_tensorrt(
     _: ort::session::builder::SessionBuilder,
+    _: &ImageModelConfig,
     _: i32,
     _: Option<&Path>,
 ) -> ort::Result<ort::session::builder::SessionBuilder> {
@@ -203,6 +220,10 @@ fn with_tensorrt(
 impl Backend for OnnxBackend {
     fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+
+    fn batches_pay(&self) -> bool {
+        !self.on_cpu
     }
 
     fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError> {
@@ -225,6 +246,20 @@ impl Backend for OnnxBackend {
         }
         Ok(per_sample)
     }
+}
+
+/// TensorRT's min, opt and max input shapes (`name:BxCxHxW`): one sample of
+/// the smallest side up to `max_batch` samples of the largest, tuned for
+/// full batches of 640×640.
+#[cfg_attr(not(feature = "tensorrt"), allow(dead_code, reason = "used by the tensorrt feature; tested in every build"))]
+fn tensorrt_profile(config: &ImageModelConfig) -> [String; 3] {
+    let shape = |batch: usize, side: usize| format!("{}:{batch}x3x{side}x{side}", config.input_name);
+    let opt_side = 640usize.clamp(config.dim_multiple, config.max_side);
+    [
+        shape(1, config.dim_multiple),
+        shape(config.max_batch.max(1), opt_side),
+        shape(config.max_batch.max(1), config.max_side),
+    ]
 }
 
 /// Converts one u8 HWC image into planar (CHW) floats, normalising per channel.
@@ -266,6 +301,15 @@ mod tests {
         let mut dst = [0f32; 6];
         hwc_u8_to_chw_f32(&src, &mut dst, [10.0, 0.0, 0.0], [1.0, 2.0, 1.0]);
         assert_eq!(dst, [0.0, 30.0, 10.0, 25.0, 30.0, 60.0]);
+    }
+
+    #[test]
+    fn tensorrt_profile_spans_every_accepted_shape() {
+        let config = ImageModelConfig::centerface("m.onnx", 16);
+        assert_eq!(
+            tensorrt_profile(&config),
+            ["input.1:1x3x32x32".to_owned(), "input.1:16x3x640x640".into(), "input.1:16x3x2048x2048".into()]
+        );
     }
 
     #[test]

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use facegate_host_gpu::backend::Backend;
 use facegate_host_gpu::backend::fake::FakeBackend;
-use facegate_host_gpu::{Batcher, BatcherConfig, ElementType, InferError, InferRequest, Tensor};
+use facegate_host_gpu::metrics::MetricsSnapshot;
+use facegate_host_gpu::{Batcher, BatcherConfig, ElementType, InferError, InferRequest, Sizing, Tensor};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -104,7 +105,9 @@ async fn light_tenant_mean_latency(batcher: &Batcher) -> Duration {
 async fn a_failing_batch_fails_only_its_own_calls() {
     let backend = FakeBackend::new("fake", 4, 10 * MS, Duration::ZERO).failing_batches(&[1]);
     let batches = backend.batch_counter();
-    let batcher = Batcher::start(vec![Box::new(backend)], &BatcherConfig { max_batch: 4, ..Default::default() }).unwrap();
+    // Fixed sizing: the four doomed calls must make one batch.
+    let config = BatcherConfig { max_batch: 4, sizing: Sizing::Fixed, ..Default::default() };
+    let batcher = Batcher::start(vec![Box::new(backend)], &config).unwrap();
     // Batch 0: one call that occupies the device while the next four queue up.
     let first = { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 1)).await }) };
     while batches.load(Ordering::SeqCst) == 0 { tokio::time::sleep(MS).await; }
@@ -158,15 +161,53 @@ async fn invalid_input_is_refused_up_front() {
     assert_eq!(batcher.metrics().batches(), 0);
 }
 
-/// With many concurrent callers, batches fill up (the bench reports the throughput ratio).
+/// With many concurrent callers, batches fill up (the bench reports the
+/// throughput ratio) once the device has learned that full batches pay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_64_fills_batches() {
     let batcher = fake_pool(1, 8, 4 * MS, MS / 4);
-    let clients: Vec<_> = (0..64).map(|_| {
-        let b = batcher.clone();
-        tokio::spawn(async move { for _ in 0..5 { b.infer(request("t", 0)).await.unwrap(); } })
-    }).collect();
-    for c in clients { c.await.unwrap(); }
-    let mean = batcher.metrics().mean_batch_size();
+    closed_loop(&batcher, 64, 10).await; // learning
+    let before = batcher.metrics();
+    closed_loop(&batcher, 64, 10).await;
+    let mean = mean_batch_since(&before, &batcher.metrics());
     assert!(mean >= 0.8 * 8.0, "mean batch size {mean}");
+    assert_eq!(batcher.metrics().batch_limit, vec![8]);
+}
+
+/// `clients` callers, each making `calls` calls one after another.
+async fn closed_loop(batcher: &Batcher, clients: usize, calls: usize) {
+    let clients: Vec<_> = (0..clients)
+        .map(|_| {
+            let b = batcher.clone();
+            tokio::spawn(async move {
+                for _ in 0..calls {
+                    b.infer(request("t", 0)).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.await.unwrap();
+    }
+}
+
+fn mean_batch_since(before: &MetricsSnapshot, after: &MetricsSnapshot) -> f64 {
+    let batches = after.batches() - before.batches();
+    (after.samples_ok - before.samples_ok) as f64 / batches as f64
+}
+
+/// On a device where a batch costs as much per sample as single runs (a CPU
+/// at large images), the batcher learns to stop batching: same throughput,
+/// lower latency. On a GPU-like one (above) it fills batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_shrink_where_they_do_not_pay() {
+    // 10 ms per sample, so the timer's own overhead (a fixed cost that
+    // batching would amortise) stays under the sizer's 2 % margin.
+    let batcher = fake_pool(1, 8, Duration::ZERO, 10 * MS);
+    closed_loop(&batcher, 16, 40).await; // learning: ~80 batches
+    let before = batcher.metrics();
+    closed_loop(&batcher, 16, 10).await;
+    let mean = mean_batch_since(&before, &batcher.metrics());
+    assert!(mean < 2.0, "mean batch {mean} after learning that batching does not pay");
+    assert_eq!(batcher.metrics().batch_limit, vec![1]);
 }

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::header::{CONTENT_LENGTH, HOST};
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+use hyper::{Method, Request, Response, StatusCode, Version};
 use tokio::sync::Semaphore;
 
 use super::response::{self, Body};
@@ -56,6 +56,19 @@ impl App {
     /// Dispatches one request arriving on a listener serving `plane`.
     /// Never fails: every problem becomes a response.
     pub async fn route(&self, req: Request<Incoming>, plane: Plane) -> Response<Body> {
+        let may_leave_body_unread = req.version() < Version::HTTP_2 && has_body(&req);
+        let mut response = self.dispatch(req, plane).await;
+        // The gateway refuses most requests before reading their body (auth,
+        // limits, 413 on the declared length), and hyper then closes the
+        // connection. Say so, or a keep-alive client may send its next
+        // request on a connection that is going away.
+        if may_leave_body_unread && is_gateway_error(&response) {
+            response.headers_mut().insert(CONNECTION, hyper::header::HeaderValue::from_static("close"));
+        }
+        response
+    }
+
+    async fn dispatch(&self, req: Request<Incoming>, plane: Plane) -> Response<Body> {
         let path = req.uri().path().to_owned();
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         let (data, admin) = (plane != Plane::Admin, plane != Plane::Data);
@@ -72,6 +85,17 @@ impl App {
             _ => response::error(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}")),
         }
     }
+}
+
+/// Whether an HTTP/1 request declares a body (a length above 0, or chunks).
+fn has_body(req: &Request<Incoming>) -> bool {
+    content_length(req).map_or(req.headers().contains_key(TRANSFER_ENCODING), |n| n > 0)
+}
+
+/// An error the gateway answered itself: a handler's responses, whatever
+/// their status, carry the version header and come after the body was read.
+fn is_gateway_error(response: &Response<Body>) -> bool {
+    (response.status().is_client_error() || response.status().is_server_error()) && !response.headers().contains_key(VERSION_HEADER)
 }
 
 fn method_not_allowed() -> Response<Body> {

@@ -117,6 +117,31 @@ fn declared_body_over_the_limit_is_refused_before_reading_it() {
     assert_eq!((status, json["error"]["code"].as_str()), (413, Some("body_too_large")), "{json}");
 }
 
+/// Refused before its body is read, a keep-alive request is told the
+/// connection closes, so the client does not send its next request on it.
+#[test]
+fn early_refusals_close_the_connection_they_leave_unread() {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(crate::harness::gateway().addr).unwrap();
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let head = format!(
+        "POST /v1/demo/detect HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {}\r\nContent-Length: {}\r\n\r\n",
+        crate::harness::key("demo"),
+        MAX_BODY_BYTES + 1
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let text = String::from_utf8_lossy(&response).to_ascii_lowercase();
+    let (head, _) = text.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("http/1.1 413"), "{head}");
+    assert!(head.contains("\r\nconnection: close"), "{head}");
+    // A handler's answer after a body was read keeps the connection.
+    let response = client().post(url("/v1/demo/detect")).body(image("grace_hopper.jpg")).send().unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.headers().get("connection").is_none());
+}
+
 #[test]
 fn streamed_body_over_the_limit() {
     let chunk = vec![0xFFu8; MAX_BODY_BYTES + 1];

@@ -135,6 +135,9 @@ fn health_and_metrics() {
     assert!(metrics.contains("facegate_batch_size_bucket{model=\"centerface\""), "{metrics}");
     assert!(metrics.contains("facegate_requests_seconds_count{tenant=\"demo\",handler=\"detect\",status=\"200\"}"));
     assert!(metrics.contains("facegate_device_busy_seconds_total"));
+    // The learned batch size of the one CPU device, within 1..=max_batch (4 here).
+    let limit = metrics.lines().find_map(|l| l.strip_prefix("facegate_batch_limit{model=\"centerface\",device=\"0\"} "));
+    assert!(matches!(limit.and_then(|v| v.parse::<u32>().ok()), Some(1..=4)), "{metrics}");
 }
 
 #[test]

@@ -97,6 +97,7 @@ pub fn engine_config(home: &Path) -> EngineConfig {
         cpu_workers: 1,
         cpu_threads: 0,
         max_batch: 4,
+        batch_sizing: facegate_host_gpu::Sizing::Adaptive,
         batch_delay_us: 0,
         queue_capacity: 256,
         tenant_queue_capacity: 128,
