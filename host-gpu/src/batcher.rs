@@ -212,7 +212,7 @@ fn spawn_workers(
         .map(|(index, backend)| {
             // Each device learns its own sizes: a CPU and a GPU in one pool differ.
             let shared = Arc::clone(shared);
-            let sizer = BatchSizer::new(max_batch, sizing, backend.batches_pay());
+            let sizer = BatchSizer::new(max_batch, sizing, !backend.runs_on_cpu());
             std::thread::Builder::new()
                 .name(format!("{model}-dev{index}"))
                 .spawn(move || worker_loop(&shared, index, backend, sizer))
@@ -222,14 +222,32 @@ fn spawn_workers(
 }
 
 fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut sizer: BatchSizer) {
+    shared.metrics.record_batch_limit(index, sizer.chosen(&[]));
     while let Some(batch) = wait_for_batch(shared, &sizer) {
         let shape = batch[0].input.shape().to_vec();
+        let cpu_before = thread_cpu_time();
         let (size, elapsed, ok) = run_batch(shared, index, backend.as_mut(), batch);
+        let cost = match (backend.runs_on_cpu(), cpu_before, thread_cpu_time()) {
+            (true, Some(before), Some(after)) => after.saturating_sub(before),
+            _ => elapsed,
+        };
         if ok {
-            sizer.record(&shape, size, elapsed);
+            sizer.record(&shape, size, cost);
         }
         shared.metrics.record_batch_limit(index, sizer.chosen(&shape));
     }
+}
+
+/// CPU time the calling thread has used, where the platform tells.
+#[cfg(unix)]
+fn thread_cpu_time() -> Option<Duration> {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Some(Duration::new(u64::try_from(t.tv_sec).ok()?, u32::try_from(t.tv_nsec).ok()?))
+}
+
+#[cfg(not(unix))]
+fn thread_cpu_time() -> Option<Duration> {
+    None
 }
 
 /// Blocks until a batch is due (or shutdown: `None`). Answers expired calls

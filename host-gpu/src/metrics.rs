@@ -16,7 +16,7 @@ pub struct Metrics {
     wait_sum_us: AtomicU64,
     /// Busy time per worker (device), microseconds.
     busy_us: Vec<AtomicU64>,
-    /// Batch size each worker last chose for the shape it ran.
+    /// Batch size each worker chose for the shape of its latest batch.
     batch_limit: Vec<AtomicU64>,
     samples_ok: AtomicU64,
     samples_failed: AtomicU64,

@@ -48,6 +48,9 @@ pub const PROBE_BATCHES: u32 = 3;
 /// Probes after which a promising size no longer speeds up probing: a
 /// difference still not confident by then is too small to chase.
 const PROMISING_RUNS: u32 = 20;
+/// Probe turns in a row that may find too few calls for a size before it
+/// is treated as out of reach.
+const MAX_MISSES: u32 = 3;
 /// Batches of a size needed before its cost is trusted.
 pub const MIN_RUNS: u32 = 3;
 /// Weight of the newest timing in the chosen size's cost: it must follow
@@ -79,8 +82,8 @@ pub struct BatchSizer {
 
 impl BatchSizer {
     /// A sizer for batches of at most `max_batch` (at least 1). Each new
-    /// shape starts at `max_batch` if `start_large` (a device where batches
-    /// are presumed to pay, see [`crate::backend::Backend::batches_pay`]),
+    /// shape starts at `max_batch` if `start_large` (an accelerator, where
+    /// batches are presumed to pay; see [`crate::backend::Backend::runs_on_cpu`]),
     /// else at single samples.
     pub fn new(max_batch: usize, sizing: Sizing, start_large: bool) -> Self {
         Self { max_batch: max_batch.max(1), sizing, start_large, shapes: HashMap::new() }
@@ -98,7 +101,8 @@ impl BatchSizer {
         self.shapes.get(shape).map_or(self.initial(), Ladder::limit)
     }
 
-    /// The size currently chosen for `shape`, probes aside.
+    /// The size currently chosen for `shape`, probes aside (for a shape not
+    /// seen yet, the size it would start at).
     pub fn chosen(&self, shape: &[usize]) -> usize {
         match (self.sizing, self.shapes.get(shape)) {
             (Sizing::Adaptive, Some(ladder)) => ladder.sizes[ladder.chosen],
@@ -175,6 +179,8 @@ struct Ladder {
     probe: Option<Probe>,
     /// The next batch at the chosen size follows a probe: do not count it.
     settling: bool,
+    /// Per size: probe turns in a row that found too few calls waiting.
+    misses: Vec<u32>,
 }
 
 impl Ladder {
@@ -183,9 +189,9 @@ impl Ladder {
             .take_while(|&n| n < max_batch)
             .collect();
         sizes.push(max_batch);
-        let ratios = vec![Average::default(); sizes.len()];
+        let (ratios, misses) = (vec![Average::default(); sizes.len()], vec![0; sizes.len()]);
         let chosen = if start_large { sizes.len() - 1 } else { 0 };
-        Self { sizes, chosen, current: Average::default(), ratios, batches: 0, probe: None, settling: false }
+        Self { sizes, chosen, current: Average::default(), ratios, batches: 0, probe: None, settling: false, misses }
     }
 
     /// Indices of the sizes other than the chosen one.
@@ -195,31 +201,56 @@ impl Ladder {
 
     /// The chosen size, or another on a probing turn.
     fn limit(&self) -> usize {
-        if let Some(probe) = self.probe {
-            return self.sizes[probe.index];
+        match (self.probe, self.probe_turn()) {
+            (Some(probe), _) => self.sizes[probe.index],
+            (None, Some(index)) => self.sizes[index],
+            (None, None) => self.sizes[self.chosen],
         }
-        let chosen = self.sizes[self.chosen];
-        if !self.current.trusted() {
-            return chosen;
+    }
+
+    /// The size a probe should start with now, if this batch is a probe turn.
+    fn probe_turn(&self) -> Option<usize> {
+        if self.probe.is_some() || !self.current.trusted() {
+            return None;
         }
-        let urgent: Vec<usize> = self.others().filter(|&i| !self.ratios[i].trusted() || self.promising(i)).collect();
+        let urgent: Vec<usize> = self.others().filter(|&i| self.needs_probes(i)).collect();
         let (candidates, every) = if urgent.is_empty() {
             (self.others().collect(), PROBE_EVERY)
         } else {
             (urgent, EXPLORE_EVERY)
         };
         if candidates.is_empty() || self.batches % every != every - 1 {
-            return chosen;
+            return None;
         }
         // Take the candidates in turn.
         let turn = usize::try_from((self.batches / every) % candidates.len() as u64).unwrap_or(0);
-        self.sizes[candidates[turn]]
+        candidates.get(turn).copied()
+    }
+
+    /// Whether a size is worth probing often: unmeasured or promising, and
+    /// within reach of the queue.
+    fn needs_probes(&self, index: usize) -> bool {
+        self.reachable(index) && (!self.ratios[index].trusted() || self.promising(index))
+    }
+
+    /// Whether the queue lately held enough calls to probe a size: one that
+    /// failed [`MAX_MISSES`] turns in a row is left out of decisions until
+    /// a (slow) probe turn succeeds again.
+    fn reachable(&self, index: usize) -> bool {
+        self.misses[index] < MAX_MISSES
     }
 
     /// The bound a size's cost ratio must be under to replace the chosen
-    /// size: a larger size must save `MARGIN`, a smaller may cost `MARGIN` more.
+    /// size: a larger size must save `MARGIN`; a smaller may cost `MARGIN`
+    /// more than the cheapest of the other sizes measured (not merely the
+    /// chosen one, so that moves down on a gentle slope cannot add up).
     fn bound(&self, index: usize) -> f64 {
-        if index > self.chosen { (-MARGIN).ln_1p() } else { MARGIN.ln_1p() }
+        if index > self.chosen {
+            return (-MARGIN).ln_1p();
+        }
+        let measured = self.others().filter(|&i| i != index && self.ratios[i].trusted());
+        let cheapest = measured.map(|i| self.ratios[i].value).fold(0.0, f64::min);
+        cheapest + MARGIN.ln_1p()
     }
 
     /// Whether a size's estimate is under its bound but not yet
@@ -236,9 +267,21 @@ impl Ladder {
     }
 
     fn record(&mut self, size: usize, per_sample: f64) {
+        let planned = self.probe_turn();
         self.batches += 1;
         // Sizes between rungs (a short queue) say little about a rung.
         let index = self.sizes.iter().position(|&s| s == size);
+        if let Some(planned) = planned {
+            // Only a planned turn starts a probe: a short queue's partial
+            // batch must not cap the batches after it.
+            if index == Some(planned) {
+                self.misses[planned] = 0;
+                self.probe = Some(Probe { index: planned, batches: 1, seconds: 0.0, samples: 0 });
+            } else {
+                self.misses[planned] = self.misses[planned].saturating_add(1);
+            }
+            return;
+        }
         if let Some(probe) = self.probe.take() {
             self.settling = true;
             if index == Some(probe.index) {
@@ -247,13 +290,8 @@ impl Ladder {
             }
             // A short queue broke the probe: drop it.
         }
-        match index {
-            Some(i) if i == self.chosen => self.record_chosen(per_sample),
-            // Another size (a probe turn, or a short queue): its first batch.
-            Some(i) if self.current.trusted() => {
-                self.probe = Some(Probe { index: i, batches: 1, seconds: 0.0, samples: 0 });
-            }
-            _ => {}
+        if index == Some(self.chosen) {
+            self.record_chosen(per_sample);
         }
     }
 
@@ -278,33 +316,35 @@ impl Ladder {
         if cost > 0.0 && self.current.value > 0.0 {
             self.ratios[probe.index].add((cost / self.current.value).ln(), RATIO_WEIGHT);
         }
-        // Decide only once every size is measured, so the move is to the
-        // best of them, not to the first that looked better.
-        if self.others().all(|i| self.ratios[i].trusted())
+        // Decide only once every size in reach is measured, so the move is
+        // to the best of them, not to the first that looked better.
+        if self.others().all(|i| self.ratios[i].trusted() || !self.reachable(i))
             && let Some(better) = self.better()
         {
             self.switch_to(better);
         }
     }
 
-    /// The cheapest size that confidently beats the chosen one.
+    /// The cheapest size in reach that confidently beats the chosen one.
     fn better(&self) -> Option<usize> {
         self.others()
-            .filter(|&i| self.beats(i))
+            .filter(|&i| self.reachable(i) && self.beats(i))
             .min_by(|&a, &b| self.ratios[a].value.total_cmp(&self.ratios[b].value))
     }
 
     /// Makes `index` the chosen size; every ratio is re-based onto it, the
-    /// old choice's being the inverse of the winner's. (Some of the
-    /// winner's lead may be luck; probes keep correcting the estimates, and
-    /// a move needs confidence, so a lucky one is undone rather than chased.)
+    /// old choice's being the inverse of the winner's. A re-based ratio
+    /// carries the winner's uncertainty too, and counts as just measured
+    /// ([`MIN_RUNS`]), so the next move waits for fresh probes.
     fn switch_to(&mut self, index: usize) {
         let winner = self.ratios[index];
         self.current.value *= winner.value.exp();
         for ratio in &mut self.ratios {
             ratio.value -= winner.value;
+            ratio.variance += winner.variance;
+            ratio.runs = ratio.runs.min(MIN_RUNS);
         }
-        self.ratios[self.chosen] = Average { value: -winner.value, ..winner };
+        self.ratios[self.chosen] = Average { value: -winner.value, variance: winner.variance, runs: winner.runs.min(MIN_RUNS) };
         self.ratios[index] = Average::default();
         self.chosen = index;
     }
@@ -329,14 +369,29 @@ mod tests {
     /// Runs `batches` batches, each as large as the sizer allows (the queue
     /// is always full), on a device whose batch of n takes `cost(n)` ms.
     /// Returns the sizes run.
-    fn drive(sizer: &mut BatchSizer, batches: usize, mut cost: impl FnMut(usize) -> f64) -> Vec<usize> {
+    fn drive(sizer: &mut BatchSizer, batches: usize, cost: impl FnMut(usize) -> f64) -> Vec<usize> {
+        drive_with_queue(sizer, batches, usize::MAX, cost)
+    }
+
+    /// As [`drive`], with never more than `waiting` calls in the queue.
+    fn drive_with_queue(sizer: &mut BatchSizer, batches: usize, waiting: usize, mut cost: impl FnMut(usize) -> f64) -> Vec<usize> {
         (0..batches)
             .map(|_| {
-                let n = sizer.limit(SHAPE);
+                let n = sizer.limit(SHAPE).min(waiting);
                 sizer.record(SHAPE, n, Duration::from_secs_f64(cost(n) / 1e3));
                 n
             })
             .collect()
+    }
+
+    /// Multipliers uniform in `1 ± spread`, from a fixed pseudo-random sequence.
+    fn noise(seed: u64, spread: f64) -> impl FnMut() -> f64 {
+        let mut state = seed;
+        move || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let unit = (state >> 32) as f64 / f64::from(u32::MAX);
+            1.0 - spread + 2.0 * spread * unit
+        }
     }
 
     fn share_of(sizes: &[usize], size: usize) -> f64 {
@@ -379,11 +434,7 @@ mod tests {
     #[test]
     fn noisy_timings_do_not_mislead_it() {
         // ±15 % on every timing, from a fixed pseudo-random sequence.
-        let mut seed = 7u64;
-        let mut noise = move || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            0.85 + 0.3 * ((seed >> 33) as f64 / f64::from(u32::MAX))
-        };
+        let mut noise = noise(7, 0.15);
         let mut gpu = BatchSizer::new(16, Sizing::Adaptive, true);
         drive(&mut gpu, 600, |n| (8.0 + 0.5 * n as f64) * noise());
         assert_eq!(gpu.chosen(SHAPE), 16);
@@ -414,11 +465,9 @@ mod tests {
     fn a_small_saving_per_doubling_is_kept() {
         // Small images on a CPU: 4 % cheaper per sample with each doubling,
         // 12 % from 1 to 8, under ±10 % noise.
-        let mut seed = 11u64;
+        let mut noise = noise(11, 0.1);
         let mut cost = move |n: usize| {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let noise = 0.9 + 0.2 * ((seed >> 33) as f64 / f64::from(u32::MAX));
-            4.0 * n as f64 * 0.96f64.powf((n as f64).log2()) * noise
+            4.0 * n as f64 * 0.96f64.powf((n as f64).log2()) * noise()
         };
         let mut sizer = BatchSizer::new(8, Sizing::Adaptive, false);
         let sizes = drive(&mut sizer, 1000, &mut cost);
@@ -430,12 +479,10 @@ mod tests {
         // ONNX Runtime on the 2-core dev machine at 640×640, ms per image
         // (interleaved measurement): 8 and 4 cost the same, 1 is cheapest.
         // Timings there vary by ±25 % while wasm guests share the cores.
-        let mut seed = 3u64;
+        let mut noise = noise(3, 0.25);
         let mut cost = move |n: usize| {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let noise = 0.75 + 0.5 * ((seed >> 33) as f64 / f64::from(u32::MAX));
             let per_image = match n { 1 => 65.5, 2 => 70.6, 4 => 75.5, _ => 74.8 };
-            per_image * n as f64 * noise
+            per_image * n as f64 * noise()
         };
         let mut sizer = BatchSizer::new(8, Sizing::Adaptive, true);
         let sizes = drive(&mut sizer, 300, &mut cost);
@@ -474,6 +521,24 @@ mod tests {
             }
         }
         assert_eq!((sizer.chosen(SHAPE), sizer.chosen(small)), (1, 8));
+    }
+
+    #[test]
+    fn a_short_queue_does_not_start_a_probe() {
+        let mut sizer = BatchSizer::new(8, Sizing::Adaptive, true);
+        drive(&mut sizer, 3, |n| 8.0 + n as f64);
+        // Only 2 calls were waiting: that batch must not cap the next ones.
+        sizer.record(SHAPE, 2, Duration::from_millis(10));
+        assert_eq!(sizer.limit(SHAPE), 8);
+    }
+
+    #[test]
+    fn sizes_the_queue_never_fills_do_not_block_decisions() {
+        // GPU-like costs, but at most 4 calls ever wait: 8 is out of reach.
+        let mut sizer = BatchSizer::new(8, Sizing::Adaptive, false);
+        let sizes = drive_with_queue(&mut sizer, 300, 4, |n| 8.0 + 0.5 * n as f64);
+        assert_eq!(sizer.chosen(SHAPE), 4);
+        assert!(share_of(&sizes[150..], 4) >= 0.8, "{:?}", &sizes[150..]);
     }
 
     #[test]

@@ -369,40 +369,46 @@ async fn measure_gateway(
     (measured, batches, samples)
 }
 
-/// The batcher alone, on a fake device costing `a + b·n` per batch of n.
+/// The batcher alone, on a fake device costing `a + b·n` per batch of n,
+/// without and with a hold-back delay (`--batch-delay-us` in `serve`).
 async fn fake_device(duration: Duration) {
     const MAX_BATCH: usize = 16;
     let (a, b) = (Duration::from_millis(8), Duration::from_micros(500));
     let ideal = MAX_BATCH as f64 / (a + b * MAX_BATCH as u32).as_secs_f64();
     println!("\n== batcher alone, fake device: {a:?} + {b:?}·n per batch, max batch {MAX_BATCH}; ideal {ideal:.1}/s ==");
-    println!("{:<10} {:>10} {:>9} {:>9} {:>7} {:>12}", "conc", "calls/s", "p50 ms", "p99 ms", "batch", "of ideal");
+    println!("{:<10} {:>8} {:>10} {:>9} {:>9} {:>7} {:>12}", "conc", "delay", "calls/s", "p50 ms", "p99 ms", "batch", "of ideal");
     for concurrency in [1, 4, 16, 64] {
-        let backend: Box<dyn Backend> = Box::new(FakeBackend::new("fake", MAX_BATCH, a, b));
-        let config = BatcherConfig { max_batch: MAX_BATCH, ..BatcherConfig::default() };
-        let Ok(batcher) = Batcher::start(vec![backend], &config) else { return };
-        let mut models = Models::new();
-        models.insert(batcher);
-        let input = Tensor::new(vec![4], facegate_host_gpu::ElementType::U8, vec![1; 4]).unwrap_or_else(|_| unreachable!());
-        let m = {
-            let driver = models.clone();
-            let measured = drive(concurrency, duration, move |_| {
-                let (models, input) = (driver.clone(), input.clone());
-                async move {
-                    let request = InferRequest { tenant: "bench".into(), input, deadline: Instant::now() + Duration::from_secs(60) };
-                    models.infer("fake", request).await.is_ok()
-                }
-            })
-            .await;
-            let mean_batch = models.iter().next().map_or(0.0, |b| b.metrics().mean_batch_size());
-            Measurement { mean_batch, ..measured.summarize(duration) }
-        };
-        println!(
-            "{concurrency:<10} {:>10.1} {:>9.2} {:>9.2} {:>7.2} {:>11.3}x",
-            m.throughput,
-            m.p50.as_secs_f64() * 1e3,
-            m.p99.as_secs_f64() * 1e3,
-            m.mean_batch,
-            m.throughput / ideal
-        );
+        for delay in [Duration::ZERO, Duration::from_millis(2)] {
+            let config = BatcherConfig { max_batch: MAX_BATCH, max_delay: delay, ..BatcherConfig::default() };
+            let Some(m) = measure_fake(&config, (a, b), concurrency, duration).await else { return };
+            println!(
+                "{concurrency:<10} {:>6}ms {:>10.1} {:>9.2} {:>9.2} {:>7.2} {:>11.3}x",
+                delay.as_millis(),
+                m.throughput,
+                m.p50.as_secs_f64() * 1e3,
+                m.p99.as_secs_f64() * 1e3,
+                m.mean_batch,
+                m.throughput / ideal
+            );
+        }
     }
+}
+
+async fn measure_fake(config: &BatcherConfig, (a, b): (Duration, Duration), concurrency: usize, duration: Duration) -> Option<Measurement> {
+    let backend: Box<dyn Backend> = Box::new(FakeBackend::new("fake", config.max_batch, a, b));
+    let batcher = Batcher::start(vec![backend], config).ok()?;
+    let mut models = Models::new();
+    models.insert(batcher);
+    let input = Tensor::new(vec![4], facegate_host_gpu::ElementType::U8, vec![1; 4]).ok()?;
+    let driver = models.clone();
+    let measured = drive(concurrency, duration, move |_| {
+        let (models, input) = (driver.clone(), input.clone());
+        async move {
+            let request = InferRequest { tenant: "bench".into(), input, deadline: Instant::now() + Duration::from_secs(60) };
+            models.infer("fake", request).await.is_ok()
+        }
+    })
+    .await;
+    let mean_batch = models.iter().next().map_or(0.0, |b| b.metrics().mean_batch_size());
+    Some(Measurement { mean_batch, ..measured.summarize(duration) })
 }

@@ -66,7 +66,7 @@ pub fn render(http: &HttpMetrics, models: &Models, instances_in_use: usize) -> S
     family(&mut out, "facegate_batch_size", "histogram", "Samples per device batch.", &snapshots, batch_sizes);
     family(&mut out, "facegate_queue_wait_seconds", "histogram", "Time calls waited for a device.", &snapshots, queue_wait);
     family(&mut out, "facegate_device_busy_seconds_total", "counter", "Time each device spent running batches.", &snapshots, busy);
-    family(&mut out, "facegate_batch_limit", "gauge", "Batch size each device last chose (learned per input shape).", &snapshots, limits);
+    family(&mut out, "facegate_batch_limit", "gauge", "Batch size each device chose for the input shape of its latest batch (learned per shape).", &snapshots, limits);
     family(&mut out, "facegate_queue_depth", "gauge", "Calls waiting now.", &snapshots, depth);
     family(&mut out, "facegate_inferences_total", "counter", "Inference calls by outcome.", &snapshots, outcomes);
     out

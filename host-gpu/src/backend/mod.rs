@@ -20,11 +20,15 @@ pub trait Backend: Send + 'static {
     /// order, its outputs in the order of `spec().outputs`.
     fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError>;
 
-    /// Whether full batches are presumed cheaper per sample before anything
-    /// is measured: true for accelerators (the default), false for CPUs.
-    /// Adaptive sizing starts from this and then follows measurements.
-    fn batches_pay(&self) -> bool {
-        true
+    /// Whether this backend computes on the host's CPU (false for
+    /// accelerators, the default). Adaptive sizing on a CPU starts at single
+    /// samples (on an accelerator at `max_batch`) and weighs a batch by the
+    /// CPU time of the worker thread rather than wall time: on a CPU shared
+    /// with the wasm guests, wall time also counts the guests' work, in
+    /// amounts that depend on the batch size, while CPU time is what the
+    /// batch takes from the machine.
+    fn runs_on_cpu(&self) -> bool {
+        false
     }
 }
 

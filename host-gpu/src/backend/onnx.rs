@@ -222,8 +222,8 @@ impl Backend for OnnxBackend {
         &self.spec
     }
 
-    fn batches_pay(&self) -> bool {
-        !self.on_cpu
+    fn runs_on_cpu(&self) -> bool {
+        self.on_cpu
     }
 
     fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError> {

@@ -45,18 +45,18 @@ impl App {
     /// through). Without a configured token every such request is refused.
     pub(super) fn admin_refusal(&self, req: &Request<Incoming>) -> Option<Response<Body>> {
         let Some(expected) = self.config.admin_token.as_deref() else {
-            return Some(response::error(
+            return Some(response::before_body(response::error(
                 StatusCode::FORBIDDEN,
                 "admin_disabled",
                 "the admin API is off: start facegate with --admin-token (FACEGATE_ADMIN_TOKEN)",
-            ));
+            )));
         };
         if keys::token_matches(bearer(req).unwrap_or(""), expected) {
             return None;
         }
         let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong admin token");
         refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
-        Some(refusal)
+        Some(response::before_body(refusal))
     }
 
     /// Serves one admin request (`rest` is the path after `/admin/v1/`).

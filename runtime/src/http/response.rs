@@ -35,6 +35,17 @@ pub fn retry_later(status: StatusCode, code: &str, message: &str, seconds: u32) 
     response
 }
 
+/// Marks a response given before the request's body was read: on HTTP/1
+/// the connection is then closed and the response says so (`App::route`).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyUnread;
+
+/// `response`, marked as given before the request's body was read.
+pub fn before_body(mut response: Response<Body>) -> Response<Body> {
+    response.extensions_mut().insert(BodyUnread);
+    response
+}
+
 /// A plain-text response (Prometheus exposition format and the like).
 pub fn text(content_type: &'static str, body: String) -> Response<Body> {
     let mut response = Response::new(full(body));

@@ -58,11 +58,11 @@ impl App {
     pub async fn route(&self, req: Request<Incoming>, plane: Plane) -> Response<Body> {
         let may_leave_body_unread = req.version() < Version::HTTP_2 && has_body(&req);
         let mut response = self.dispatch(req, plane).await;
-        // The gateway refuses most requests before reading their body (auth,
-        // limits, 413 on the declared length), and hyper then closes the
-        // connection. Say so, or a keep-alive client may send its next
-        // request on a connection that is going away.
-        if may_leave_body_unread && is_gateway_error(&response) {
+        // Refusals before the body is read (auth, limits, 413 on the declared
+        // length) leave it unread, and hyper may then close the connection.
+        // Say so, or a keep-alive client may send its next request on a
+        // connection that is going away.
+        if may_leave_body_unread && response.extensions().get::<response::BodyUnread>().is_some() {
             response.headers_mut().insert(CONNECTION, hyper::header::HeaderValue::from_static("close"));
         }
         response
@@ -82,7 +82,7 @@ impl App {
             (_, ["healthz"]) => method_not_allowed(),
             (_, ["metrics"]) if admin => method_not_allowed(),
             (_, ["v1", "models"]) if data => method_not_allowed(),
-            _ => response::error(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}")),
+            _ => response::before_body(response::error(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}"))),
         }
     }
 }
@@ -92,14 +92,8 @@ fn has_body(req: &Request<Incoming>) -> bool {
     content_length(req).map_or(req.headers().contains_key(TRANSFER_ENCODING), |n| n > 0)
 }
 
-/// An error the gateway answered itself: a handler's responses, whatever
-/// their status, carry the version header and come after the body was read.
-fn is_gateway_error(response: &Response<Body>) -> bool {
-    (response.status().is_client_error() || response.status().is_server_error()) && !response.headers().contains_key(VERSION_HEADER)
-}
-
 fn method_not_allowed() -> Response<Body> {
-    response::error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "use GET")
+    response::before_body(response::error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "use GET"))
 }
 
 impl App {
@@ -138,11 +132,11 @@ impl App {
         let Some(key_tenant) = live.authenticate(bearer(&req)) else {
             let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
             refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
-            return refusal;
+            return response::before_body(refusal);
         };
         let found = (key_tenant == tenant).then(|| live.handler(tenant, name)).flatten();
         let Some((gate, handler)) = found.map(|(g, h)| (Arc::clone(g), Arc::clone(h))) else {
-            return response::error(StatusCode::NOT_FOUND, "unknown_handler", format!("no handler {name:?} for tenant {tenant:?}"));
+            return response::before_body(response::error(StatusCode::NOT_FOUND, "unknown_handler", format!("no handler {name:?} for tenant {tenant:?}")));
         };
         drop(live);
         // The handler never sees the tenant's key.
@@ -157,15 +151,15 @@ impl App {
         if let Err(wait) = gate.rate.try_take() {
             // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
             let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
-            return response::retry_later(StatusCode::TOO_MANY_REQUESTS, "rate_limited", "the tenant's request rate is exceeded", seconds);
+            return response::before_body(response::retry_later(StatusCode::TOO_MANY_REQUESTS, "rate_limited", "the tenant's request rate is exceeded", seconds));
         }
         // Slots are taken before the body is read; the permits live as long
         // as the guest (they move into the guest's task).
         let Ok(tenant_permit) = Arc::clone(&gate.concurrency).try_acquire_owned() else {
-            return response::retry_later(StatusCode::TOO_MANY_REQUESTS, "concurrency_limited", "the tenant has too many requests in flight", 1);
+            return response::before_body(response::retry_later(StatusCode::TOO_MANY_REQUESTS, "concurrency_limited", "the tenant has too many requests in flight", 1));
         };
         let Ok(permit) = Arc::clone(&self.instances).try_acquire_owned() else {
-            return response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", "all handler instances are busy", 1);
+            return response::before_body(response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", "all handler instances are busy", 1));
         };
         let req = match buffer_body(req, limits.max_body_bytes, limits.timeout()).await {
             Ok(req) => req,
@@ -194,7 +188,8 @@ pub(super) fn bearer(req: &Request<Incoming>) -> Option<&str> {
 /// Reads the whole body under a size limit and a read timeout (the shorter
 /// of [`BODY_READ_TIMEOUT`] and `timeout`: a slow upload holds a slot).
 pub(super) async fn buffer_body(req: Request<Incoming>, limit: usize, timeout: Duration) -> Result<Request<Full<Bytes>>, Response<Body>> {
-    let too_large = || response::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes"));
+    let too_large =
+        || response::before_body(response::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes")));
     if content_length(&req).is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
@@ -204,8 +199,10 @@ pub(super) async fn buffer_body(req: Request<Incoming>, limit: usize, timeout: D
     let bytes = match collected {
         Ok(Ok(c)) => c.to_bytes(),
         Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Err(too_large()),
-        Ok(Err(_)) => return Err(response::error(StatusCode::BAD_REQUEST, "bad_body", "the request body could not be read")),
-        Err(_) => return Err(response::error(StatusCode::REQUEST_TIMEOUT, "body_timeout", "request body was not received in time")),
+        Ok(Err(_)) => return Err(response::before_body(response::error(StatusCode::BAD_REQUEST, "bad_body", "the request body could not be read"))),
+        Err(_) => {
+            return Err(response::before_body(response::error(StatusCode::REQUEST_TIMEOUT, "body_timeout", "request body was not received in time")));
+        }
     };
     if parts.headers.get(HOST).is_some_and(|h| h.to_str().is_err()) {
         return Err(response::error(StatusCode::BAD_REQUEST, "bad_host", "the Host header is not valid text"));

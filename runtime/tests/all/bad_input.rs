@@ -136,9 +136,12 @@ fn early_refusals_close_the_connection_they_leave_unread() {
     let (head, _) = text.split_once("\r\n\r\n").unwrap();
     assert!(head.starts_with("http/1.1 413"), "{head}");
     assert!(head.contains("\r\nconnection: close"), "{head}");
-    // A handler's answer after a body was read keeps the connection.
+    // Answers after the body was read keep the connection, errors included.
     let response = client().post(url("/v1/demo/detect")).body(image("grace_hopper.jpg")).send().unwrap();
     assert_eq!(response.status(), 200);
+    assert!(response.headers().get("connection").is_none());
+    let response = client().post(url("/v1/demo/detect")).body(b"not an image".to_vec()).send().unwrap();
+    assert_eq!(response.status(), 415, "the handler refuses it");
     assert!(response.headers().get("connection").is_none());
 }
 
