@@ -6,11 +6,12 @@
 //! per image than single runs, while at 160×160 batches of 4–8 save ~15 %.
 //! A fixed `max_batch` is wrong for one of these. So each device worker
 //! keeps a ladder of sizes (1, 2, 4, … up to `max_batch`): it runs the
-//! chosen size, now and then another one in turn (a probe), and moves to
-//! the cheapest size that confidently beats the chosen one per sample: the
-//! upper end of the cost ratio's confidence interval must be below
-//! `1 − MARGIN` to grow, below `1 + MARGIN` to shrink (a smaller batch has
-//! lower latency, so it wins a near tie). Noise alone rarely moves it, and
+//! chosen size, now and then another one in turn (a probe), and, once every
+//! size in reach is measured, moves to the cheapest size that confidently
+//! beats the chosen one per sample: the upper end of the cost ratio's
+//! confidence interval must be below `1 − MARGIN` to grow, and within
+//! `MARGIN` of the cheapest other size to shrink (a smaller batch has lower
+//! latency, so it wins a near tie). Noise alone rarely moves it, and
 //! comparing every size, not only neighbours, gets it off a plateau (on a
 //! CPU, 4 and 8 cost the same per sample while 1 is cheaper).
 //!
@@ -21,17 +22,20 @@
 //!
 //! A new shape starts at `max_batch` on accelerators and at single samples
 //! on CPUs (the safe choice there until batching is shown to pay, and the
-//! quickest to learn from on a slow device). It probes every [`EXPLORE_EVERY`] batches while a size is unmeasured or
-//! promising (its estimate beats the chosen size but not yet with
-//! confidence: probing it costs little, as it is probably better), and
-//! every [`PROBE_EVERY`] batches otherwise, so it follows the device when
-//! its costs change. Pure state: the worker passes in the timings.
+//! quickest to learn from on a slow device). A probe starts every
+//! [`EXPLORE_EVERY`] batches while a size is unmeasured or promising (its
+//! estimate beats the chosen size but not yet with confidence: probing it
+//! costs little, as it is probably better), and every [`PROBE_EVERY`]
+//! batches otherwise, so it follows the device when its costs change. Pure
+//! state: the worker passes in the timings (wall time on accelerators, the
+//! worker thread's CPU time on CPUs; see `Backend::runs_on_cpu`).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 /// Relative per-sample cost that decides a move: a larger batch must be
-/// cheaper by this much, a smaller one no dearer than this (see the module docs).
+/// cheaper by this much, a smaller one no dearer than this above the
+/// cheapest other size (see the module docs).
 pub const MARGIN: f64 = 0.02;
 /// Standard errors added to a ratio's estimate for its upper bound (~97.5 %).
 const CONFIDENCE: f64 = 2.0;
