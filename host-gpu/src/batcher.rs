@@ -222,20 +222,26 @@ fn spawn_workers(
 }
 
 fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut sizer: BatchSizer) {
-    shared.metrics.record_batch_limit(index, sizer.chosen(&[]));
+    shared.metrics.record_sizing(index, sizer.chosen(&[]), sizer.learning(&[]));
     while let Some(batch) = wait_for_batch(shared, &sizer) {
         let shape = batch[0].input.shape().to_vec();
-        let cpu_before = thread_cpu_time();
+        let cpu_before = batch_cpu_time(backend.as_ref());
         let (size, elapsed, ok) = run_batch(shared, index, backend.as_mut(), batch);
-        let cost = match (backend.runs_on_cpu(), cpu_before, thread_cpu_time()) {
+        let cost = match (backend.runs_on_cpu(), cpu_before, batch_cpu_time(backend.as_ref())) {
             (true, Some(before), Some(after)) => after.saturating_sub(before),
             _ => elapsed,
         };
         if ok {
             sizer.record(&shape, size, cost);
         }
-        shared.metrics.record_batch_limit(index, sizer.chosen(&shape));
+        shared.metrics.record_sizing(index, sizer.chosen(&shape), sizer.learning(&shape));
     }
+}
+
+/// CPU time used by the calling worker thread and its backend's pool
+/// threads, where the platform tells.
+fn batch_cpu_time(backend: &dyn Backend) -> Option<Duration> {
+    Some(thread_cpu_time()? + backend.pool_cpu_time())
 }
 
 /// CPU time the calling thread has used, where the platform tells.

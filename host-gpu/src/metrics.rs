@@ -1,6 +1,6 @@
 //! Counters a batcher keeps about itself; lock-free, read as a snapshot.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Upper bounds (seconds) of the queue-wait histogram buckets.
@@ -18,6 +18,8 @@ pub struct Metrics {
     busy_us: Vec<AtomicU64>,
     /// Batch size each worker chose for the shape of its latest batch.
     batch_limit: Vec<AtomicU64>,
+    /// Whether each worker is still learning that shape's size.
+    learning: Vec<AtomicBool>,
     samples_ok: AtomicU64,
     samples_failed: AtomicU64,
     rejected_overloaded: AtomicU64,
@@ -40,6 +42,9 @@ pub struct MetricsSnapshot {
     pub busy_seconds: Vec<f64>,
     /// The batch size each worker last chose (learned, or `max_batch` when fixed).
     pub batch_limit: Vec<u64>,
+    /// Whether each worker is still learning the size for its latest batch's
+    /// shape (probing often, so batches vary more than once settled).
+    pub learning: Vec<bool>,
     /// Samples answered with outputs.
     pub samples_ok: u64,
     /// Samples whose batch failed in the backend.
@@ -77,6 +82,7 @@ impl Metrics {
             wait_sum_us: AtomicU64::new(0),
             busy_us: (0..workers).map(|_| AtomicU64::new(0)).collect(),
             batch_limit: (0..workers).map(|_| AtomicU64::new(max_batch as u64)).collect(),
+            learning: (0..workers).map(|_| AtomicBool::new(false)).collect(),
             samples_ok: AtomicU64::new(0),
             samples_failed: AtomicU64::new(0),
             rejected_overloaded: AtomicU64::new(0),
@@ -107,9 +113,13 @@ impl Metrics {
         counter.fetch_add(size as u64, Ordering::Relaxed);
     }
 
-    pub(crate) fn record_batch_limit(&self, worker: usize, limit: usize) {
+    /// Records a worker's chosen batch size, and whether it is still learning it.
+    pub(crate) fn record_sizing(&self, worker: usize, limit: usize, learning: bool) {
         if let Some(slot) = self.batch_limit.get(worker) {
             slot.store(limit as u64, Ordering::Relaxed);
+        }
+        if let Some(slot) = self.learning.get(worker) {
+            slot.store(learning, Ordering::Relaxed);
         }
     }
 
@@ -131,6 +141,7 @@ impl Metrics {
             wait_sum_seconds: load(&self.wait_sum_us) as f64 / 1e6,
             busy_seconds: self.busy_us.iter().map(|a| load(a) as f64 / 1e6).collect(),
             batch_limit: self.batch_limit.iter().map(load).collect(),
+            learning: self.learning.iter().map(|a| a.load(Ordering::Relaxed)).collect(),
             samples_ok: load(&self.samples_ok),
             samples_failed: load(&self.samples_failed),
             rejected_overloaded: load(&self.rejected_overloaded),

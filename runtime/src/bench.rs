@@ -51,9 +51,15 @@ pub struct BenchConfig {
     pub side: u32,
 
     /// Seconds each configuration runs, unmeasured, before each concurrency
-    /// level: steady state, with batch sizes learned (`--batch-sizing adaptive`).
+    /// level, so that what is measured is the steady state.
     #[arg(long, default_value_t = 3.0)]
     pub warmup: f64,
+
+    /// With `--batch-sizing adaptive`, most extra warm-up seconds per
+    /// configuration and level while a device is still learning its batch
+    /// size (probing often); the bench prints how long learning took.
+    #[arg(long, default_value_t = 60.0)]
+    pub learn_max: f64,
 
     /// Interleaved rounds per row: configurations compared are measured
     /// A B A B …, so drift on a shared machine hits all of them alike.
@@ -144,8 +150,14 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
     let round = duration / rounds;
     for &c in &config.concurrency {
         let warmup = Duration::from_secs_f64(config.warmup);
-        for (_, models, addr, _) in &setups {
+        let learn_max = Duration::from_secs_f64(config.learn_max);
+        for (max_batch, models, addr, _) in &setups {
             measure_gateway(addr, models, images, c, warmup, config.side).await;
+            let (learned, waited) = learn(addr, models, images, c, config.side, learn_max).await;
+            if !waited.is_zero() {
+                let outcome = if learned { "learned" } else { "still learning" };
+                println!("  max_batch={max_batch} at concurrency {c}: batch sizes {outcome} after {:.0} s more warm-up", waited.as_secs_f64());
+            }
         }
         let mut tallies: Vec<(Tally, Tally)> = setups.iter().map(|_| Default::default()).collect();
         for _ in 0..rounds {
@@ -315,6 +327,31 @@ fn batch_delta(models: &Models, before: &[u64]) -> (u64, u64) {
         samples += n * (a - b);
     }
     (batches, samples)
+}
+
+/// Runs the gateway, unmeasured, while any device is still learning its
+/// batch size, for at most `max`; returns whether learning ended, and the
+/// time it took.
+async fn learn(
+    gateway: &(SocketAddr, String),
+    models: &Models,
+    images: &[Bytes],
+    concurrency: usize,
+    side: u32,
+    max: Duration,
+) -> (bool, Duration) {
+    let learning = || models.iter().any(|b| b.metrics().learning.contains(&true));
+    if !learning() {
+        return (true, Duration::ZERO);
+    }
+    let start = Instant::now();
+    while learning() {
+        if start.elapsed() >= max {
+            return (false, start.elapsed());
+        }
+        measure_gateway(gateway, models, images, concurrency, Duration::from_secs(2), side).await;
+    }
+    (true, start.elapsed())
 }
 
 fn batch_counts(models: &Models) -> Vec<u64> {

@@ -67,6 +67,7 @@ pub fn render(http: &HttpMetrics, models: &Models, instances_in_use: usize) -> S
     family(&mut out, "facegate_queue_wait_seconds", "histogram", "Time calls waited for a device.", &snapshots, queue_wait);
     family(&mut out, "facegate_device_busy_seconds_total", "counter", "Time each device spent running batches.", &snapshots, busy);
     family(&mut out, "facegate_batch_limit", "gauge", "Batch size each device chose for the input shape of its latest batch (learned per shape).", &snapshots, limits);
+    family(&mut out, "facegate_batch_sizing_learning", "gauge", "1 while a device is still learning the batch size for the input shape of its latest batch (probing often).", &snapshots, learning);
     family(&mut out, "facegate_queue_depth", "gauge", "Calls waiting now.", &snapshots, depth);
     family(&mut out, "facegate_inferences_total", "counter", "Inference calls by outcome.", &snapshots, outcomes);
     out
@@ -111,6 +112,12 @@ fn busy(out: &mut String, l: &str, m: &MetricsSnapshot) {
 fn limits(out: &mut String, l: &str, m: &MetricsSnapshot) {
     for (device, limit) in m.batch_limit.iter().enumerate() {
         let _ = writeln!(out, "facegate_batch_limit{{{l},device=\"{device}\"}} {limit}");
+    }
+}
+
+fn learning(out: &mut String, l: &str, m: &MetricsSnapshot) {
+    for (device, learning) in m.learning.iter().enumerate() {
+        let _ = writeln!(out, "facegate_batch_sizing_learning{{{l},device=\"{device}\"}} {}", u8::from(*learning));
     }
 }
 

@@ -1,5 +1,7 @@
 //! A backend with a GPU-like cost model, `a + b·n` per batch of `n`, for
 //! tests and benchmarks of the batching machinery. Never served to users.
+//! With [`FakeBackend::crowding`] it becomes CPU-like instead: each sample
+//! of a batch costs more the larger the batch (caches overflow).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,12 +11,15 @@ use super::{Backend, BackendError};
 use crate::model::{ModelSpec, TensorSpec};
 use crate::tensor::{ElementType, Tensor};
 
-/// Sleeps `fixed + per_sample·n` per batch and echoes each input's bytes
+/// Sleeps `fixed + per_sample·n·(1 + crowding·(n−1))` per batch and echoes each input's bytes
 /// summed into a one-element f32 output, so tests can match answers to calls.
 pub struct FakeBackend {
     spec: ModelSpec,
     fixed: Duration,
     per_sample: Duration,
+    /// Extra cost per sample for each other sample in its batch, as a
+    /// fraction of `per_sample` (0 for GPU-like devices).
+    crowding: f64,
     /// Batches whose index is in this set fail (for error-isolation tests).
     fail_batches: Vec<usize>,
     batches_run: Arc<AtomicUsize>,
@@ -32,7 +37,21 @@ impl FakeBackend {
             max_side: 1 << 20,
             max_batch,
         };
-        Self { spec, fixed, per_sample, fail_batches: Vec::new(), batches_run: Arc::default() }
+        Self { spec, fixed, per_sample, crowding: 0.0, fail_batches: Vec::new(), batches_run: Arc::default() }
+    }
+
+    /// Makes each sample cost `rate × per_sample` more for each other sample
+    /// in its batch, so batches cost more per sample than single runs, as
+    /// ONNX Runtime's do on a small CPU at large images.
+    pub fn crowding(mut self, rate: f64) -> Self {
+        self.crowding = rate.max(0.0);
+        self
+    }
+
+    /// The time a batch of `n` takes.
+    fn cost(&self, n: usize) -> Duration {
+        let n = n as f64;
+        self.fixed + self.per_sample.mul_f64(n * (1.0 + self.crowding * (n - 1.0)))
     }
 
     /// Makes the batches with these zero-based indices fail.
@@ -54,8 +73,7 @@ impl Backend for FakeBackend {
 
     fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError> {
         let index = self.batches_run.fetch_add(1, Ordering::SeqCst);
-        let n = u32::try_from(inputs.len()).unwrap_or(u32::MAX);
-        std::thread::sleep(self.fixed + self.per_sample * n);
+        std::thread::sleep(self.cost(inputs.len()));
         if self.fail_batches.contains(&index) {
             return Err(BackendError(format!("injected failure in batch {index}")));
         }

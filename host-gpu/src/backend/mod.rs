@@ -5,7 +5,10 @@
 //! worker thread its own, so `run` takes `&mut self` and needs no locks.
 
 pub mod fake;
+mod intra_op;
 pub mod onnx;
+
+use std::time::Duration;
 
 use crate::model::ModelSpec;
 use crate::tensor::Tensor;
@@ -23,12 +26,21 @@ pub trait Backend: Send + 'static {
     /// Whether this backend computes on the host's CPU (false for
     /// accelerators, the default). Adaptive sizing on a CPU starts at single
     /// samples (on an accelerator at `max_batch`) and weighs a batch by the
-    /// CPU time of the worker thread rather than wall time: on a CPU shared
+    /// CPU time it took (see [`Backend::pool_cpu_time`]) rather than wall
+    /// time: on a CPU shared
     /// with the wasm guests, wall time also counts the guests' work, in
     /// amounts that depend on the batch size, while CPU time is what the
     /// batch takes from the machine.
     fn runs_on_cpu(&self) -> bool {
         false
+    }
+
+    /// CPU time used so far by threads that run this backend's batches
+    /// besides the worker thread that calls [`Backend::run`] (ONNX Runtime's
+    /// intra-op pool). On a CPU a batch costs the worker thread's CPU time
+    /// plus the change in this. Zero by default.
+    fn pool_cpu_time(&self) -> Duration {
+        Duration::ZERO
     }
 }
 

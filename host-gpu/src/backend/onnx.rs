@@ -5,12 +5,14 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use ort::environment::Environment;
 use ort::session::Session;
 use ort::session::builder::GraphOptimizationLevel;
 use ort::value::TensorRef;
 
+use super::intra_op::IntraOpThreads;
 use super::{Backend, BackendError};
 use crate::model::{ModelSpec, TensorSpec};
 use crate::tensor::{ElementType, Tensor};
@@ -128,8 +130,9 @@ pub struct OnnxBackend {
     config: ImageModelConfig,
     spec: ModelSpec,
     session: Session,
-    /// Whether the session runs on the CPU (where batches rarely pay).
-    on_cpu: bool,
+    /// The session's intra-op threads, on the CPU only (where batches
+    /// rarely pay, and cost CPU time rather than device time).
+    intra_op: Option<IntraOpThreads>,
     /// Reused NCHW input buffer, so steady state allocates nothing per batch.
     scratch: Vec<f32>,
 }
@@ -137,12 +140,12 @@ pub struct OnnxBackend {
 impl OnnxBackend {
     /// Opens a session for `config` on `device`. [`init_onnx_runtime`] must have succeeded.
     pub fn new(config: ImageModelConfig, device: &Device) -> Result<Self, BackendError> {
-        let session = build_session(&config, device).map_err(|e| {
+        let intra_op = matches!(device, Device::Cpu { .. }).then(IntraOpThreads::default);
+        let session = build_session(&config, device, intra_op.clone()).map_err(|e| {
             BackendError(format!("cannot load model {} from {}: {e}", config.name, config.path.display()))
         })?;
         let spec = config.spec();
-        let on_cpu = matches!(device, Device::Cpu { .. });
-        Ok(Self { config, spec, session, on_cpu, scratch: Vec::new() })
+        Ok(Self { config, spec, session, intra_op, scratch: Vec::new() })
     }
 
     fn fill_input(&mut self, inputs: &[&Tensor], h: usize, w: usize) {
@@ -155,14 +158,20 @@ impl OnnxBackend {
     }
 }
 
-fn build_session(config: &ImageModelConfig, device: &Device) -> ort::Result<Session> {
+fn build_session(config: &ImageModelConfig, device: &Device, intra_op: Option<IntraOpThreads>) -> ort::Result<Session> {
     let mut builder = Session::builder(environment()?)?
         .with_optimization_level(GraphOptimizationLevel::Level3)?
         // Spinning threads burn the cores the wasm guests need while idle.
         .with_intra_op_spinning(false)?
         .with_inter_threads(1)?;
     builder = match device {
-        Device::Cpu { threads } => builder.with_intra_threads((*threads).max(1))?,
+        Device::Cpu { threads } => {
+            let builder = builder.with_intra_threads((*threads).max(1))?;
+            match intra_op {
+                Some(threads) => builder.with_thread_manager(threads)?,
+                None => builder,
+            }
+        }
         Device::Cuda { device_id } => with_cuda(builder, *device_id)?,
         Device::TensorRt { device_id, cache_dir } => with_tensorrt(builder, config, *device_id, cache_dir.as_deref())?,
     };
@@ -223,7 +232,11 @@ impl Backend for OnnxBackend {
     }
 
     fn runs_on_cpu(&self) -> bool {
-        self.on_cpu
+        self.intra_op.is_some()
+    }
+
+    fn pool_cpu_time(&self) -> Duration {
+        self.intra_op.as_ref().map_or(Duration::ZERO, IntraOpThreads::cpu_time)
     }
 
     fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError> {

@@ -138,6 +138,8 @@ fn health_and_metrics() {
     // The learned batch size of the one CPU device, within 1..=max_batch (4 here).
     let limit = metrics.lines().find_map(|l| l.strip_prefix("facegate_batch_limit{model=\"centerface\",device=\"0\"} "));
     assert!(matches!(limit.and_then(|v| v.parse::<u32>().ok()), Some(1..=4)), "{metrics}");
+    let learning = metrics.lines().find_map(|l| l.strip_prefix("facegate_batch_sizing_learning{model=\"centerface\",device=\"0\"} "));
+    assert!(matches!(learning, Some("0" | "1")), "{metrics}");
 }
 
 #[test]
