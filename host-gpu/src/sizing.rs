@@ -9,7 +9,8 @@
 //! chosen size, now and then another one in turn (a probe), and, once every
 //! size in reach is measured, moves to the cheapest size that confidently
 //! beats the chosen one per sample: the upper end of the cost ratio's
-//! confidence interval must be below `1 − MARGIN` to grow, and within
+//! one-sided 97.5 % confidence interval (Student's t: a few probes may
+//! agree by chance) must be below `1 − MARGIN` to grow, and within
 //! `MARGIN` of the cheapest other size to shrink (a smaller batch has lower
 //! latency, so it wins a near tie). Noise alone rarely moves it, and
 //! comparing every size, not only neighbours, gets it off a plateau (on a
@@ -27,8 +28,9 @@
 //! estimate beats the chosen size but not yet with confidence: probing it
 //! costs little, as it is probably better), and every [`PROBE_EVERY`]
 //! batches otherwise, so it follows the device when its costs change. Pure
-//! state: the worker passes in the timings (wall time on accelerators, the
-//! worker thread's CPU time on CPUs; see `Backend::runs_on_cpu`).
+//! state: the worker passes in the timings (wall time on accelerators, CPU
+//! time on CPUs, the engine's pool threads included; see
+//! `Backend::runs_on_cpu` and `Backend::pool_cpu_time`).
 
 use std::collections::HashMap;
 use std::time::Duration;
