@@ -223,15 +223,17 @@ fn spawn_workers(
 
 fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut sizer: BatchSizer) {
     shared.metrics.record_sizing(index, sizer.chosen(&[]), sizer.learning(&[]));
-    while let Some(batch) = wait_for_batch(shared, &sizer) {
+    while let Some((batch, waiting)) = wait_for_batch(shared, &sizer) {
         let shape = batch[0].input.shape().to_vec();
-        let cpu_before = batch_cpu_time(backend.as_ref());
+        sizer.note_waiting(&shape, waiting);
+        let cpu_before = cpu_time_before(backend.as_ref());
         let (size, elapsed, ok) = run_batch(shared, index, backend.as_mut(), batch);
-        let cost = match (backend.runs_on_cpu(), cpu_before, batch_cpu_time(backend.as_ref())) {
+        let cost = match (backend.runs_on_cpu(), cpu_before, cpu_time_after(backend.as_ref())) {
             (true, Some(before), Some(after)) => after.saturating_sub(before),
             _ => elapsed,
         };
-        if ok {
+        // A zero cost is a clock that failed (say, a pool thread gone).
+        if ok && !cost.is_zero() {
             sizer.record(&shape, size, cost);
         }
         shared.metrics.record_sizing(index, sizer.chosen(&shape), sizer.learning(&shape));
@@ -239,9 +241,18 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
 }
 
 /// CPU time used by the calling worker thread and its backend's pool
-/// threads, where the platform tells.
-fn batch_cpu_time(backend: &dyn Backend) -> Option<Duration> {
-    Some(thread_cpu_time()? + backend.pool_cpu_time())
+/// threads, where the platform tells. The pool is read before the worker's
+/// clock here and after it in [`cpu_time_after`], so the reading itself
+/// (procfs) is not charged to the batch.
+fn cpu_time_before(backend: &dyn Backend) -> Option<Duration> {
+    let pool = backend.pool_cpu_time();
+    Some(thread_cpu_time()? + pool)
+}
+
+/// As [`cpu_time_before`], at the end of a batch.
+fn cpu_time_after(backend: &dyn Backend) -> Option<Duration> {
+    let own = thread_cpu_time()?;
+    Some(own + backend.pool_cpu_time())
 }
 
 /// CPU time the calling thread has used, where the platform tells.
@@ -258,7 +269,8 @@ fn thread_cpu_time() -> Option<Duration> {
 
 /// Blocks until a batch is due (or shutdown: `None`). Answers expired calls
 /// on the way. Batches are limited to what `sizer` says pays on this device.
-fn wait_for_batch(shared: &Shared, sizer: &BatchSizer) -> Option<Vec<Entry>> {
+/// Also returns how many calls of the batch's shape were waiting.
+fn wait_for_batch(shared: &Shared, sizer: &BatchSizer) -> Option<(Vec<Entry>, usize)> {
     let limit = |shape: &[usize]| sizer.limit(shape);
     let mut state = shared.lock();
     loop {
@@ -272,6 +284,7 @@ fn wait_for_batch(shared: &Shared, sizer: &BatchSizer) -> Option<Vec<Entry>> {
                 shared.wake.wait_timeout(state, due - now).unwrap_or_else(|p| p.into_inner()).0
             }
             Readiness::Ready => {
+                let waiting = state.front_shape_count();
                 let formed = state.next_batch(now, limit);
                 let more = !state.is_empty();
                 drop(state);
@@ -284,7 +297,7 @@ fn wait_for_batch(shared: &Shared, sizer: &BatchSizer) -> Option<Vec<Entry>> {
                     let _ = entry.reply.send(Err(InferError::DeadlineExceeded));
                 }
                 if !formed.batch.is_empty() {
-                    return Some(formed.batch);
+                    return Some((formed.batch, waiting));
                 }
                 shared.lock()
             }

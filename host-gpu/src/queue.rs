@@ -199,7 +199,8 @@ impl State {
         Some(self.tenants.get(tenant)?.items.front()?.input.shape().to_vec())
     }
 
-    fn front_shape_count(&self) -> usize {
+    /// Calls waiting with the shape of the next batch (what it could take).
+    pub fn front_shape_count(&self) -> usize {
         let Some(shape) = self.front_shape() else { return 0 };
         self.tenants.values().flat_map(|q| &q.items).filter(|e| e.input.shape() == shape.as_slice()).count()
     }

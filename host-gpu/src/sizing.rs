@@ -44,7 +44,9 @@ pub const MARGIN: f64 = 0.02;
 /// estimate for its upper bound. With few probes the variance itself is
 /// uncertain (3 probes on a noisy CPU can agree by chance), so the bound
 /// widens until more probes are in.
-const T_QUANTILES: [f64; 12] = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18];
+const T_QUANTILES: [f64; 18] = [
+    12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11, 2.10,
+];
 /// Once settled, a probe of another size starts once in this many batches.
 pub const PROBE_EVERY: u64 = 128;
 /// While another size is unmeasured or promising, a probe starts once in
@@ -129,6 +131,19 @@ impl BatchSizer {
         self.sizing == Sizing::Adaptive && self.shapes.get(shape).is_some_and(Ladder::learning)
     }
 
+    /// Notes that `waiting` calls of `shape` were queued when a batch was
+    /// taken: sizes up to that are within the queue's reach again (after a
+    /// quieter spell had left them out of decisions).
+    pub fn note_waiting(&mut self, shape: &[usize], waiting: usize) {
+        if let Some(ladder) = self.shapes.get_mut(shape) {
+            for (size, misses) in ladder.sizes.iter().zip(&mut ladder.misses) {
+                if *size <= waiting {
+                    *misses = 0;
+                }
+            }
+        }
+    }
+
     /// Records that a batch of `size` samples of `shape` took `elapsed`.
     pub fn record(&mut self, shape: &[usize], size: usize, elapsed: Duration) {
         if self.sizing == Sizing::Fixed || size == 0 {
@@ -150,6 +165,10 @@ struct Average {
     value: f64,
     variance: f64,
     runs: u32,
+    /// Sum of the squared weights of the values averaged: 1/n while they
+    /// weigh evenly, so 1/this is the number of samples the average is
+    /// worth (at most (2 − w)/w with weight w).
+    weight_sq: f64,
 }
 
 impl Average {
@@ -160,6 +179,13 @@ impl Average {
         let diff = x - self.value;
         self.value += weight * diff;
         self.variance = (1.0 - weight) * (self.variance + weight * diff * diff);
+        self.weight_sq = (1.0 - weight).powi(2) * self.weight_sq + weight * weight;
+    }
+
+    /// Counts the average as worth at most `runs` samples (after re-basing).
+    fn cap_runs(&mut self, runs: u32) {
+        self.runs = self.runs.min(runs);
+        self.weight_sq = self.weight_sq.max(1.0 / f64::from(runs.max(1)));
     }
 
     fn trusted(&self) -> bool {
@@ -167,16 +193,17 @@ impl Average {
     }
 
     /// The estimate plus a one-sided 97.5 % confidence margin (see
-    /// [`T_QUANTILES`]). An exponential average of weight w holds about
-    /// (2 − w)/w samples' worth of information.
+    /// [`T_QUANTILES`]; approximate: consecutive probes share the error of
+    /// the chosen size's average they are compared with).
     fn upper_bound(&self) -> f64 {
-        let samples = f64::from(self.runs).min((2.0 - RATIO_WEIGHT) / RATIO_WEIGHT);
-        if samples < 2.0 {
+        if self.weight_sq <= 0.0 || self.weight_sq >= 1.0 {
             return f64::INFINITY;
         }
-        // The running variance divides by n; the sample variance by n − 1.
-        let variance = self.variance * samples / (samples - 1.0);
-        let dof = samples as usize - 1;
+        let samples = 1.0 / self.weight_sq;
+        // The running variance is the weighted population variance; the
+        // unbiased one divides it by 1 − Σw² (n/(n − 1) for even weights).
+        let variance = self.variance / (1.0 - self.weight_sq);
+        let dof = (samples - 1.0).round().max(1.0) as usize;
         let t = T_QUANTILES.get(dof - 1).copied().unwrap_or(2.0);
         self.value + t * (variance / samples).sqrt()
     }
@@ -308,7 +335,6 @@ impl Ladder {
             // Only a planned turn starts a probe: a short queue's partial
             // batch must not cap the batches after it.
             if index == Some(planned) {
-                self.misses[planned] = 0;
                 self.probe = Some(Probe { index: planned, batches: 1, seconds: 0.0, samples: 0 });
             } else {
                 self.misses[planned] = self.misses[planned].saturating_add(1);
@@ -321,7 +347,8 @@ impl Ladder {
                 self.continue_probe(probe, size, per_sample);
                 return;
             }
-            // A short queue broke the probe: drop it.
+            // A short queue broke the probe: drop it, and count a miss.
+            self.misses[probe.index] = self.misses[probe.index].saturating_add(1);
         }
         if index == Some(self.chosen) {
             self.record_chosen(per_sample);
@@ -345,6 +372,7 @@ impl Ladder {
             self.probe = Some(probe);
             return;
         }
+        self.misses[probe.index] = 0;
         let cost = probe.seconds / probe.samples as f64;
         if cost > 0.0 && self.current.value > 0.0 {
             self.ratios[probe.index].add((cost / self.current.value).ln(), RATIO_WEIGHT);
@@ -375,9 +403,11 @@ impl Ladder {
         for ratio in &mut self.ratios {
             ratio.value -= winner.value;
             ratio.variance += winner.variance;
-            ratio.runs = ratio.runs.min(MIN_RUNS);
+            ratio.cap_runs(MIN_RUNS);
         }
-        self.ratios[self.chosen] = Average { value: -winner.value, variance: winner.variance, runs: winner.runs.min(MIN_RUNS) };
+        let mut former = Average { value: -winner.value, ..winner };
+        former.cap_runs(MIN_RUNS);
+        self.ratios[self.chosen] = former;
         self.ratios[index] = Average::default();
         self.chosen = index;
     }
@@ -588,6 +618,17 @@ mod tests {
         let sizes = drive_with_queue(&mut sizer, 300, 4, |n| 8.0 + 0.5 * n as f64);
         assert_eq!(sizer.chosen(SHAPE), 4);
         assert!(share_of(&sizes[150..], 4) >= 0.8, "{:?}", &sizes[150..]);
+    }
+
+    #[test]
+    fn sizes_left_out_come_back_when_the_queue_fills_again() {
+        let mut sizer = BatchSizer::new(8, Sizing::Adaptive, false);
+        drive_with_queue(&mut sizer, 300, 4, |n| 8.0 + 0.5 * n as f64);
+        assert!(!sizer.learning(SHAPE), "8 is out of reach with 4 calls waiting");
+        sizer.note_waiting(SHAPE, 8);
+        assert!(sizer.learning(SHAPE), "8 waiting: size 8 needs measuring again");
+        let sizes = drive(&mut sizer, 300, |n| 8.0 + 0.5 * n as f64);
+        assert_eq!(sizer.chosen(SHAPE), 8, "{sizes:?}");
     }
 
     #[test]

@@ -32,7 +32,7 @@ pub struct BenchConfig {
     pub concurrency: Vec<usize>,
 
     /// Seconds measured per configuration (after a short warm-up).
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_parser = parse_seconds)]
     pub seconds: f64,
 
     /// What to measure: `issue2` (gateway vs engine at the given levels),
@@ -52,13 +52,13 @@ pub struct BenchConfig {
 
     /// Seconds each configuration runs, unmeasured, before each concurrency
     /// level, so that what is measured is the steady state.
-    #[arg(long, default_value_t = 3.0)]
+    #[arg(long, default_value_t = 3.0, value_parser = parse_seconds)]
     pub warmup: f64,
 
-    /// With `--batch-sizing adaptive`, most extra warm-up seconds per
-    /// configuration and level while a device is still learning its batch
-    /// size (probing often); the bench prints how long learning took.
-    #[arg(long, default_value_t = 60.0)]
+    /// With `--batch-sizing adaptive`, at most this many extra warm-up
+    /// seconds per configuration and level while a device is still learning
+    /// its batch size (probing often); the bench prints how long it took.
+    #[arg(long, default_value_t = 60.0, value_parser = parse_seconds)]
     pub learn_max: f64,
 
     /// Interleaved rounds per row: configurations compared are measured
@@ -97,6 +97,14 @@ pub struct Measurement {
     pub mean_batch: f64,
     /// Calls that failed.
     pub errors: usize,
+}
+
+/// A duration in seconds: finite and not negative.
+fn parse_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s.is_finite() && s >= 0.0 => Ok(s),
+        _ => Err(format!("{text:?} is not a number of seconds (0 or more)")),
+    }
 }
 
 /// Runs the suites asked for and prints their tables.
@@ -341,8 +349,8 @@ async fn learn(
     max: Duration,
 ) -> (bool, Duration) {
     let learning = || models.iter().any(|b| b.metrics().learning.contains(&true));
-    if !learning() {
-        return (true, Duration::ZERO);
+    if !learning() || max.is_zero() {
+        return (!learning(), Duration::ZERO);
     }
     let start = Instant::now();
     while learning() {

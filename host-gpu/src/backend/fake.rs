@@ -1,7 +1,9 @@
 //! A backend with a GPU-like cost model, `a + b·n` per batch of `n`, for
 //! tests and benchmarks of the batching machinery. Never served to users.
-//! With [`FakeBackend::crowding`] it becomes CPU-like instead: each sample
-//! of a batch costs more the larger the batch (caches overflow).
+//! With [`FakeBackend::crowding`] its cost model becomes CPU-like instead:
+//! each sample of a batch costs more the larger the batch (caches
+//! overflow). It still reports itself as an accelerator
+//! (`runs_on_cpu` false: it starts at `max_batch` and is timed by wall time).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
