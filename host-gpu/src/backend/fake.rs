@@ -13,8 +13,9 @@ use super::{Backend, BackendError};
 use crate::model::{ModelSpec, TensorSpec};
 use crate::tensor::{ElementType, Tensor};
 
-/// Sleeps `fixed + per_sample·n·(1 + crowding·(n−1))` per batch and echoes each input's bytes
-/// summed into a one-element f32 output, so tests can match answers to calls.
+/// Sleeps `fixed + per_sample·n·(1 + crowding·(n−1))` per batch and echoes
+/// each input's bytes summed into a one-element f32 output, so tests can
+/// match answers to calls.
 pub struct FakeBackend {
     spec: ModelSpec,
     fixed: Duration,

@@ -27,10 +27,9 @@ pub trait Backend: Send + 'static {
     /// accelerators, the default). Adaptive sizing on a CPU starts at single
     /// samples (on an accelerator at `max_batch`) and weighs a batch by the
     /// CPU time it took (see [`Backend::pool_cpu_time`]) rather than wall
-    /// time: on a CPU shared
-    /// with the wasm guests, wall time also counts the guests' work, in
-    /// amounts that depend on the batch size, while CPU time is what the
-    /// batch takes from the machine.
+    /// time: on a CPU shared with the wasm guests, wall time also counts the
+    /// guests' work, in amounts that depend on the batch size, while CPU
+    /// time is what the batch takes from the machine.
     fn runs_on_cpu(&self) -> bool {
         false
     }
