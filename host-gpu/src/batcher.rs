@@ -141,9 +141,33 @@ impl Batcher {
         &self.spec
     }
 
-    /// Sets a tenant's fairness weight (default 1).
+    /// Sets a tenant's fairness weight (default 1; 0 counts as 1): busy
+    /// tenants share device time, estimated by input size, in proportion to
+    /// their weights (see [`crate::queue`]).
     pub fn set_tenant_weight(&self, tenant: &str, weight: u32) {
         self.shared.lock().set_weight(tenant.into(), weight);
+    }
+
+    /// A tenant's fairness weight: what [`Batcher::set_tenant_weight`] set, else 1.
+    pub fn tenant_weight(&self, tenant: &str) -> u32 {
+        self.shared.lock().weight(tenant)
+    }
+
+    /// Forgets a tenant (when it is deleted): its weight, its credit and its
+    /// place in the round-robin, so a later tenant of the same name starts
+    /// afresh at weight 1. Its calls still waiting are answered
+    /// [`InferError::ShuttingDown`] at once rather than run: a deleted
+    /// tenant gets no more device time, its calls free their queue space,
+    /// and no state of it lingers for a namesake to inherit. Calls already
+    /// in a batch on a device finish normally. Returns how many calls were
+    /// answered so.
+    pub fn remove_tenant(&self, tenant: &str) -> usize {
+        let removed = self.shared.lock().remove_tenant(tenant);
+        let count = removed.len();
+        for entry in removed {
+            let _ = entry.reply.send(Err(InferError::ShuttingDown));
+        }
+        count
     }
 
     /// Calls waiting right now, all tenants together.

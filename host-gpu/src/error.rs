@@ -19,7 +19,8 @@ pub enum InferError {
     /// The engine failed on the batch this call was part of.
     #[error("backend error: {0}")]
     Backend(String),
-    /// The batcher is shutting down.
+    /// The batcher is shutting down, or stopped serving the caller's tenant
+    /// ([`crate::Batcher::remove_tenant`]).
     #[error("inference engine is shutting down")]
     ShuttingDown,
 }

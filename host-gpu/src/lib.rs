@@ -69,6 +69,21 @@ impl Models {
         self.batchers.values()
     }
 
+    /// Sets a tenant's fairness weight in every model's batcher
+    /// (see [`Batcher::set_tenant_weight`]).
+    pub fn set_tenant_weight(&self, tenant: &str, weight: u32) {
+        for batcher in self.iter() {
+            batcher.set_tenant_weight(tenant, weight);
+        }
+    }
+
+    /// Forgets a tenant in every model's batcher, answering its waiting
+    /// calls [`InferError::ShuttingDown`] (see [`Batcher::remove_tenant`]);
+    /// returns how many calls were answered so.
+    pub fn remove_tenant(&self, tenant: &str) -> usize {
+        self.iter().map(|batcher| batcher.remove_tenant(tenant)).sum()
+    }
+
     /// Runs one sample through the named model.
     pub async fn infer(&self, model: &str, request: InferRequest) -> Result<Vec<Tensor>, InferError> {
         let batcher = self.get(model).ok_or_else(|| InferError::UnknownModel(model.to_owned()))?;

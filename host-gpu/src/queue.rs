@@ -1,11 +1,35 @@
 //! The batching queue as pure state: no threads, no clocks of its own.
 //!
-//! Calls wait in per-tenant FIFO sub-queues. A batch is formed by deficit
-//! round-robin over the tenants (each turn adds the tenant's weight to its
-//! deficit; each sample taken costs 1), restricted to one input shape per
-//! batch (the shape at the head of the tenant whose turn it is). Expired and
-//! cancelled calls are dropped before they can reach a device. Capacity is
-//! bounded globally and per tenant: a full queue refuses at once.
+//! Calls wait in per-tenant FIFO sub-queues. Batches are formed by deficit
+//! round-robin over the tenants, one input shape per batch. What is shared
+//! fairly is device time, estimated from size: a call costs
+//! [`sample_cost`] of its input shape, proportional to its pixels, where a
+//! 640×640 image ([`REFERENCE_ELEMENTS`]) costs one [`QUANTUM`] and no call
+//! costs less than [`MIN_SAMPLE_COST`]. In each round every waiting tenant
+//! is credited `weight × QUANTUM` (at its first visit of the round), and
+//! each call it has taken is charged its cost; a tenant whose next call
+//! costs more than its credit waits for later rounds and saves up.
+//!
+//! A batch visits the tenants in ring order and takes at most one call per
+//! visit, of the batch's shape and if the tenant's credit covers it, so
+//! tenants' calls interleave. A round ends when a lap takes nothing; the
+//! batch ends when it is full, or when a fresh round takes nothing either.
+//! A tenant that could pay for its oldest call but has none of the batch's
+//! shape is *passed over*: it keeps the credit of the rounds it misses, and
+//! the next batch takes the shape of its oldest call (the tenant passed
+//! over first goes first), so no shape waits behind others for more than a
+//! few batches. Otherwise the next batch takes the shape of the oldest call
+//! of the first tenant, in ring order, that can pay for it. Unused credit
+//! carries over up to the cost of the tenant's oldest call plus
+//! `max_batch + 2` rounds: what one batch that passed it over can leave it
+//! owed (a batch spans at most `max_batch + 1` rounds). So a call dearer
+//! than any fixed number of rounds is saved up for, not starved, and no
+//! tenant banks credit for a long burst.
+//!
+//! Expired and cancelled calls are dropped before they can reach a device.
+//! Capacity is bounded globally and per tenant: a full queue refuses at once.
+//! [`State::remove_tenant`] forgets a tenant entirely (weight, credit, place
+//! in the ring) and hands back its waiting calls.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -15,6 +39,36 @@ use tokio::sync::oneshot;
 
 use crate::error::InferError;
 use crate::tensor::Tensor;
+
+/// Size of the reference sample, in input elements: a 640×640 RGB image
+/// (`[640, 640, 3]` u8). A sample of this size costs one [`QUANTUM`].
+pub const REFERENCE_ELEMENTS: u64 = 640 * 640 * 3;
+
+/// Credit a round gives per unit of weight, in cost units: the cost of a
+/// reference sample. The unit is fine (1/1024 of a reference sample) so
+/// costs follow sizes closely.
+pub const QUANTUM: u64 = 1024;
+
+/// The least a sample costs: an eighth of a reference sample (the pixels of
+/// a 226×226 image). Smaller samples are no cheaper in practice (copies,
+/// pre- and post-processing and launches do not shrink with the pixels),
+/// so a tenant of tiny samples gets at most eight calls per round to a
+/// neighbour's one reference-sized call, not a thousand.
+pub const MIN_SAMPLE_COST: u64 = QUANTUM / 8;
+
+/// Costs are capped here (a sample of about 2^38 reference samples) so that
+/// credit arithmetic can never overflow.
+const MAX_SAMPLE_COST: u64 = 1 << 48;
+
+/// What a sample of this shape costs, in units where a reference sample
+/// ([`REFERENCE_ELEMENTS`]) costs [`QUANTUM`]: proportional to its element
+/// count (for the `[H, W, 3]` images served, to its H×W pixels), rounded
+/// up, and never below [`MIN_SAMPLE_COST`].
+pub fn sample_cost(shape: &[usize]) -> u64 {
+    let elements = shape.iter().fold(1u128, |n, &d| n.saturating_mul(d as u128));
+    let cost = elements.saturating_mul(u128::from(QUANTUM)).div_ceil(u128::from(REFERENCE_ELEMENTS));
+    u64::try_from(cost).unwrap_or(u64::MAX).clamp(MIN_SAMPLE_COST, MAX_SAMPLE_COST)
+}
 
 /// What a waiting caller receives: its outputs, or why there are none.
 pub type Reply = Result<Vec<Tensor>, InferError>;
@@ -78,9 +132,38 @@ pub struct Formed {
 #[derive(Debug)]
 struct TenantQueue {
     items: VecDeque<Entry>,
+    /// Unspent credit, in cost units (see [`sample_cost`]).
     deficit: u64,
-    /// Whether the tenant's current turn has already been credited.
+    /// Whether the tenant has been credited in the current round.
     credited: bool,
+    /// When a batch of another shape passed the tenant over while it could
+    /// pay for its oldest call (an ever-growing count, [`State::passes`]):
+    /// the earliest such tenant picks the next batch's shape.
+    passed: Option<u64>,
+}
+
+impl TenantQueue {
+    /// The cost of the tenant's oldest waiting call (0 when none waits).
+    fn head_cost(&self) -> u64 {
+        self.items.front().map_or(0, |e| sample_cost(e.input.shape()))
+    }
+
+    /// Credits a round's `quantum`, once per round. Unused credit carries
+    /// over up to the cost of the tenant's oldest call plus `banked` rounds:
+    /// a call dearer than any fixed number of rounds is saved up for, not
+    /// starved.
+    fn credit_round(&mut self, quantum: u64, banked: u64) {
+        if !self.credited {
+            let cap = self.head_cost().saturating_add(quantum.saturating_mul(banked));
+            self.deficit = self.deficit.saturating_add(quantum).min(cap);
+            self.credited = true;
+        }
+    }
+
+    /// Whether the tenant can pay for its oldest waiting call.
+    fn can_pay_head(&self) -> bool {
+        self.deficit >= self.head_cost()
+    }
 }
 
 /// The queue of one model.
@@ -88,16 +171,18 @@ struct TenantQueue {
 pub struct State {
     config: QueueConfig,
     tenants: HashMap<Arc<str>, TenantQueue>,
-    /// Tenants with waiting calls, in round-robin order; the front has the turn.
+    /// Tenants with waiting calls, in round-robin order; the front is visited next.
     ring: VecDeque<Arc<str>>,
     weights: HashMap<Arc<str>, u32>,
     len: usize,
+    /// Tenants passed over so far (orders [`TenantQueue::passed`]).
+    passes: u64,
 }
 
 impl State {
     /// An empty queue.
     pub fn new(config: QueueConfig) -> Self {
-        Self { config, tenants: HashMap::new(), ring: VecDeque::new(), weights: HashMap::new(), len: 0 }
+        Self { config, tenants: HashMap::new(), ring: VecDeque::new(), weights: HashMap::new(), len: 0, passes: 0 }
     }
 
     /// The queue's limits.
@@ -121,13 +206,38 @@ impl State {
     }
 
     /// Sets a tenant's share: with weights 3 and 1, two busy tenants get
-    /// three samples to one. Zero is treated as 1.
+    /// three times the device time (by [`sample_cost`]) to one. Zero is
+    /// treated as 1.
     pub fn set_weight(&mut self, tenant: Arc<str>, weight: u32) {
         self.weights.insert(tenant, weight.max(1));
     }
 
-    fn weight(&self, tenant: &str) -> u64 {
-        u64::from(self.weights.get(tenant).copied().unwrap_or(1))
+    /// A tenant's weight: what [`State::set_weight`] set, else 1.
+    pub fn weight(&self, tenant: &str) -> u32 {
+        self.weights.get(tenant).copied().unwrap_or(1)
+    }
+
+    /// The credit one round gives a tenant: its weight in quanta.
+    fn quantum(&self, tenant: &str) -> u64 {
+        u64::from(self.weight(tenant)) * QUANTUM
+    }
+
+    /// How many rounds of credit a tenant may bank beyond its oldest call's
+    /// cost: one batch can pass it over for `max_batch + 1` rounds.
+    fn banked_rounds(&self) -> u64 {
+        (self.config.max_batch as u64).saturating_add(2)
+    }
+
+    /// Forgets a tenant: its weight (a tenant of the same name added later
+    /// starts at weight 1), its credit and its place in the round-robin.
+    /// Returns its waiting calls, unanswered, for the caller to answer.
+    pub fn remove_tenant(&mut self, tenant: &str) -> Vec<Entry> {
+        self.weights.remove(tenant);
+        let removed: Vec<Entry> = self.tenants.remove(tenant).map(|q| q.items.into()).unwrap_or_default();
+        self.len -= removed.len();
+        self.ring.retain(|t| &**t != tenant);
+        self.settle_front();
+        removed
     }
 
     /// Queues a call, or hands it back with `Overloaded` when the queue or
@@ -142,13 +252,14 @@ impl State {
         }
         let tenant = Arc::clone(&entry.tenant);
         let queue = self.tenants.entry(Arc::clone(&tenant)).or_insert_with(|| {
-            TenantQueue { items: VecDeque::new(), deficit: 0, credited: false }
+            TenantQueue { items: VecDeque::new(), deficit: 0, credited: false, passed: None }
         });
         if queue.items.is_empty() {
             self.ring.push_back(tenant);
         }
         queue.items.push_back(entry);
         self.len += 1;
+        self.settle_front();
         Ok(())
     }
 
@@ -164,6 +275,7 @@ impl State {
         }
         self.len = self.tenants.values().map(|q| q.items.len()).sum();
         self.forget_empty_tenants();
+        self.settle_front();
         before - self.len
     }
 
@@ -188,20 +300,30 @@ impl State {
         if due <= now { Readiness::Ready } else { Readiness::WaitUntil(due) }
     }
 
-    /// The batch size to fill for the front shape: `limit`'s, within 1..=max_batch.
+    /// The batch size to fill for the next batch's shape: `limit`'s, within 1..=max_batch.
     fn cap(&self, limit: impl Fn(&[usize]) -> usize) -> usize {
-        let wanted = self.front_shape().map_or(self.config.max_batch, |shape| limit(&shape));
+        let wanted = self.next_shape().map_or(self.config.max_batch, |shape| limit(&shape));
         wanted.clamp(1, self.config.max_batch.max(1))
     }
 
-    fn front_shape(&self) -> Option<Vec<usize>> {
-        let tenant = self.ring.front()?;
-        Some(self.tenants.get(tenant)?.items.front()?.input.shape().to_vec())
+    /// The next batch's shape: that of the oldest call of the tenant passed
+    /// over first that can still pay for it, else that of the front tenant's
+    /// oldest call (which it can pay for: see [`State::settle_front`]).
+    fn next_shape(&self) -> Option<Vec<usize>> {
+        let passed = self
+            .tenants
+            .values()
+            .filter(|q| q.can_pay_head())
+            .filter_map(|q| Some((q.passed?, q.items.front()?)))
+            .min_by_key(|(seq, _)| *seq)
+            .map(|(_, head)| head);
+        let front = || self.tenants.get(self.ring.front()?)?.items.front();
+        Some(passed.or_else(front)?.input.shape().to_vec())
     }
 
     /// Calls waiting with the shape of the next batch (what it could take).
     pub fn front_shape_count(&self) -> usize {
-        let Some(shape) = self.front_shape() else { return 0 };
+        let Some(shape) = self.next_shape() else { return 0 };
         self.tenants.values().flat_map(|q| &q.items).filter(|e| e.input.shape() == shape.as_slice()).count()
     }
 
@@ -211,41 +333,92 @@ impl State {
     pub fn next_batch(&mut self, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Formed {
         let mut formed = Formed::default();
         self.drop_dead(now, &mut formed);
-        let Some(shape) = self.front_shape() else { return formed };
+        // The tenant whose call picked the shape can pay for it, and is
+        // reached within a lap: the batch takes at least that call.
+        let Some(shape) = self.next_shape() else { return formed };
         let cap = self.cap(limit);
-        let mut idle_visits = 0;
-        while formed.batch.len() < cap && idle_visits < self.ring.len() {
-            let took = self.serve_front(&shape, cap, &mut formed.batch);
-            idle_visits = if took == 0 { idle_visits + 1 } else { 0 };
+        let cost = sample_cost(&shape);
+        // Visits in ring order, one call each at most, until the batch is
+        // full or a lap takes nothing (the round is spent) right after a
+        // new round began: then nobody can add a call of this shape now.
+        let (mut idle_visits, mut fresh_round) = (0, false);
+        while formed.batch.len() < cap && !self.ring.is_empty() {
+            if self.visit(&shape, cost, &mut formed.batch) {
+                (idle_visits, fresh_round) = (0, false);
+                continue;
+            }
+            idle_visits += 1;
+            if idle_visits >= self.ring.len() {
+                if fresh_round {
+                    break;
+                }
+                self.new_round();
+                (idle_visits, fresh_round) = (0, true);
+            }
         }
+        self.settle_front();
         formed
     }
 
-    /// Gives the front tenant its turn; returns how many calls it contributed.
-    /// The tenant keeps the turn only if the batch filled before its deficit ran out.
-    fn serve_front(&mut self, shape: &[usize], max_batch: usize, batch: &mut Vec<Entry>) -> usize {
-        let Some(tenant) = self.ring.front().cloned() else { return 0 };
-        let weight = self.weight(&tenant);
-        let Some(queue) = self.tenants.get_mut(&tenant) else { return 0 };
-        if !queue.credited {
-            // Unused credit carries over, but never beyond two turns' worth.
-            queue.deficit = (queue.deficit + weight).min(2 * weight);
-            queue.credited = true;
+    /// Ends the round: each tenant is credited again at its next visit.
+    fn new_round(&mut self) {
+        for queue in self.tenants.values_mut() {
+            queue.credited = false;
         }
-        let mut took = 0;
-        while queue.deficit > 0 && batch.len() < max_batch {
-            let Some(pos) = queue.items.iter().position(|e| e.input.shape() == shape) else { break };
-            batch.extend(queue.items.remove(pos));
-            queue.deficit -= 1;
-            took += 1;
+    }
+
+    /// Moves along the ring, as batches do, until the front tenant can pay
+    /// for its oldest call, whose shape is then the next batch's (unless a
+    /// tenant was passed over: [`State::next_shape`]). Starts new rounds as
+    /// needed; ends, since each round adds credit and a tenant's credit may
+    /// always grow to its oldest call's cost.
+    fn settle_front(&mut self) {
+        let banked = self.banked_rounds();
+        let mut unable = 0;
+        while let Some(tenant) = self.ring.front().cloned() {
+            let quantum = self.quantum(&tenant);
+            let Some(queue) = self.tenants.get_mut(&tenant) else {
+                // Not reached: the ring only holds tenants with calls.
+                self.ring.pop_front();
+                continue;
+            };
+            queue.credit_round(quantum, banked);
+            if queue.can_pay_head() {
+                return;
+            }
+            self.ring.rotate_left(1);
+            unable += 1;
+            if unable >= self.ring.len() {
+                self.new_round();
+                unable = 0;
+            }
         }
-        self.len -= took;
-        let turn_over = batch.len() < max_batch || queue.deficit == 0;
+    }
+
+    /// Visits the front tenant, then moves the ring on: credits it if this
+    /// is its first visit of the round, and takes its oldest call of
+    /// `shape` (costing `cost`) if its credit covers it. Returns whether it
+    /// took one. A tenant that could pay for its oldest call but not take
+    /// it (another shape) is marked passed over.
+    fn visit(&mut self, shape: &[usize], cost: u64, batch: &mut Vec<Entry>) -> bool {
+        let Some(tenant) = self.ring.front().cloned() else { return false };
+        let (quantum, banked) = (self.quantum(&tenant), self.banked_rounds());
+        let Some(queue) = self.tenants.get_mut(&tenant) else { return false };
+        queue.credit_round(quantum, banked);
+        let pos = queue.items.iter().position(|e| e.input.shape() == shape).filter(|_| queue.deficit >= cost);
+        let took = pos.and_then(|pos| queue.items.remove(pos)).map(|entry| batch.push(entry)).is_some();
+        if took {
+            queue.deficit -= cost;
+            queue.passed = None;
+            self.len -= 1;
+        } else if queue.passed.is_none() && queue.can_pay_head() {
+            self.passes += 1;
+            queue.passed = Some(self.passes);
+        }
         if queue.items.is_empty() {
             self.tenants.remove(&tenant);
             self.ring.pop_front();
-        } else if turn_over {
-            queue.credited = false;
+        } else {
             self.ring.rotate_left(1);
         }
         took
@@ -267,6 +440,7 @@ impl State {
             self.len -= before - queue.items.len();
         }
         self.forget_empty_tenants();
+        self.settle_front();
     }
 
     /// Empties the queue (at shutdown), handing back every waiting call.
@@ -290,19 +464,37 @@ mod tests {
         QueueConfig { max_batch, capacity: 100, tenant_capacity: 100, max_delay: Duration::ZERO }
     }
 
-    /// A queued call of `tenant` with a 1-D input of length `len`; the receiver
-    /// is returned so the call stays alive (dropping it cancels the call).
-    fn call(tenant: &str, len: usize, now: Instant) -> (Entry, oneshot::Receiver<Reply>) {
+    /// A reference-sized image: one quantum.
+    const REF: [usize; 3] = [640, 640, 3];
+    /// A 2048×2048 image: 10.24 quanta.
+    const BIG: [usize; 3] = [2048, 2048, 3];
+
+    /// A queued call of `tenant` with an input of `shape`; the receiver is
+    /// returned so the call stays alive (dropping it cancels the call). The
+    /// zeroed buffer is never written, so large images cost little memory.
+    fn call(tenant: &str, shape: &[usize], now: Instant) -> (Entry, oneshot::Receiver<Reply>) {
         let (tx, rx) = oneshot::channel();
-        let input = Tensor::new(vec![len], ElementType::U8, vec![0; len]).unwrap();
+        let len = shape.iter().product();
+        let input = Tensor::new(shape.to_vec(), ElementType::U8, vec![0; len]).unwrap();
         let entry = Entry { tenant: tenant.into(), input, deadline: now + SECOND, enqueued: now, reply: tx };
         (entry, rx)
     }
 
+    /// Queues `n` reference-sized calls of `tenant`.
     fn push_n(state: &mut State, tenant: &str, n: usize, now: Instant) -> Vec<oneshot::Receiver<Reply>> {
+        push_shaped(state, tenant, &REF, n, now)
+    }
+
+    fn push_shaped(
+        state: &mut State,
+        tenant: &str,
+        shape: &[usize],
+        n: usize,
+        now: Instant,
+    ) -> Vec<oneshot::Receiver<Reply>> {
         (0..n)
             .map(|_| {
-                let (entry, rx) = call(tenant, 4, now);
+                let (entry, rx) = call(tenant, shape, now);
                 state.push(entry).unwrap();
                 rx
             })
@@ -332,7 +524,7 @@ mod tests {
         let mut state = State::new(config(8));
         let mut keep = Vec::new();
         for len in [4, 8, 4, 8, 4] {
-            let (entry, rx) = call("a", len, now);
+            let (entry, rx) = call("a", &[len], now);
             state.push(entry).unwrap();
             keep.push(rx);
         }
@@ -347,7 +539,7 @@ mod tests {
         let now = Instant::now();
         let mut state = State::new(config(8));
         let _rx = push_n(&mut state, "a", 5, now);
-        let limit = |shape: &[usize]| if shape == [4] { 2 } else { 8 };
+        let limit = |shape: &[usize]| if shape == REF { 2 } else { 8 };
         assert_eq!(state.next_batch(now, limit).batch.len(), 2);
         assert_eq!(state.next_batch(now, |_| 0).batch.len(), 1, "a limit of 0 still takes one call");
         assert_eq!(state.next_batch(now, FULL).batch.len(), 2);
@@ -424,7 +616,7 @@ mod tests {
     fn expired_calls_are_handed_back_not_batched() {
         let now = Instant::now();
         let mut state = State::new(config(4));
-        let (mut old, _rx1) = call("a", 4, now);
+        let (mut old, _rx1) = call("a", &[4], now);
         old.deadline = now + Duration::from_millis(1);
         state.push(old).unwrap();
         let _rx2 = push_n(&mut state, "a", 1, now);
@@ -451,11 +643,11 @@ mod tests {
         let now = Instant::now();
         let mut state = State::new(QueueConfig { capacity: 3, tenant_capacity: 2, ..config(4) });
         let _a = push_n(&mut state, "a", 2, now);
-        let (extra, _rx) = call("a", 4, now);
+        let (extra, _rx) = call("a", &[4], now);
         let refused = state.push(extra).unwrap_err();
         assert_eq!(refused.0, InferError::Overloaded);
         let _b = push_n(&mut state, "b", 1, now);
-        let (extra, _rx) = call("c", 4, now);
+        let (extra, _rx) = call("c", &[4], now);
         assert_eq!(state.push(extra).unwrap_err().0, InferError::Overloaded);
         assert_eq!(state.len(), 3);
     }
@@ -465,7 +657,7 @@ mod tests {
         let now = Instant::now();
         let mut state = State::new(QueueConfig { capacity: 2, tenant_capacity: 2, ..config(4) });
         drop(push_n(&mut state, "a", 2, now));
-        let (entry, _rx) = call("a", 4, now);
+        let (entry, _rx) = call("a", &[4], now);
         assert!(state.push(entry).is_ok(), "space of cancelled calls is reclaimed");
         assert_eq!(state.len(), 1);
     }
@@ -479,5 +671,145 @@ mod tests {
         assert_eq!(state.drain().len(), 5);
         assert!(state.is_empty());
         assert_eq!(state.readiness(now, FULL), Readiness::Empty);
+    }
+
+    #[test]
+    fn cost_follows_pixels_with_a_floor() {
+        assert_eq!(sample_cost(&REF), QUANTUM);
+        assert_eq!(sample_cost(&[320, 320, 3]), QUANTUM / 4);
+        // 2048² / 640² = 10.24 quanta, rounded up to the unit.
+        assert_eq!(sample_cost(&BIG), 10_486);
+        assert_eq!(sample_cost(&[1]), MIN_SAMPLE_COST, "tiny samples ride at the floor, not free");
+        assert_eq!(sample_cost(&[]), MIN_SAMPLE_COST);
+        assert_eq!(sample_cost(&[usize::MAX, usize::MAX]), MAX_SAMPLE_COST);
+    }
+
+    /// Two busy tenants of equal weight, one sending 2048×2048 images and one
+    /// 640×640: each gets the same pixels (device time), so the small one
+    /// runs about ten times the samples.
+    #[test]
+    fn device_time_is_shared_not_sample_counts() {
+        let now = Instant::now();
+        let mut state = State::new(QueueConfig { capacity: 1000, tenant_capacity: 1000, ..config(8) });
+        let mut keep = Vec::new();
+        let (mut samples, mut pixels) = (HashMap::new(), HashMap::new());
+        for _ in 0..300 {
+            // Both always backlogged: top up before each batch.
+            let big = 4 - state.tenant_len("big");
+            keep.extend(push_shaped(&mut state, "big", &BIG, big, now));
+            let small = 24 - state.tenant_len("small");
+            keep.extend(push_shaped(&mut state, "small", &REF, small, now));
+            let formed = state.next_batch(now, FULL);
+            assert!(!formed.batch.is_empty());
+            for e in formed.batch {
+                *samples.entry(e.tenant.to_string()).or_insert(0u64) += 1;
+                *pixels.entry(e.tenant.to_string()).or_insert(0u64) += (e.input.shape()[0] * e.input.shape()[1]) as u64;
+            }
+        }
+        let pixel_ratio = pixels["big"] as f64 / pixels["small"] as f64;
+        let sample_ratio = samples["small"] as f64 / samples["big"] as f64;
+        assert!((0.9..1.1).contains(&pixel_ratio), "pixels big/small {pixel_ratio:.3} ({pixels:?})");
+        assert!((9.0..11.5).contains(&sample_ratio), "samples small/big {sample_ratio:.2} ({samples:?})");
+    }
+
+    /// A sample dearer than two rounds' credit is saved up for, not starved,
+    /// whether its tenant is alone or next to a busy neighbour.
+    #[test]
+    fn a_sample_dearer_than_two_rounds_is_not_starved() {
+        let now = Instant::now();
+        let mut state = State::new(config(8));
+        let _alone = push_shaped(&mut state, "big", &BIG, 1, now);
+        assert_eq!(state.next_batch(now, FULL).batch.len(), 1, "alone, it runs at once");
+
+        let mut keep = push_shaped(&mut state, "big", &BIG, 1, now);
+        let mut batches = 0;
+        loop {
+            let small = 16 - state.tenant_len("small");
+            keep.extend(push_shaped(&mut state, "small", &REF, small, now));
+            batches += 1;
+            let formed = state.next_batch(now, FULL);
+            if formed.batch.iter().any(|e| &*e.tenant == "big") {
+                break;
+            }
+            // 10.24 quanta need 11 rounds; a batch of 8 small calls spans 8.
+            assert!(batches < 4, "the big call was starved for {batches} batches");
+        }
+        assert_eq!(state.tenant_len("big"), 0);
+    }
+
+    /// With equal weights, a tenant of tiny samples gets eight samples to a
+    /// reference sample ([`MIN_SAMPLE_COST`]), not a thousand.
+    #[test]
+    fn tiny_samples_do_not_ride_free() {
+        let now = Instant::now();
+        let mut state = State::new(QueueConfig { capacity: 1000, tenant_capacity: 1000, ..config(8) });
+        let mut keep = Vec::new();
+        let mut counts = HashMap::new();
+        for _ in 0..90 {
+            let n = 40 - state.tenant_len("tiny");
+            keep.extend(push_shaped(&mut state, "tiny", &[4], n, now));
+            let n = 40 - state.tenant_len("ref");
+            keep.extend(push_n(&mut state, "ref", n, now));
+            for e in state.next_batch(now, FULL).batch {
+                *counts.entry(e.tenant.to_string()).or_insert(0u32) += 1;
+            }
+        }
+        let ratio = f64::from(counts["tiny"]) / f64::from(counts["ref"]);
+        assert!((7.0..9.0).contains(&ratio), "tiny/ref samples {ratio:.2} ({counts:?})");
+    }
+
+    #[test]
+    fn removing_a_tenant_forgets_weight_credit_and_calls() {
+        let now = Instant::now();
+        let mut state = State::new(config(4));
+        state.set_weight("a".into(), 5);
+        let _a = push_n(&mut state, "a", 6, now);
+        let _b = push_n(&mut state, "b", 6, now);
+        let formed = state.next_batch(now, FULL);
+        assert_eq!(tenants_of(&formed), vec!["a", "b", "a", "a"]);
+        assert_eq!(state.tenants["a"].deficit, 2 * QUANTUM, "a has credit left");
+
+        let removed = state.remove_tenant("a");
+        assert_eq!(removed.len(), 3);
+        assert!(removed.iter().all(|e| &*e.tenant == "a"));
+        assert_eq!((state.len(), state.tenant_len("a"), state.weight("a")), (5, 0, 1));
+        assert!(!state.tenants.contains_key("a") && !state.ring.iter().any(|t| &**t == "a"));
+        assert_eq!(state.remove_tenant("nobody").len(), 0);
+
+        // A new tenant of the same name starts afresh, at weight 1.
+        let _a2 = push_n(&mut state, "a", 6, now);
+        assert_eq!(state.tenants["a"].deficit, 0, "no credit inherited");
+        let mut counts = HashMap::new();
+        for _ in 0..2 {
+            for e in state.next_batch(now, FULL).batch {
+                *counts.entry(e.tenant.to_string()).or_insert(0) += 1;
+            }
+        }
+        assert_eq!((counts["a"], counts["b"]), (4, 4), "weight 1 each");
+        assert_eq!(state.tenant_len("b"), 1);
+    }
+
+    /// Two busy tenants of one shape cannot starve a third of another shape
+    /// (before, batches of 8 always ended just before the third one's turn,
+    /// and it was never served).
+    #[test]
+    fn a_shape_in_the_minority_is_not_starved() {
+        let now = Instant::now();
+        let mut state = State::new(QueueConfig { capacity: 1000, tenant_capacity: 1000, ..config(8) });
+        let mut keep = Vec::new();
+        let mut counts = HashMap::new();
+        let shape = |name: &str| if name == "b" { [640, 480, 3] } else { [480, 640, 3] };
+        for _ in 0..60 {
+            for name in ["s1", "b", "s2"] {
+                let n = 20 - state.tenant_len(name);
+                keep.extend(push_shaped(&mut state, name, &shape(name), n, now));
+            }
+            for e in state.next_batch(now, FULL).batch {
+                *counts.entry(e.tenant.to_string()).or_insert(0) += 1;
+            }
+        }
+        for name in ["s1", "b", "s2"] {
+            assert!((150..=170).contains(&counts[name]), "{counts:?}: a third each");
+        }
     }
 }

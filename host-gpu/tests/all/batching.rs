@@ -1,14 +1,14 @@
 //! The batcher and device pool driven by the fake `a + b·n` backend.
 
-
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use facegate_host_gpu::backend::Backend;
 use facegate_host_gpu::backend::fake::FakeBackend;
+use facegate_host_gpu::backend::{Backend, BackendError};
 use facegate_host_gpu::metrics::MetricsSnapshot;
-use facegate_host_gpu::{Batcher, BatcherConfig, ElementType, InferError, InferRequest, Sizing, Tensor};
+use facegate_host_gpu::{Batcher, BatcherConfig, ElementType, InferError, InferRequest, ModelSpec, Models, Sizing, Tensor};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -213,4 +213,112 @@ async fn batches_shrink_where_they_do_not_pay() {
     let mean = mean_batch_since(&before, &batcher.metrics());
     assert!(mean < 2.0, "mean batch {mean} after learning that batching does not pay");
     assert_eq!(batcher.metrics().batch_limit, vec![1]);
+}
+
+/// A backend that times each batch and adds the time to its input length
+/// (in these tests each tenant sends one length: busy time per tenant).
+struct Timed {
+    inner: FakeBackend,
+    busy: Arc<Mutex<HashMap<usize, Duration>>>,
+}
+
+impl Backend for Timed {
+    fn spec(&self) -> &ModelSpec {
+        self.inner.spec()
+    }
+
+    fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError> {
+        let started = Instant::now();
+        let outputs = self.inner.run(inputs);
+        let len = inputs[0].shape()[0];
+        *self.busy.lock().expect("busy lock").entry(len).or_default() += started.elapsed();
+        outputs
+    }
+}
+
+/// Two busy tenants of equal weight, one sending 1024×1024 images and one
+/// 320×320 (a tenth of the pixels), on a device whose time grows with the
+/// pixels: each gets about the same device time. (Charging each sample 1,
+/// as before, gave the large-image tenant about ten times as much.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_time_is_shared_by_pixels_not_samples() {
+    const BIG: usize = 1024 * 1024 * 3;
+    const SMALL: usize = 320 * 320 * 3;
+    let busy = Arc::new(Mutex::new(HashMap::new()));
+    // 4 ms per million elements: 12.6 ms per large sample, 1.2 ms per small one.
+    let inner = FakeBackend::new("fake", 8, Duration::ZERO, Duration::ZERO).size_cost(4 * MS);
+    let backend = Timed { inner, busy: Arc::clone(&busy) };
+    let config = BatcherConfig { max_batch: 8, tenant_capacity: 256, sizing: Sizing::Fixed, ..Default::default() };
+    let batcher = Batcher::start(vec![Box::new(backend)], &config).expect("batcher starts");
+    let stop = Arc::new(AtomicBool::new(false));
+    // Closed loops with enough clients to keep both tenants' queues full.
+    let clients: Vec<_> = [("big", BIG, 12), ("small", SMALL, 24)]
+        .into_iter()
+        .flat_map(|(tenant, len, clients)| std::iter::repeat_n((tenant, len), clients))
+        .map(|(tenant, len)| {
+            let (b, stop) = (batcher.clone(), Arc::clone(&stop));
+            tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let input = Tensor::new(vec![len], ElementType::U8, vec![0; len]).expect("input tensor");
+                    let deadline = Instant::now() + Duration::from_secs(30);
+                    b.infer(InferRequest { tenant: tenant.into(), input, deadline }).await.expect("call answered");
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(300 * MS).await;
+    let before = busy.lock().expect("busy lock").clone();
+    tokio::time::sleep(2500 * MS).await;
+    let after = busy.lock().expect("busy lock").clone();
+    stop.store(true, Ordering::SeqCst);
+    for client in clients {
+        client.await.expect("client task");
+    }
+    let spent = |len| after.get(&len).copied().unwrap_or_default() - before.get(&len).copied().unwrap_or_default();
+    let (big, small) = (spent(BIG), spent(SMALL));
+    let ratio = big.as_secs_f64() / small.as_secs_f64();
+    assert!((0.6..1.6).contains(&ratio), "device time big/small {ratio:.2} ({big:?} vs {small:?})");
+}
+
+/// Removing a tenant answers its waiting calls at once, leaves other
+/// tenants' calls alone and forgets its weight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_tenant_is_answered_and_forgotten() {
+    let backend = FakeBackend::new("fake", 1, 100 * MS, Duration::ZERO);
+    let batches = backend.batch_counter();
+    let batcher = Batcher::start(vec![Box::new(backend)], &BatcherConfig { max_batch: 1, ..Default::default() }).expect("batcher starts");
+    batcher.set_tenant_weight("gone", 4);
+    let busy = { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("stay", 0)).await }) };
+    while batches.load(Ordering::SeqCst) == 0 { tokio::time::sleep(MS).await; }
+    let queued: Vec<_> = ["gone", "gone", "gone", "stay"]
+        .into_iter()
+        .map(|tenant| { let b = batcher.clone(); tokio::spawn(async move { b.infer(request(tenant, 1)).await }) })
+        .collect();
+    while batcher.queue_depth() < 4 { tokio::time::sleep(MS).await; }
+
+    assert_eq!(batcher.remove_tenant("gone"), 3);
+    assert_eq!((batcher.tenant_queue_depth("gone"), batcher.queue_depth()), (0, 1));
+    assert_eq!(batcher.tenant_weight("gone"), 1, "a namesake starts at weight 1");
+    let mut results = Vec::new();
+    for call in queued {
+        results.push(call.await.expect("call task"));
+    }
+    assert!(results[..3].iter().all(|r| *r == Err(InferError::ShuttingDown)), "{results:?}");
+    assert!(results[3].is_ok());
+    busy.await.expect("call task").expect("call answered");
+    assert!(batcher.infer(request("gone", 2)).await.is_ok(), "the name can be used again");
+}
+
+/// `Models` passes tenant weights and removals on to every model.
+#[tokio::test]
+async fn models_forward_tenant_settings_to_every_model() {
+    let mut models = Models::new();
+    for name in ["m1", "m2"] {
+        let backend = FakeBackend::new(name, 4, Duration::ZERO, Duration::ZERO);
+        models.insert(Batcher::start(vec![Box::new(backend)], &BatcherConfig::default()).expect("batcher starts"));
+    }
+    models.set_tenant_weight("t", 3);
+    assert!(models.iter().all(|b| b.tenant_weight("t") == 3));
+    assert_eq!(models.remove_tenant("t"), 0);
+    assert!(models.iter().all(|b| b.tenant_weight("t") == 1));
 }
