@@ -37,7 +37,8 @@ pub struct BenchConfig {
 
     /// What to measure: `issue2` (gateway vs engine at the given levels),
     /// `batching` (gateway with batching off vs on, plus the engine), `fake`
-    /// (batcher with a fake a+b·n device), or `all`.
+    /// (batcher with a fake a+b·n device), `isolation` (a neighbour tenant
+    /// while a hostile one attacks; not part of `all`), or `all`.
     #[arg(long, default_value = "all")]
     pub suite: String,
 
@@ -65,6 +66,14 @@ pub struct BenchConfig {
     /// A B A B …, so drift on a shared machine hits all of them alike.
     #[arg(long, default_value_t = 3)]
     pub rounds: u32,
+
+    /// The hostile test handler, deployed as tenant `evil` for `--suite isolation`.
+    #[arg(long, default_value = "guests/target/wasm32-wasip2/release/hostile.wasm")]
+    pub hostile: PathBuf,
+
+    /// Concurrent attacker clients of each attack in `--suite isolation`.
+    #[arg(long, default_value_t = 4)]
+    pub attackers: usize,
 
     /// Gateway settings (handlers directory, limits) for the in-process gateway.
     #[command(flatten)]
@@ -118,6 +127,9 @@ pub async fn run(config: BenchConfig) -> anyhow::Result<()> {
     }
     if matches!(suite, "fake" | "all") {
         fake_device(duration).await;
+    }
+    if suite == "isolation" {
+        crate::bench_isolation::run(&config, &images, duration).await?;
     }
     Ok(())
 }
@@ -230,32 +242,48 @@ async fn start_gateway(
     models: Models,
     label: usize,
 ) -> anyhow::Result<(SocketAddr, String, tokio::task::JoinHandle<()>)> {
+    let (addr, mut keys, task) = start_seeded(&serve.seed_dir, engine, models, label, |_| ()).await?;
+    let key = keys.remove("demo").context("the seed has no tenant demo")?;
+    Ok((addr, key, task))
+}
+
+/// An in-process gateway on a throw-away store seeded from `seed_dir`, with
+/// the bench's settings then `adjust`'s; returns its address and every
+/// seeded tenant's key.
+pub(crate) async fn start_seeded(
+    seed_dir: &std::path::Path,
+    engine: &EngineConfig,
+    models: Models,
+    label: usize,
+    adjust: impl FnOnce(&mut ServeConfig),
+) -> anyhow::Result<(SocketAddr, std::collections::HashMap<String, String>, tokio::task::JoinHandle<()>)> {
     let data_dir = std::env::temp_dir().join(format!("facegate-bench-{}-{label}", std::process::id()));
     let _ = std::fs::remove_dir_all(&data_dir);
     let mut config = ServeConfig::with_data_dir(data_dir.clone())?;
     config.listen = "127.0.0.1:0".parse()?;
-    config.seed_dir = Some(serve.seed_dir.clone());
+    config.seed_dir = Some(seed_dir.to_owned());
     config.request_timeout_ms = 60_000;
     config.max_instances = 256;
     config.tenant_max_concurrency = 256;
     config.tenant_rps = 0.0;
     config.engine = engine.clone();
+    adjust(&mut config);
     let gateway = crate::Gateway::new(&config, models)?;
-    let key = std::fs::read_to_string(data_dir.join("demo.key"))?.trim().to_owned();
+    let keys = gateway.seeded_keys.iter().map(|k| (k.tenant.clone(), k.key.clone())).collect();
     // Everything is loaded and the bench changes nothing: the store can go now.
     let _ = std::fs::remove_dir_all(&data_dir);
     let (listener, addr) = crate::bind(config.listen).await?;
     let task = tokio::spawn(async move {
         let _ = gateway.serve(listener, std::future::pending()).await;
     });
-    Ok((addr, key, task))
+    Ok((addr, keys, task))
 }
 
 /// Drives `call` from `concurrency` closed loops: a warm-up, then `duration`
 /// measured. Throughput counts the calls that completed inside the window
 /// (steady state, no ramp-up or drain); latencies are those of the calls
 /// that started inside it.
-async fn drive<F, Fut>(concurrency: usize, duration: Duration, call: F) -> LoopStats
+pub(crate) async fn drive<F, Fut>(concurrency: usize, duration: Duration, call: F) -> LoopStats
 where
     F: Fn(usize) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = bool> + Send,
@@ -289,7 +317,7 @@ where
 
 /// What one client loop saw.
 #[derive(Default)]
-struct LoopStats {
+pub(crate) struct LoopStats {
     latencies: Vec<Duration>,
     completed_in_window: usize,
     errors: usize,
@@ -306,13 +334,13 @@ impl LoopStats {
         }
     }
 
-    fn merge(&mut self, other: Self) {
+    pub(crate) fn merge(&mut self, other: Self) {
         self.latencies.extend(other.latencies);
         self.completed_in_window += other.completed_in_window;
         self.errors += other.errors;
     }
 
-    fn summarize(mut self, window: Duration) -> Measurement {
+    pub(crate) fn summarize(mut self, window: Duration) -> Measurement {
         self.latencies.sort();
         let last = self.latencies.len().saturating_sub(1) as f64;
         let pick = |q: f64| self.latencies.get((last * q).round() as usize).copied().unwrap_or_default();
@@ -382,7 +410,7 @@ async fn measure_engine(models: &Models, tensors: &[Tensor], concurrency: usize,
     (measured, batches, samples)
 }
 
-async fn measure_gateway(
+pub(crate) async fn measure_gateway(
     (addr, key): &(SocketAddr, String),
     models: &Models,
     images: &[Bytes],

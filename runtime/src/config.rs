@@ -30,6 +30,11 @@ pub const DEFAULT_TENANT_MAX_CONCURRENCY: u32 = 32;
 pub const DEFAULT_TENANT_RPS: f64 = 100.0;
 /// Default token-bucket size of one tenant.
 pub const DEFAULT_TENANT_BURST: u32 = 200;
+/// Default threads compiling uploads.
+pub const DEFAULT_COMPILE_THREADS: usize = 1;
+/// Default compile budget of one upload, ms (an 18 MB Python component
+/// takes about 25 s on one core of the reference machine).
+pub const DEFAULT_COMPILE_TIMEOUT_MS: u64 = 120_000;
 /// Shortest admin token accepted.
 pub const MIN_ADMIN_TOKEN_LEN: usize = 16;
 
@@ -137,6 +142,20 @@ pub struct ServeConfig {
     /// Default burst above the sustained rate (token bucket size).
     #[arg(long, env = "FACEGATE_TENANT_BURST", default_value_t = DEFAULT_TENANT_BURST)]
     pub tenant_burst: u32,
+
+    /// Most host resources one request may hold at once (wasi:http fields,
+    /// bodies, streams, pollables); past it the request ends with 500
+    /// `resource_limit`. Each holds at most 128 KiB of host memory.
+    #[arg(long, env = "FACEGATE_MAX_HOST_RESOURCES", default_value_t = crate::state::DEFAULT_MAX_HOST_RESOURCES)]
+    pub max_host_resources: usize,
+
+    /// Threads that compile uploaded components (serving keeps the other cores).
+    #[arg(long, env = "FACEGATE_COMPILE_THREADS", default_value_t = DEFAULT_COMPILE_THREADS)]
+    pub compile_threads: usize,
+
+    /// Longest an upload's compilation may take (ms); past it the upload is refused.
+    #[arg(long, env = "FACEGATE_COMPILE_TIMEOUT_MS", default_value_t = DEFAULT_COMPILE_TIMEOUT_MS)]
+    pub compile_timeout_ms: u64,
 
     /// Inference engines.
     #[command(flatten)]

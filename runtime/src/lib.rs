@@ -14,19 +14,25 @@
 //! routes), [`cli`] (the admin client), [`metrics`], [`bench`].
 
 pub mod bench;
+mod bench_isolation;
 pub mod cli;
+pub mod compile;
 pub mod config;
 pub mod control;
 pub mod engine;
 pub mod face_detect;
 pub mod handlers;
 pub mod http;
+pub mod instances;
+pub mod limiter;
 pub mod metrics;
 pub mod sandbox;
 pub mod state;
+pub mod stdio;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use facegate_host_gpu::backend::Backend;
@@ -35,7 +41,8 @@ use facegate_host_gpu::{Batcher, BatcherConfig, Models};
 use tokio::net::TcpListener;
 
 use crate::config::{DeviceSpec, EngineConfig, MIN_ADMIN_TOKEN_LEN, ServeConfig};
-use crate::control::ControlPlane;
+use crate::compile::CompilePool;
+use crate::control::{ControlPlane, ControlSettings};
 use crate::engine::{EngineLimits, EpochTicker};
 use crate::http::{App, Plane};
 use crate::sandbox::Sandbox;
@@ -111,7 +118,13 @@ impl Gateway {
         let engine = engine::build(EngineLimits { max_instances: config.max_instances, memory_limit })?;
         let ticker = EpochTicker::start(&engine);
         let sandbox = Arc::new(Sandbox::new(engine, models.clone())?);
-        let control = ControlPlane::open(&config.data_dir, Arc::clone(&sandbox), models.clone(), config.default_limits(), config.max_instances)?;
+        let settings = ControlSettings {
+            defaults: config.default_limits(),
+            max_instances: config.max_instances,
+            compile: CompilePool::new(config.compile_threads, Duration::from_millis(config.compile_timeout_ms))?,
+            weights: config.engine.tenant_weights.iter().cloned().collect(),
+        };
+        let control = ControlPlane::open(&config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;
         let seeded_keys = match &config.seed_dir {
             Some(seed) => control.seed(seed)?,
             None => Vec::new(),

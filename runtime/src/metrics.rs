@@ -55,10 +55,80 @@ impl HttpMetrics {
     }
 }
 
+/// Which limit a request hit (the `limit` label of `facegate_limit_hits_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Limit {
+    /// The tenant's token bucket (429).
+    Rate,
+    /// The tenant's requests in flight (429).
+    Concurrency,
+    /// No instance slot free for the tenant: pool full, or its fair share taken (503).
+    Instances,
+    /// Request body over the size limit (413).
+    BodySize,
+    /// Request body not received in time (408).
+    BodyTimeout,
+    /// The request deadline (504).
+    Deadline,
+    /// Linear memories and tables over the tenant's memory limit (500).
+    Memory,
+    /// Host resources (table entries, random bytes) over their limits (500).
+    HostResources,
+    /// Guest stdout/stderr past the capture cap (output dropped, request unaffected).
+    Output,
+}
+
+impl Limit {
+    fn label(self) -> &'static str {
+        match self {
+            Limit::Rate => "rate",
+            Limit::Concurrency => "concurrency",
+            Limit::Instances => "instances",
+            Limit::BodySize => "body_size",
+            Limit::BodyTimeout => "body_timeout",
+            Limit::Deadline => "deadline",
+            Limit::Memory => "memory",
+            Limit::HostResources => "host_resources",
+            Limit::Output => "output",
+        }
+    }
+}
+
+/// How often each tenant hit each limit.
+#[derive(Default)]
+pub struct LimitHits {
+    hits: Mutex<BTreeMap<(String, Limit), u64>>,
+}
+
+impl LimitHits {
+    /// Counts one hit of `limit` by `tenant`, and logs it.
+    pub fn hit(&self, tenant: &str, limit: Limit) {
+        tracing::info!(tenant, limit = limit.label(), "limit hit");
+        let mut hits = self.hits.lock().unwrap_or_else(|p| p.into_inner());
+        *hits.entry((tenant.to_owned(), limit)).or_default() += 1;
+    }
+
+    /// Hits of `limit` by `tenant` so far.
+    pub fn count(&self, tenant: &str, limit: Limit) -> u64 {
+        let hits = self.hits.lock().unwrap_or_else(|p| p.into_inner());
+        hits.get(&(tenant.to_owned(), limit)).copied().unwrap_or(0)
+    }
+
+    fn render(&self, out: &mut String) {
+        let hits = self.hits.lock().unwrap_or_else(|p| p.into_inner());
+        out.push_str("# HELP facegate_limit_hits_total Requests that hit a limit, by tenant and limit.\n");
+        out.push_str("# TYPE facegate_limit_hits_total counter\n");
+        for ((tenant, limit), count) in hits.iter() {
+            let _ = writeln!(out, "facegate_limit_hits_total{{tenant=\"{tenant}\",limit=\"{}\"}} {count}", limit.label());
+        }
+    }
+}
+
 /// Renders everything in Prometheus text format.
-pub fn render(http: &HttpMetrics, models: &Models, instances_in_use: usize) -> String {
+pub fn render(http: &HttpMetrics, hits: &LimitHits, models: &Models, instances_in_use: usize) -> String {
     let mut out = String::new();
     http.render(&mut out);
+    hits.render(&mut out);
     out.push_str("# HELP facegate_instances_in_use Handler instances alive now.\n# TYPE facegate_instances_in_use gauge\n");
     let _ = writeln!(out, "facegate_instances_in_use {instances_in_use}");
     let snapshots: Vec<(String, MetricsSnapshot)> = models.iter().map(|b| (b.spec().name.clone(), b.metrics())).collect();

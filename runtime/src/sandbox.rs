@@ -8,26 +8,29 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::Full;
 use wasmtime::component::Linker;
-use wasmtime::{Engine, Store, StoreLimitsBuilder, Trap, UpdateDeadline};
-use wasmtime_wasi_http::WasiHttpView;
+use wasmtime::component::ResourceTableError;
+use wasmtime::{Engine, Store, Trap, UpdateDeadline};
+use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 use wasmtime_wasi_http::p2::bindings::http::types::{ErrorCode, Scheme};
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 
 use crate::face_detect::{self, FaceDetectCtx};
 use crate::handlers::Handler;
+use crate::limiter::{InstanceLimiter, MemoryLimitExceeded};
+use crate::metrics::{Limit, LimitHits};
 use crate::state::{self, RequestState};
+use crate::stdio::escape_for_log;
 use facegate_host_gpu::Models;
-
-/// Most elements of one guest table (function tables of Rust guests hold a few thousand).
-const TABLE_ELEMENTS_LIMIT: usize = 20_000;
 
 /// Per-request limits of the sandbox.
 #[derive(Debug, Clone, Copy)]
 pub struct SandboxLimits {
-    /// Largest linear memory of one instance, bytes.
+    /// All linear memories and tables of one instance together, bytes.
     pub memory_limit: usize,
     /// Most `face-detect.infer` calls per request.
     pub max_infer_calls: u32,
+    /// Most host resources (resource-table entries) the request may hold at once.
+    pub max_host_resources: usize,
 }
 
 /// Why a request produced no response from its handler.
@@ -36,9 +39,16 @@ pub enum SandboxError {
     /// The request ran past its deadline; the guest was stopped.
     #[error("handler did not answer within {0:?}")]
     Timeout(Duration),
-    /// The guest trapped (panic, stack overflow, memory limit, ...).
+    /// The guest trapped (panic, stack overflow, ...).
     #[error("handler trapped: {0}")]
     Trap(String),
+    /// The instance's memories and tables went over the tenant's memory limit.
+    #[error("handler trapped: memory limit exceeded ({0} bytes for all memories and tables)")]
+    MemoryLimit(usize),
+    /// The guest asked the host to hold or make more than its limits allow
+    /// (host resources, random bytes).
+    #[error("handler stopped: {0}")]
+    ResourceLimit(String),
     /// The guest returned without setting a response.
     #[error("handler returned without sending a response")]
     NoResponse,
@@ -56,6 +66,14 @@ pub struct Sandbox {
     linker: Linker<RequestState>,
     linker_with_http: Linker<RequestState>,
     models: Models,
+    hits: Arc<LimitHits>,
+}
+
+/// Who a request is for, for logs and counters.
+#[derive(Debug, Clone)]
+pub struct RequestInfo {
+    /// The request's id (also the `x-request-id` response header).
+    pub id: Arc<str>,
 }
 
 /// Deadline marker error, so a timeout is told apart from other traps.
@@ -82,7 +100,12 @@ impl Sandbox {
             &mut linker_with_http,
             RequestState::http,
         )?;
-        Ok(Self { engine, linker, linker_with_http, models })
+        Ok(Self { engine, linker, linker_with_http, models, hits: Arc::default() })
+    }
+
+    /// The per-tenant counters of limit hits.
+    pub fn hits(&self) -> &Arc<LimitHits> {
+        &self.hits
     }
 
     /// The engine.
@@ -105,6 +128,7 @@ impl Sandbox {
         request: hyper::Request<Full<Bytes>>,
         deadline: Instant,
         limits: SandboxLimits,
+        info: RequestInfo,
         permits: impl Send + 'static,
     ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
         let mut store = self.new_store(handler, deadline, limits);
@@ -116,7 +140,7 @@ impl Sandbox {
             (req, out)
         };
         let pre = handler.pre.clone();
-        let label = format!("{}/{}", handler.tenant, handler.name);
+        let (handler_ref, hits) = (Arc::clone(handler), Arc::clone(&self.hits));
         // The guest runs in its own task so it can keep streaming the body
         // after the response head is sent; it is bounded by the same deadline.
         let task = tokio::spawn(async move {
@@ -127,7 +151,7 @@ impl Sandbox {
                 proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await
             };
             let result = tokio::time::timeout_at(deadline.into(), run).await;
-            log_stderr(&label, &store);
+            log_output(&handler_ref, &info, &store, &hits);
             result
         });
         // If the client goes away before the response head, this future is
@@ -149,15 +173,11 @@ impl Sandbox {
 
     fn new_store(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> Store<RequestState> {
         let face = FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), deadline, limits.max_infer_calls);
-        let limits = StoreLimitsBuilder::new()
-            .memory_size(limits.memory_limit)
-            .table_elements(TABLE_ELEMENTS_LIMIT)
-            // A failed memory.grow traps with a clear reason instead of
-            // letting the guest's allocator abort with `unreachable`.
-            .trap_on_grow_failure(true)
-            .build();
-        let mut store = Store::new(&self.engine, RequestState::new(face, limits, deadline));
-        store.limiter(|state| &mut state.limits);
+        // One budget for all memories and tables; a growth past it traps with
+        // a clear reason instead of letting the guest's allocator abort.
+        let limiter = InstanceLimiter::new(limits.memory_limit);
+        let mut store = Store::new(&self.engine, RequestState::new(face, limiter, deadline, limits.max_host_resources));
+        store.limiter(|state| &mut state.limiter);
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(|ctx| {
             if Instant::now() >= ctx.data().deadline {
@@ -217,6 +237,12 @@ fn classify_trap(err: &wasmtime::Error, timeout: Duration) -> SandboxError {
     if err.downcast_ref::<DeadlineReached>().is_some() {
         return SandboxError::Timeout(timeout);
     }
+    if let Some(exceeded) = err.chain().find_map(|e| e.downcast_ref::<MemoryLimitExceeded>()) {
+        return SandboxError::MemoryLimit(exceeded.limit);
+    }
+    if let Some(limit) = host_limit(err) {
+        return SandboxError::ResourceLimit(limit);
+    }
     let reason = match err.downcast_ref::<Trap>() {
         Some(Trap::StackOverflow) => "stack overflow".to_owned(),
         Some(Trap::UnreachableCodeReached) => "unreachable executed (a panic or abort in the handler)".to_owned(),
@@ -226,24 +252,40 @@ fn classify_trap(err: &wasmtime::Error, timeout: Duration) -> SandboxError {
     SandboxError::Trap(reason)
 }
 
+/// Which host-side limit a trap comes from, if any.
+fn host_limit(err: &wasmtime::Error) -> Option<String> {
+    if err.chain().any(|e| matches!(e.downcast_ref::<ResourceTableError>(), Some(ResourceTableError::Full))) {
+        return Some("too many host resources held at once (headers, bodies, streams, pollables)".to_owned());
+    }
+    if err.chain().any(|e| matches!(e.downcast_ref::<FieldMapError>(), Some(FieldMapError::TotalSizeTooBig | FieldMapError::TooManyFields))) {
+        return Some("a header map over its size limit".to_owned());
+    }
+    // wasmtime-wasi's message for a `wasi:random` request over its cap.
+    let text = err.root_cause().to_string();
+    (text.starts_with("requested len") && text.contains("exceeds limit")).then(|| "a wasi:random request over its size limit".to_owned())
+}
+
 /// The reason shown to the client: known limits by name, anything else
 /// generic (the full error goes to the log, not to the client).
 fn root_cause(err: &wasmtime::Error) -> String {
     let text = err.root_cause().to_string();
-    if text.contains("forcing trap when growing memory") {
-        "memory limit exceeded".to_owned()
-    } else if text.contains("table") && text.contains("grow") {
+    if text.contains("table") && text.contains("grow") {
         "table limit exceeded".to_owned()
     } else {
-        tracing::warn!(error = %format!("{err:#}"), "guest failed");
+        let causes: Vec<String> = err.chain().map(|e| e.to_string()).collect();
+        tracing::warn!(error = %causes.join(": ").escape_debug(), "guest failed");
         "the handler failed".to_owned()
     }
 }
 
-fn log_stderr(label: &str, store: &Store<RequestState>) {
-    let bytes = store.data().stderr.contents();
+/// Logs what the guest wrote to stdout/stderr, escaped and attributed; counts output dropped past the cap.
+fn log_output(handler: &Handler, info: &RequestInfo, store: &Store<RequestState>, hits: &LimitHits) {
+    let (bytes, dropped) = store.data().stdio.contents();
     if !bytes.is_empty() {
-        tracing::info!(handler = label, stderr = %String::from_utf8_lossy(&bytes).trim_end(), "guest stderr");
+        tracing::info!(tenant = %handler.tenant, handler = %handler.name, request_id = %info.id, dropped_bytes = dropped, output = %escape_for_log(&bytes), "guest output");
+    }
+    if dropped > 0 {
+        hits.hit(&handler.tenant, Limit::Output);
     }
 }
 

@@ -3,16 +3,49 @@
 
 use std::time::Instant;
 
-use wasmtime::StoreLimits;
 use wasmtime::component::ResourceTable;
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
-use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpView};
+use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
 use crate::face_detect::{FaceDetectCtx, FaceDetectView};
+use crate::limiter::InstanceLimiter;
+use crate::stdio::CappedCapture;
 
-/// Bytes of a guest's stderr kept for the logs, per request.
-pub const STDERR_CAPTURE_BYTES: usize = 16 * 1024;
+/// Bytes of a guest's stdout and stderr kept for the logs, per request;
+/// the rest is dropped and counted, the guest is not stopped.
+pub const STDIO_CAPTURE_BYTES: usize = 16 * 1024;
+/// Default most host resources (wasi:http fields, bodies, streams,
+/// pollables, ...) one request may hold at once. Rust handlers use about 15.
+pub const DEFAULT_MAX_HOST_RESOURCES: usize = 256;
+/// Largest in-memory size of one wasi:http `fields` (headers) resource.
+pub const FIELD_SIZE_LIMIT: usize = 64 * 1024;
+/// Largest write into an outgoing body, and chunks buffered per body: with
+/// [`FIELD_SIZE_LIMIT`], no resource holds more than 128 KiB of host memory.
+pub const BODY_CHUNK_BYTES: usize = 64 * 1024;
+const BODY_BUFFER_CHUNKS: usize = 1;
+/// Largest `wasi:random` request; larger ones trap. One call stays a short
+/// stretch of host CPU, and the guest yields at the next epoch tick.
+pub const RANDOM_MAX_BYTES: u64 = 1 << 20;
+
+/// Host memory one request can make the host hold through its resources,
+/// at most: every resource at its largest.
+pub fn host_memory_bound(max_host_resources: usize) -> usize {
+    max_host_resources * (FIELD_SIZE_LIMIT.max(BODY_CHUNK_BYTES * (BODY_BUFFER_CHUNKS + 1)))
+}
+
+/// The wasi:http hooks of a request: small body buffers.
+#[derive(Debug, Default)]
+pub struct GatewayHooks;
+
+impl WasiHttpHooks for GatewayHooks {
+    fn p2_outgoing_body_buffer_chunks(&mut self) -> usize {
+        BODY_BUFFER_CHUNKS
+    }
+
+    fn p2_outgoing_body_chunk_size(&mut self) -> usize {
+        BODY_CHUNK_BYTES
+    }
+}
 
 /// Per-request store state.
 pub struct RequestState {
@@ -24,25 +57,34 @@ pub struct RequestState {
     pub http: WasiHttpCtx,
     /// The face-detect capability.
     pub face_detect: FaceDetectCtx,
-    /// Memory and instance limits of this store.
-    pub limits: StoreLimits,
+    /// wasi:http hooks (body buffer sizes).
+    pub hooks: GatewayHooks,
+    /// The memory budget of this store's memories and tables.
+    pub limiter: InstanceLimiter,
     /// The guest is stopped at the first epoch check after this instant.
     pub deadline: Instant,
-    /// The guest's stderr, for the logs.
-    pub stderr: MemoryOutputPipe,
+    /// The guest's stdout and stderr, for the logs.
+    pub stdio: CappedCapture,
 }
 
 impl RequestState {
-    /// State for one request: a WASI context that grants nothing.
-    pub fn new(face_detect: FaceDetectCtx, limits: StoreLimits, deadline: Instant) -> Self {
-        let stderr = MemoryOutputPipe::new(STDERR_CAPTURE_BYTES);
+    /// State for one request: a WASI context that grants nothing, a resource
+    /// table of at most `max_host_resources` entries.
+    pub fn new(face_detect: FaceDetectCtx, limiter: InstanceLimiter, deadline: Instant, max_host_resources: usize) -> Self {
+        let stdio = CappedCapture::new(STDIO_CAPTURE_BYTES);
         let wasi = WasiCtx::builder()
-            .stderr(stderr.clone())
+            .stdout(stdio.clone())
+            .stderr(stdio.clone())
+            .max_random_size(RANDOM_MAX_BYTES)
             .allow_tcp(false)
             .allow_udp(false)
             .allow_ip_name_lookup(false)
             .build();
-        Self { table: ResourceTable::new(), wasi, http: WasiHttpCtx::new(), face_detect, limits, deadline, stderr }
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(max_host_resources);
+        let mut http = WasiHttpCtx::new();
+        http.set_field_size_limit(FIELD_SIZE_LIMIT);
+        Self { table, wasi, http, hooks: GatewayHooks, face_detect, limiter, deadline, stdio }
     }
 }
 
@@ -54,7 +96,7 @@ impl WasiView for RequestState {
 
 impl WasiHttpView for RequestState {
     fn http(&mut self) -> WasiHttpCtxView<'_> {
-        WasiHttpCtxView { ctx: &mut self.http, table: &mut self.table, hooks: Default::default() }
+        WasiHttpCtxView { ctx: &mut self.http, table: &mut self.table, hooks: &mut self.hooks }
     }
 }
 

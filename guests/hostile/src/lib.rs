@@ -16,6 +16,14 @@
 //! | `snoop`       | reads files, environment and cwd                           | 200, JSON of what it saw    |
 //! | `bad-tensor`  | calls `face-detect.infer` with malformed tensors           | 200, JSON of each outcome   |
 //! | `many-calls`  | calls `infer` 100 times with a valid tensor                | 200, JSON: successes, error |
+//! | `fields`      | keeps ever more header `fields`, each filled to its limit  | 500 `resource_limit`        |
+//! | `bodies`      | keeps ever more response bodies, each with a written chunk | 500 `resource_limit`        |
+//! | `pollables`   | keeps ever more clock pollables                            | 500 `resource_limit`        |
+//! | `random`      | asks `wasi:random` for 64 MiB at once                      | 500 `resource_limit`        |
+//! | `random-loop` | asks `wasi:random` for 1 MiB (the cap) over and over       | request deadline (timeout)  |
+//! | `stderr`      | writes 64 MiB of forged log lines to stderr, then answers  | 200 (output dropped)        |
+//! | `sleep`       | blocks on a clock past any deadline                        | request deadline (timeout)  |
+//! | `big-tensor`  | `n` (default 1) `infer` calls with a `side`² zero image    | 200, JSON of each outcome   |
 //!
 //! `bad-tensor` takes `case=NAME` to run one case only (each case uses one
 //! of the request's `infer` calls, so a low per-request quota would answer
@@ -30,7 +38,8 @@ use facegate_guest_sdk::serde_json::{Value, json};
 use facegate_guest_sdk::{Error, Handler, Request, Response, export_handler};
 
 /// The attacks, as `attack` accepts them (for the 400 message).
-const ATTACKS: &str = "loop, memory, recursion, panic, snoop, bad-tensor, many-calls";
+const ATTACKS: &str = "loop, memory, recursion, panic, snoop, bad-tensor, many-calls, \
+                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
 /// `infer` calls made by `many-calls`.
@@ -55,6 +64,14 @@ impl Handler for Hostile {
             "snoop" => Ok(Response::json(200, &snoop())),
             "bad-tensor" => bad_tensors(query.get("case")?),
             "many-calls" => Ok(Response::json(200, &many_calls())),
+            "fields" => hoard_fields(),
+            "bodies" => hoard_bodies(),
+            "pollables" => hoard_pollables(),
+            "random" => Ok(Response::json(200, &json!({ "bytes": random(64 * MIB) }))),
+            "random-loop" => random_loop(),
+            "stderr" => Ok(Response::json(200, &json!({ "written": flood_stderr() }))),
+            "sleep" => sleep(),
+            "big-tensor" => big_tensors(query.get("side")?, query.get("n")?),
             other => Err(HttpError::invalid_parameter(
                 "attack",
                 &format!("must be one of {ATTACKS}, got {other:?}"),
@@ -229,4 +246,103 @@ fn describe(error: &face_detect::Error) -> String {
         E::QuotaExceeded(m) => format!("quota-exceeded: {m}"),
         E::Backend(m) => format!("backend: {m}"),
     }
+}
+
+/// Keeps creating header `fields` and filling each up to the host's size
+/// limit, never dropping one.
+fn hoard_fields() -> ! {
+    use facegate_guest_sdk::wasi::http::types::Fields;
+    let value = vec![b'x'; 4096];
+    let mut kept = Vec::new();
+    loop {
+        let fields = Fields::new();
+        for i in 0.. {
+            if fields.append(&format!("x-hoard-{i}"), &value).is_err() {
+                break;
+            }
+        }
+        kept.push(black_box(fields));
+    }
+}
+
+/// Keeps creating responses with bodies and writes one chunk into each,
+/// so the host buffers it.
+fn hoard_bodies() -> ! {
+    use facegate_guest_sdk::wasi::http::types::{Fields, OutgoingResponse};
+    let chunk = vec![0x5A; 4096];
+    let mut kept = Vec::new();
+    loop {
+        let response = OutgoingResponse::new(Fields::new());
+        let body = response.body().ok();
+        let stream = body.as_ref().and_then(|b| b.write().ok());
+        if let Some(stream) = &stream {
+            let _ = stream.write(&chunk);
+        }
+        kept.push(black_box((stream, body, response)));
+    }
+}
+
+/// Keeps subscribing to the clock, never dropping a pollable.
+fn hoard_pollables() -> ! {
+    use facegate_guest_sdk::wasi::clocks::monotonic_clock::subscribe_duration;
+    let mut kept = Vec::new();
+    loop {
+        kept.push(black_box(subscribe_duration(1_000_000_000)));
+    }
+}
+
+/// One `wasi:random` call of `len` bytes; returns how many came back.
+fn random(len: usize) -> usize {
+    facegate_guest_sdk::wasi::random::random::get_random_bytes(len as u64).len()
+}
+
+/// Asks for the most random bytes one call may take, forever.
+fn random_loop() -> ! {
+    loop {
+        black_box(random(MIB));
+    }
+}
+
+/// Writes 64 MiB to stderr, every line a forged log record; returns the
+/// bytes written.
+fn flood_stderr() -> usize {
+    use std::io::Write;
+    let line = "2026-12-01T00:00:00Z  INFO facegate: admin token accepted tenant=demo\n".repeat(64);
+    let mut stderr = std::io::stderr();
+    let mut written = 0;
+    while written < 64 * MIB {
+        if stderr.write_all(line.as_bytes()).is_err() {
+            break;
+        }
+        written += line.len();
+    }
+    written
+}
+
+/// Blocks on the clock for an hour: the guest uses no CPU, only its slot.
+fn sleep() -> ! {
+    use facegate_guest_sdk::wasi::clocks::monotonic_clock::subscribe_duration;
+    loop {
+        subscribe_duration(3_600_000_000_000).block();
+    }
+}
+
+/// `n` `infer` calls with a `side`×`side` zero image; each outcome reported.
+fn big_tensors(side: Option<&str>, n: Option<&str>) -> Result<Response, Error> {
+    let parse = |name: &str, value: Option<&str>, default: u32| -> Result<u32, Error> {
+        value.map_or(Ok(default), |v| {
+            v.parse()
+                .map_err(|_| HttpError::invalid_parameter(name, "must be a number").into())
+        })
+    };
+    let (side, n) = (parse("side", side, 640)?, parse("n", n, 1)?);
+    let len = side as usize * side as usize * 3;
+    let input = u8_tensor(&[side, side, 3], len);
+    let outcomes: Vec<Value> = (0..n)
+        .map(|_| match face_detect::infer(MODEL, &input) {
+            Ok(_) => json!("ok"),
+            Err(e) => json!(describe(&e)),
+        })
+        .collect();
+    Ok(Response::json(200, &json!({ "side": side, "outcomes": outcomes })))
 }

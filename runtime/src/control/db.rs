@@ -66,6 +66,9 @@ pub enum StoreError {
     /// The request is malformed or refused by validation.
     #[error("{0}")]
     Invalid(String),
+    /// The gateway cannot take this now (uploads compiling); retry later.
+    #[error("{0}")]
+    Busy(String),
     /// The store itself failed (disk, database).
     #[error("store failure: {0:#}")]
     Internal(#[from] anyhow::Error),

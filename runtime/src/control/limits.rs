@@ -1,7 +1,8 @@
 //! Per-tenant limits: the server's flags give the defaults (and, for memory
 //! and body size, the ceilings); a tenant stores only what it overrides.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -124,19 +125,76 @@ impl TenantLimits {
     }
 }
 
+/// A tenant's requests in flight: at most `limit`, resized in place when the
+/// limit changes (requests in flight keep their slots; a lower limit only
+/// refuses new ones until enough have finished).
+#[derive(Debug)]
+pub struct ConcurrencyGate {
+    limit: AtomicU32,
+    in_use: AtomicU32,
+}
+
+/// One slot of a [`ConcurrencyGate`], given back when dropped.
+#[derive(Debug)]
+pub struct ConcurrencySlot(Arc<ConcurrencyGate>);
+
+impl Drop for ConcurrencySlot {
+    fn drop(&mut self) {
+        self.0.in_use.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl ConcurrencyGate {
+    /// A gate of `limit` slots.
+    pub fn new(limit: u32) -> Self {
+        Self { limit: AtomicU32::new(limit), in_use: AtomicU32::new(0) }
+    }
+
+    /// Takes a slot if fewer than the limit are in use.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<ConcurrencySlot> {
+        let limit = self.limit.load(Ordering::Acquire);
+        self.in_use.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1)).ok()?;
+        Some(ConcurrencySlot(Arc::clone(self)))
+    }
+
+    /// Changes the limit; slots in use are kept.
+    pub fn resize(&self, limit: u32) {
+        self.limit.store(limit, Ordering::Release);
+    }
+
+    /// Slots in use now.
+    pub fn in_use(&self) -> u32 {
+        self.in_use.load(Ordering::Acquire)
+    }
+}
+
 /// A token bucket: `rate` tokens per second, holding at most `burst`.
 #[derive(Debug)]
 pub struct TokenBucket {
+    state: Mutex<Bucket>,
+}
+
+#[derive(Debug)]
+struct Bucket {
     rate: f64,
     burst: f64,
-    state: Mutex<(f64, Instant)>,
+    tokens: f64,
+    last: Instant,
 }
 
 impl TokenBucket {
     /// A full bucket; `rate` 0 never refuses.
     pub fn new(rate: f64, burst: u32) -> Self {
         let burst = f64::from(burst.max(1));
-        Self { rate, burst, state: Mutex::new((burst, Instant::now())) }
+        Self { state: Mutex::new(Bucket { rate, burst, tokens: burst, last: Instant::now() }) }
+    }
+
+    /// Changes rate and burst in place: tokens saved up stay (up to the new burst).
+    pub fn reconfigure(&self, rate: f64, burst: u32) {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.rate = rate;
+        state.burst = f64::from(burst.max(1));
+        state.tokens = state.tokens.min(state.burst);
     }
 
     /// Takes a token, or says how long until one is available.
@@ -145,18 +203,18 @@ impl TokenBucket {
     }
 
     fn try_take_at(&self, now: Instant) -> Result<(), Duration> {
-        if self.rate <= 0.0 {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let b = &mut *state;
+        if b.rate <= 0.0 {
             return Ok(());
         }
-        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (tokens, last) = &mut *state;
-        *tokens = (*tokens + now.saturating_duration_since(*last).as_secs_f64() * self.rate).min(self.burst);
-        *last = now;
-        if *tokens >= 1.0 {
-            *tokens -= 1.0;
+        b.tokens = (b.tokens + now.saturating_duration_since(b.last).as_secs_f64() * b.rate).min(b.burst);
+        b.last = now;
+        if b.tokens >= 1.0 {
+            b.tokens -= 1.0;
             Ok(())
         } else {
-            Err(Duration::try_from_secs_f64((1.0 - *tokens) / self.rate).unwrap_or(Duration::MAX))
+            Err(Duration::try_from_secs_f64((1.0 - b.tokens) / b.rate).unwrap_or(Duration::MAX))
         }
     }
 }
@@ -214,5 +272,31 @@ mod tests {
         assert!(bucket.try_take_at(t0 + Duration::from_millis(500)).is_ok());
         assert!(bucket.try_take_at(t0 + Duration::from_millis(500)).is_err());
         assert!(TokenBucket::new(0.0, 1).try_take_at(t0).is_ok(), "rate 0 is unlimited");
+    }
+
+    #[test]
+    fn bucket_reconfigured_in_place_keeps_no_more_than_the_new_burst() {
+        let bucket = TokenBucket::new(1.0, 10);
+        let t0 = Instant::now();
+        bucket.reconfigure(1.0, 2);
+        assert!(bucket.try_take_at(t0).is_ok());
+        assert!(bucket.try_take_at(t0).is_ok());
+        assert!(bucket.try_take_at(t0).is_err(), "the burst shrank to 2");
+    }
+
+    #[test]
+    fn concurrency_gate_resized_in_place_never_runs_over_the_new_limit() {
+        let gate = Arc::new(ConcurrencyGate::new(4));
+        let held: Vec<_> = (0..4).map(|_| gate.try_acquire().unwrap()).collect();
+        assert!(gate.try_acquire().is_none());
+        gate.resize(2);
+        drop(held.into_iter().take(1).collect::<Vec<_>>());
+        // 3 still in flight, over the new limit of 2: nothing new until 1 is left.
+        assert_eq!(gate.in_use(), 3);
+        assert!(gate.try_acquire().is_none());
+        gate.resize(8);
+        let more: Vec<_> = (0..5).map(|_| gate.try_acquire().unwrap()).collect();
+        assert_eq!((gate.in_use(), more.len()), (8, 5));
+        assert!(gate.try_acquire().is_none());
     }
 }

@@ -19,14 +19,14 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use anyhow::Context;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use tokio::sync::Semaphore;
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
 use self::blobs::Blobs;
 use self::db::{ActiveHandler, Db, KeyRow, StoreError, StoreResult, VersionRow};
 use self::keys::NewKey;
-use self::limits::{LimitOverrides, TenantLimits, TokenBucket};
+use self::limits::{ConcurrencyGate, LimitOverrides, TenantLimits, TokenBucket};
+use crate::compile::{CompileError, CompilePool};
 use crate::handlers::{Handler, valid_name};
 use crate::sandbox::Sandbox;
 use facegate_host_gpu::Models;
@@ -56,7 +56,7 @@ pub struct TenantGate {
     /// Requests-per-second bucket.
     pub rate: Arc<TokenBucket>,
     /// Concurrent-request slots.
-    pub concurrency: Arc<Semaphore>,
+    pub concurrency: Arc<ConcurrencyGate>,
 }
 
 /// One tenant in the live snapshot.
@@ -203,6 +203,18 @@ pub struct CheckReport {
     pub temp_files: usize,
 }
 
+/// How the control plane is set up.
+pub struct ControlSettings {
+    /// The tenants' default limits.
+    pub defaults: TenantLimits,
+    /// The gateway's instance slots: no tenant may have more concurrent requests.
+    pub max_instances: u32,
+    /// Where uploads compile.
+    pub compile: CompilePool,
+    /// `--tenant-weight`: weights of tenants that have no weight override.
+    pub weights: HashMap<String, u32>,
+}
+
 /// The control plane (see the module docs).
 pub struct ControlPlane {
     data_dir: PathBuf,
@@ -213,14 +225,15 @@ pub struct ControlPlane {
     engine_id: String,
     defaults: TenantLimits,
     max_instances: u32,
+    compile: CompilePool,
+    weights: HashMap<String, u32>,
     live: RwLock<Arc<Live>>,
 }
 
 impl ControlPlane {
     /// Opens the store under `data_dir` and loads every active handler.
-    /// `defaults` are the tenants' default limits; no tenant may have more
-    /// concurrent requests than `max_instances`, the gateway's instance slots.
-    pub fn open(data_dir: &Path, sandbox: Arc<Sandbox>, models: Models, defaults: TenantLimits, max_instances: u32) -> anyhow::Result<Self> {
+    pub fn open(data_dir: &Path, sandbox: Arc<Sandbox>, models: Models, settings: ControlSettings) -> anyhow::Result<Self> {
+        let ControlSettings { defaults, max_instances, compile, weights } = settings;
         create_private_dir(data_dir)?;
         if let Err(e) = validate_defaults(&defaults, max_instances) {
             anyhow::bail!("the tenants' default limits (--tenant-*, --memory-limit-mib, --max-body-bytes, --request-timeout-ms flags) are invalid: {e}");
@@ -241,6 +254,8 @@ impl ControlPlane {
             engine_id,
             defaults,
             max_instances,
+            compile,
+            weights,
             live: RwLock::new(Arc::new(Live::default())),
         };
         control.refresh(&control.db(), Vec::new())?;
@@ -369,7 +384,11 @@ impl ControlPlane {
         };
         validate::check_header(bytes).map_err(StoreError::Invalid)?;
         let engine = self.sandbox.engine();
-        let component = Component::new(engine, bytes).map_err(|e| StoreError::Invalid(format!("the component does not compile: {e:#}")))?;
+        let component = self.compile.compile(engine, Arc::from(bytes)).map_err(|e| match e {
+            CompileError::Invalid(_) => StoreError::Invalid(e.to_string()),
+            CompileError::TooSlow(_) | CompileError::Busy => StoreError::Busy(e.to_string()),
+            CompileError::Failed => StoreError::Internal(anyhow::anyhow!(e)),
+        })?;
         validate::check_imports(engine, &component, tenant, outgoing_http).map_err(StoreError::Invalid)?;
         validate::check_exports(engine, &component).map_err(StoreError::Invalid)?;
         // Link before storing anything: a component that cannot run is refused.
@@ -506,13 +525,19 @@ impl ControlPlane {
                 Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
                 old_entry => Arc::new(new_gate(limits, old_entry.map(|e| &*e.gate))),
             };
-            // Without an override, the weight stays what --tenant-weight set (default 1).
-            if let Some(weight) = row.overrides.weight {
-                for model in self.models.iter() {
-                    model.set_tenant_weight(&row.name, weight);
-                }
+            // One source of truth: the override, else --tenant-weight, else the default.
+            let weight = row.overrides.weight.or_else(|| self.weights.get(&row.name).copied()).unwrap_or(gate.limits.weight);
+            for model in self.models.iter() {
+                model.set_tenant_weight(&row.name, weight);
             }
             live.tenants.insert(row.name, TenantEntry { gate, handlers: HashMap::new() });
+        }
+        // A deleted tenant leaves nothing in the batchers: a new tenant of the
+        // same name starts afresh.
+        for gone in old.tenants.keys().filter(|name| !live.tenants.contains_key(*name)) {
+            for model in self.models.iter() {
+                model.remove_tenant(gone);
+            }
         }
         for active in db.active_handlers()? {
             let Some(entry) = live.tenants.get_mut(&active.tenant) else { continue };
@@ -578,9 +603,6 @@ impl ControlPlane {
     }
 }
 
-/// A gate for `limits`, keeping the old gate's bucket and slots where their
-/// own limits did not change (so a change of, say, the timeout neither
-/// refills the bucket nor frees slots held by requests in flight).
 /// The server's defaults must themselves be a valid tenant's limits.
 fn validate_defaults(defaults: &TenantLimits, max_instances: u32) -> Result<(), String> {
     defaults.validate(&LimitOverrides::default())?;
@@ -590,16 +612,18 @@ fn validate_defaults(defaults: &TenantLimits, max_instances: u32) -> Result<(), 
     Ok(())
 }
 
+/// A gate for `limits`. An existing tenant keeps its bucket and slots,
+/// resized in place: a limit change neither refills the bucket nor lets the
+/// tenant run its old and new concurrency at once.
 fn new_gate(limits: TenantLimits, old: Option<&TenantGate>) -> TenantGate {
-    let rate = match old {
-        Some(old) if (old.limits.rps, old.limits.burst) == (limits.rps, limits.burst) => Arc::clone(&old.rate),
-        _ => Arc::new(TokenBucket::new(limits.rps, limits.burst)),
+    let Some(old) = old else {
+        let rate = Arc::new(TokenBucket::new(limits.rps, limits.burst));
+        let concurrency = Arc::new(ConcurrencyGate::new(limits.max_concurrency));
+        return TenantGate { rate, concurrency, limits };
     };
-    let concurrency = match old {
-        Some(old) if old.limits.max_concurrency == limits.max_concurrency => Arc::clone(&old.concurrency),
-        _ => Arc::new(Semaphore::new(limits.max_concurrency as usize)),
-    };
-    TenantGate { rate, concurrency, limits }
+    old.rate.reconfigure(limits.rps, limits.burst);
+    old.concurrency.resize(limits.max_concurrency);
+    TenantGate { rate: Arc::clone(&old.rate), concurrency: Arc::clone(&old.concurrency), limits }
 }
 
 /// Loads a precompiled artifact.

@@ -8,14 +8,15 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
 use hyper::{Method, Request, Response, StatusCode, Version};
-use tokio::sync::Semaphore;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::response::{self, Body};
 use crate::config::ServeConfig;
 use crate::control::{ControlPlane, TenantGate};
 use crate::handlers::Handler;
-use crate::metrics::{self, HttpMetrics};
-use crate::sandbox::{Sandbox, SandboxError, SandboxLimits};
+use crate::instances::{InstancePool, Refusal};
+use crate::metrics::{self, HttpMetrics, Limit, LimitHits};
+use crate::sandbox::{RequestInfo, Sandbox, SandboxError, SandboxLimits};
 use facegate_host_gpu::Models;
 
 /// Longest a client may take to send a request body (also capped by the request timeout).
@@ -34,6 +35,8 @@ pub enum Plane {
 
 /// Response header naming the handler version that answered.
 pub const VERSION_HEADER: &str = "x-facegate-handler-version";
+/// Response header carrying the request's id (also in the gateway's log lines about it).
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// Everything a request needs: the control plane (tenants, keys, handlers),
 /// sandbox, models, limits, counters.
@@ -43,14 +46,34 @@ pub struct App {
     models: Models,
     pub(super) config: ServeConfig,
     metrics: HttpMetrics,
-    instances: Arc<Semaphore>,
+    instances: Arc<InstancePool>,
+    request_ids: RequestIds,
+}
+
+/// Request ids: a random prefix per process and a counter, unique across restarts.
+struct RequestIds {
+    prefix: u32,
+    next: AtomicU64,
+}
+
+impl RequestIds {
+    fn new() -> Self {
+        let mut bytes = [0u8; 4];
+        // Without entropy the ids are still unique within this process.
+        let _ = getrandom::fill(&mut bytes);
+        Self { prefix: u32::from_le_bytes(bytes), next: AtomicU64::new(1) }
+    }
+
+    fn next(&self) -> Arc<str> {
+        format!("{:08x}-{:x}", self.prefix, self.next.fetch_add(1, Ordering::Relaxed)).into()
+    }
 }
 
 impl App {
     /// Assembles the app from loaded parts.
     pub fn new(control: Arc<ControlPlane>, sandbox: Arc<Sandbox>, models: Models, config: ServeConfig) -> Self {
-        let instances = Arc::new(Semaphore::new(config.max_instances as usize));
-        Self { control, sandbox, models, config, metrics: HttpMetrics::default(), instances }
+        let instances = Arc::new(InstancePool::new(config.max_instances as usize));
+        Self { control, sandbox, models, config, metrics: HttpMetrics::default(), instances, request_ids: RequestIds::new() }
     }
 
     /// Dispatches one request arriving on a listener serving `plane`.
@@ -103,8 +126,12 @@ impl App {
     }
 
     fn prometheus(&self) -> Response<Body> {
-        let in_use = self.config.max_instances as usize - self.instances.available_permits();
-        response::text("text/plain; version=0.0.4", metrics::render(&self.metrics, &self.models, in_use))
+        let text = metrics::render(&self.metrics, self.hits(), &self.models, self.instances.in_use());
+        response::text("text/plain; version=0.0.4", text)
+    }
+
+    fn hits(&self) -> &LimitHits {
+        self.sandbox.hits()
     }
 
     fn list_models(&self) -> Response<Body> {
@@ -141,40 +168,79 @@ impl App {
         drop(live);
         // The handler never sees the tenant's key.
         req.headers_mut().remove(hyper::header::AUTHORIZATION);
-        let response = self.run_handler(&gate, &handler, req).await;
+        let id = self.request_ids.next();
+        let mut response = self.run_handler(&gate, &handler, req, &id).await;
         self.metrics.record(tenant, name, response.status().as_u16(), started.elapsed());
+        if let Ok(value) = hyper::header::HeaderValue::from_str(&id) {
+            response.headers_mut().insert(REQUEST_ID_HEADER, value);
+        }
         response
     }
 
-    async fn run_handler(&self, gate: &TenantGate, handler: &Arc<Handler>, req: Request<Incoming>) -> Response<Body> {
-        let limits = &gate.limits;
+    async fn run_handler(&self, gate: &TenantGate, handler: &Arc<Handler>, req: Request<Incoming>, id: &Arc<str>) -> Response<Body> {
+        let (limits, tenant) = (&gate.limits, &handler.tenant);
         if let Err(wait) = gate.rate.try_take() {
+            self.hits().hit(tenant, Limit::Rate);
             // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
             let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
             return response::before_body(response::retry_later(StatusCode::TOO_MANY_REQUESTS, "rate_limited", "the tenant's request rate is exceeded", seconds));
         }
-        // Slots are taken before the body is read; the permits live as long
-        // as the guest (they move into the guest's task).
-        let Ok(tenant_permit) = Arc::clone(&gate.concurrency).try_acquire_owned() else {
+        // The tenant's slot is taken before the body is read (a slow upload
+        // holds one of the tenant's own slots); the slots live as long as
+        // the guest (they move into the guest's task).
+        let Some(tenant_slot) = gate.concurrency.try_acquire() else {
+            self.hits().hit(tenant, Limit::Concurrency);
             return response::before_body(response::retry_later(StatusCode::TOO_MANY_REQUESTS, "concurrency_limited", "the tenant has too many requests in flight", 1));
-        };
-        let Ok(permit) = Arc::clone(&self.instances).try_acquire_owned() else {
-            return response::before_body(response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", "all handler instances are busy", 1));
         };
         let req = match buffer_body(req, limits.max_body_bytes, limits.timeout()).await {
             Ok(req) => req,
-            Err(refusal) => return refusal,
+            Err((limit, refusal)) => {
+                self.hits().hit(tenant, limit);
+                return refusal;
+            }
+        };
+        // The shared instance slot only once the body is in: a slow upload
+        // does not pin one.
+        let instance = match self.instances.try_acquire(tenant) {
+            Ok(slot) => slot,
+            Err(refusal) => {
+                self.hits().hit(tenant, Limit::Instances);
+                let message = match refusal {
+                    Refusal::Full => "all handler instances are busy",
+                    Refusal::FairShare => "handler instances are scarce and this tenant holds its fair share of them",
+                };
+                return response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", message, 1);
+            }
         };
         // The deadline covers the guest, queueing and inference, not the upload.
         let deadline = Instant::now() + limits.timeout();
-        let sandbox_limits = SandboxLimits { memory_limit: limits.memory_mib << 20, max_infer_calls: limits.max_infer_calls };
-        match self.sandbox.handle(handler, req, deadline, sandbox_limits, (permit, tenant_permit)).await {
+        let sandbox_limits = SandboxLimits {
+            memory_limit: limits.memory_mib << 20,
+            max_infer_calls: limits.max_infer_calls,
+            max_host_resources: self.config.max_host_resources,
+        };
+        let info = RequestInfo { id: Arc::clone(id) };
+        match self.sandbox.handle(handler, req, deadline, sandbox_limits, info, (instance, tenant_slot)).await {
             Ok(mut response) => {
                 response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));
                 response
             }
-            Err(e) => sandbox_error(handler, &e),
+            Err(e) => self.sandbox_error(handler, id, &e),
         }
+    }
+
+    fn sandbox_error(&self, handler: &Handler, id: &str, err: &SandboxError) -> Response<Body> {
+        tracing::warn!(tenant = %handler.tenant, handler = %handler.name, request_id = id, error = %err, "handler failed");
+        let limit = match err {
+            SandboxError::Timeout(_) => Some(Limit::Deadline),
+            SandboxError::MemoryLimit(_) => Some(Limit::Memory),
+            SandboxError::ResourceLimit(_) => Some(Limit::HostResources),
+            _ => None,
+        };
+        if let Some(limit) = limit {
+            self.hits().hit(&handler.tenant, limit);
+        }
+        sandbox_error(err)
     }
 }
 
@@ -187,9 +253,12 @@ pub(super) fn bearer(req: &Request<Incoming>) -> Option<&str> {
 
 /// Reads the whole body under a size limit and a read timeout (the shorter
 /// of [`BODY_READ_TIMEOUT`] and `timeout`: a slow upload holds a slot).
-pub(super) async fn buffer_body(req: Request<Incoming>, limit: usize, timeout: Duration) -> Result<Request<Full<Bytes>>, Response<Body>> {
-    let too_large =
-        || response::before_body(response::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes")));
+/// A refusal names the limit it comes from, for the counters.
+pub(super) async fn buffer_body(req: Request<Incoming>, limit: usize, timeout: Duration) -> Result<Request<Full<Bytes>>, (Limit, Response<Body>)> {
+    let too_large = || {
+        let refusal = response::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes"));
+        (Limit::BodySize, response::before_body(refusal))
+    };
     if content_length(&req).is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
@@ -199,13 +268,17 @@ pub(super) async fn buffer_body(req: Request<Incoming>, limit: usize, timeout: D
     let bytes = match collected {
         Ok(Ok(c)) => c.to_bytes(),
         Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Err(too_large()),
-        Ok(Err(_)) => return Err(response::before_body(response::error(StatusCode::BAD_REQUEST, "bad_body", "the request body could not be read"))),
+        Ok(Err(_)) => {
+            let refusal = response::error(StatusCode::BAD_REQUEST, "bad_body", "the request body could not be read");
+            return Err((Limit::BodyTimeout, response::before_body(refusal)));
+        }
         Err(_) => {
-            return Err(response::before_body(response::error(StatusCode::REQUEST_TIMEOUT, "body_timeout", "request body was not received in time")));
+            let refusal = response::error(StatusCode::REQUEST_TIMEOUT, "body_timeout", "request body was not received in time");
+            return Err((Limit::BodyTimeout, response::before_body(refusal)));
         }
     };
     if parts.headers.get(HOST).is_some_and(|h| h.to_str().is_err()) {
-        return Err(response::error(StatusCode::BAD_REQUEST, "bad_host", "the Host header is not valid text"));
+        return Err((Limit::BodySize, response::error(StatusCode::BAD_REQUEST, "bad_host", "the Host header is not valid text")));
     }
     if parts.uri.authority().is_none() && !parts.headers.contains_key(HOST) {
         parts.headers.insert(HOST, hyper::header::HeaderValue::from_static("localhost"));
@@ -217,11 +290,12 @@ fn content_length(req: &Request<Incoming>) -> Option<u64> {
     req.headers().get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
-fn sandbox_error(handler: &Handler, err: &SandboxError) -> Response<Body> {
-    tracing::warn!(tenant = %handler.tenant, handler = %handler.name, error = %err, "handler failed");
+/// The client's view of a sandbox failure.
+fn sandbox_error(err: &SandboxError) -> Response<Body> {
     match err {
         SandboxError::Timeout(_) => response::error(StatusCode::GATEWAY_TIMEOUT, "handler_timeout", err),
-        SandboxError::Trap(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "handler_trapped", err),
+        SandboxError::Trap(_) | SandboxError::MemoryLimit(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "handler_trapped", err),
+        SandboxError::ResourceLimit(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "resource_limit", err),
         SandboxError::NoResponse | SandboxError::Guest(_) => {
             response::error(StatusCode::INTERNAL_SERVER_ERROR, "handler_failed", err)
         }

@@ -130,7 +130,11 @@ pub fn key(tenant: &str) -> String {
 }
 
 /// Starts a gateway with `config` on a thread of its own; returns its address.
+/// With `FACEGATE_LOG` set, the gateways log to the test output.
 pub fn start(config: ServeConfig) -> SocketAddr {
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("FACEGATE_LOG") {
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+    }
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();

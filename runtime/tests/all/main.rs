@@ -6,5 +6,6 @@ mod control;
 mod detect;
 mod harness;
 mod hostile;
+mod isolation;
 mod restart;
 mod tls;

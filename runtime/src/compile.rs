@@ -1,0 +1,106 @@
+//! Compiling uploaded components off the serving path: a small pool of its
+//! own (one thread by default), a time budget, and a bound on uploads
+//! waiting, so an upload never takes the cores that serve requests.
+//!
+//! wasmtime compiles a component's functions in parallel with rayon; run
+//! inside this pool, its parallel iterators use this pool's threads only.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use wasmtime::Engine;
+use wasmtime::component::Component;
+
+/// Uploads that may wait for a compile thread, per thread.
+const WAITING_PER_THREAD: usize = 2;
+
+/// Why an upload was not compiled.
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    /// The bytes are not a valid component for this engine.
+    #[error("the component does not compile: {0}")]
+    Invalid(String),
+    /// Compilation ran past the budget (it finishes in the background and is discarded).
+    #[error("compiling the component took longer than {0:?}; make it smaller or ask the operator for a larger --compile-timeout-ms")]
+    TooSlow(Duration),
+    /// Too many uploads are compiling or waiting.
+    #[error("too many uploads are compiling now; retry shortly")]
+    Busy,
+    /// The pool failed (its thread is gone).
+    #[error("the compile pool failed")]
+    Failed,
+}
+
+/// The compile pool.
+pub struct CompilePool {
+    pool: rayon::ThreadPool,
+    timeout: Duration,
+    pending: Arc<AtomicUsize>,
+    max_pending: usize,
+}
+
+impl CompilePool {
+    /// A pool of `threads` compile threads (at least one) with a budget of `timeout` per upload.
+    pub fn new(threads: usize, timeout: Duration) -> anyhow::Result<Self> {
+        let threads = threads.max(1);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|i| format!("compile-{i}")).build()?;
+        Ok(Self { pool, timeout, pending: Arc::default(), max_pending: threads * (1 + WAITING_PER_THREAD) })
+    }
+
+    /// Compiles `bytes` for `engine` on the pool; blocks the caller (a
+    /// blocking admin thread) until done, refused or out of time.
+    pub fn compile(&self, engine: &Engine, bytes: Arc<[u8]>) -> Result<Component, CompileError> {
+        if self.pending.fetch_add(1, Ordering::AcqRel) >= self.max_pending {
+            self.pending.fetch_sub(1, Ordering::AcqRel);
+            return Err(CompileError::Busy);
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let (engine, pending) = (engine.clone(), Arc::clone(&self.pending));
+        self.pool.spawn(move || {
+            let result = Component::new(&engine, &bytes).map_err(|e| CompileError::Invalid(format!("{e:#}")));
+            pending.fetch_sub(1, Ordering::AcqRel);
+            // The uploader may have given up (time budget): nobody to tell.
+            let _ = tx.send(result);
+        });
+        match rx.recv_timeout(self.timeout) {
+            Ok(result) => result,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(CompileError::TooSlow(self.timeout)),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(CompileError::Failed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EMPTY_COMPONENT: &str = "(component)";
+
+    #[test]
+    fn compiles_on_the_pool_and_refuses_garbage() {
+        let engine = Engine::default();
+        let pool = CompilePool::new(1, Duration::from_secs(30)).unwrap();
+        let bytes: Arc<[u8]> = wat::parse_str(EMPTY_COMPONENT).unwrap().into();
+        assert!(pool.compile(&engine, bytes).is_ok());
+        let garbage: Arc<[u8]> = Arc::from(&b"\0asm\x0d\0\x01\0garbage"[..]);
+        assert!(matches!(pool.compile(&engine, garbage), Err(CompileError::Invalid(_))));
+        assert_eq!(pool.pending.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_compile_past_the_budget_is_refused_and_the_queue_is_bounded() {
+        let engine = Engine::default();
+        let pool = CompilePool::new(1, Duration::from_millis(50)).unwrap();
+        // Hold the only thread so every upload waits past its budget.
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        pool.pool.spawn(move || {
+            let _ = wait.recv();
+        });
+        let bytes: Arc<[u8]> = wat::parse_str(EMPTY_COMPONENT).unwrap().into();
+        let outcomes: Vec<_> = (0..4).map(|_| pool.compile(&engine, Arc::clone(&bytes))).collect();
+        assert!(matches!(outcomes[0], Err(CompileError::TooSlow(_))), "{:?}", outcomes[0].as_ref().err());
+        assert!(matches!(outcomes[3], Err(CompileError::Busy)), "{:?}", outcomes[3].as_ref().err());
+        release.send(()).unwrap();
+    }
+}

@@ -1,0 +1,282 @@
+//! Isolation under attack: what a hostile handler (guests/hostile) makes the
+//! host do is bounded and charged to its tenant. Each attack ends with its
+//! documented status while a neighbour tenant keeps being served — requests
+//! that overlap the attack, checked by their start and end — `/healthz`
+//! keeps answering, and the gateway's peak RSS stays inside a stated bound.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::harness::{self, ADMIN_TOKEN, anonymous, client_as, client_with_key, image, url};
+
+/// Memory limit of the test gateway's tenants (harness::config).
+const TENANT_MEMORY_MIB: u64 = 256;
+/// Fixed margin over the tenants' memory for the model, its batch buffers
+/// and the runtime's own allocations.
+const RSS_MARGIN_MIB: u64 = 400;
+/// Slowest `/healthz` answer tolerated during an attack (generous: 2 cores, a model running).
+const HEALTH_BOUND: Duration = Duration::from_secs(2);
+
+fn rss_mib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
+}
+
+/// What happened around one attack.
+struct Observed<T> {
+    attack: T,
+    window: (Instant, Instant),
+    /// (start, end, status) of each neighbour request.
+    neighbour: Vec<(Instant, Instant, u16)>,
+    slowest_health: Duration,
+    peak_rss_growth_mib: u64,
+}
+
+impl<T> Observed<T> {
+    /// Every neighbour request succeeded, at least one overlapped the
+    /// attack, health answered in time and RSS stayed under `bound_mib`.
+    fn assert_isolated(&self, bound_mib: u64) {
+        let statuses: Vec<u16> = self.neighbour.iter().map(|r| r.2).collect();
+        assert!(statuses.iter().all(|&s| s == 200), "neighbour got {statuses:?}");
+        let (from, to) = self.window;
+        let overlapping = self.neighbour.iter().filter(|(start, end, _)| *start < to && *end > from).count();
+        assert!(overlapping >= 1, "no neighbour request overlapped the attack ({} requests)", statuses.len());
+        assert!(self.slowest_health < HEALTH_BOUND, "/healthz took {:?} during the attack", self.slowest_health);
+        assert!(self.peak_rss_growth_mib < bound_mib, "RSS peaked {} MiB over the baseline (bound {bound_mib})", self.peak_rss_growth_mib);
+    }
+}
+
+/// Runs `attack` `repeats` times, each time while a neighbour's request to
+/// `demo/detect` is in flight (so they overlap), with `/healthz` polled and
+/// RSS sampled throughout.
+fn under_attack<T: Send>(repeats: usize, mut attack: impl FnMut() -> T + Send) -> Observed<Vec<T>> {
+    // Started (model loaded, handlers compiled) before anything is measured.
+    harness::gateway();
+    let baseline = rss_mib();
+    let in_flight = AtomicBool::new(false);
+    let stop = AtomicBool::new(false);
+    let peak = AtomicU64::new(baseline);
+    let slowest = Mutex::new(Duration::ZERO);
+    std::thread::scope(|s| {
+        let neighbour = s.spawn(|| {
+            let (client, photo) = (client_as("demo"), image("grace_hopper.jpg"));
+            let mut seen = Vec::new();
+            while !stop.load(Ordering::SeqCst) || seen.is_empty() {
+                let start = Instant::now();
+                in_flight.store(true, Ordering::SeqCst);
+                let status = client.post(url("/v1/demo/detect")).body(photo.clone()).send().unwrap().status().as_u16();
+                in_flight.store(false, Ordering::SeqCst);
+                seen.push((start, Instant::now(), status));
+            }
+            seen
+        });
+        s.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                peak.fetch_max(rss_mib(), Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        s.spawn(|| {
+            let client = anonymous();
+            while !stop.load(Ordering::SeqCst) {
+                let start = Instant::now();
+                let ok = client.get(url("/healthz")).send().is_ok_and(|r| r.status().is_success());
+                let took = if ok { start.elapsed() } else { Duration::MAX };
+                let mut slowest = slowest.lock().unwrap();
+                *slowest = (*slowest).max(took);
+                drop(slowest);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let from = Instant::now();
+        let results = (0..repeats)
+            .map(|_| {
+                while !in_flight.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                attack()
+            })
+            .collect();
+        let to = Instant::now();
+        stop.store(true, Ordering::SeqCst);
+        let neighbour = neighbour.join().unwrap();
+        Observed {
+            attack: results,
+            window: (from, to),
+            neighbour,
+            slowest_health: *slowest.lock().unwrap(),
+            peak_rss_growth_mib: peak.load(Ordering::SeqCst).saturating_sub(baseline),
+        }
+    })
+}
+
+fn attack(query: &str) -> (u16, Value) {
+    let response = client_as("evil").get(url(&format!("/v1/evil/attack?{query}"))).send().unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().unwrap_or(Value::Null))
+}
+
+/// The bound for one attacking instance plus the neighbour's.
+fn one_instance_bound() -> u64 {
+    let host = facegate::state::host_memory_bound(facegate::state::DEFAULT_MAX_HOST_RESOURCES) as u64 >> 20;
+    2 * (TENANT_MEMORY_MIB + host) + RSS_MARGIN_MIB
+}
+
+fn assert_resource_limit(query: &str) {
+    let observed = under_attack(3, || attack(query));
+    for (status, body) in &observed.attack {
+        assert_eq!((*status, body["error"]["code"].as_str()), (500, Some("resource_limit")), "{query}: {body}");
+    }
+    observed.assert_isolated(one_instance_bound());
+}
+
+#[test]
+fn hoarded_header_fields_end_the_request_at_the_resource_limit() {
+    assert_resource_limit("attack=fields");
+}
+
+#[test]
+fn hoarded_bodies_end_the_request_at_the_resource_limit() {
+    assert_resource_limit("attack=bodies");
+}
+
+#[test]
+fn hoarded_pollables_end_the_request_at_the_resource_limit() {
+    assert_resource_limit("attack=pollables");
+}
+
+#[test]
+fn a_huge_random_request_ends_at_the_resource_limit() {
+    assert_resource_limit("attack=random");
+}
+
+#[test]
+fn random_bytes_in_a_loop_stall_nobody_and_stop_at_the_deadline() {
+    let observed = under_attack(1, || attack("attack=random-loop"));
+    let (status, body) = &observed.attack[0];
+    assert_eq!((*status, body["error"]["code"].as_str()), (504, Some("handler_timeout")), "{body}");
+    observed.assert_isolated(one_instance_bound());
+}
+
+#[test]
+fn a_memory_bomb_peaks_within_the_tenant_limit() {
+    let observed = under_attack(3, || attack("attack=memory"));
+    for (status, body) in &observed.attack {
+        assert_eq!((*status, body["error"]["code"].as_str()), (500, Some("handler_trapped")), "{body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("memory limit"), "{body}");
+    }
+    observed.assert_isolated(one_instance_bound());
+}
+
+fn limit_hits(tenant: &str, limit: &str) -> u64 {
+    let text = anonymous().get(url("/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
+    let series = format!("facegate_limit_hits_total{{tenant=\"{tenant}\",limit=\"{limit}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&series)).map_or(0, |v| v.trim().parse().unwrap())
+}
+
+#[test]
+fn a_stderr_flood_is_cut_and_counted_not_fatal() {
+    let before = limit_hits("evil", "output");
+    let observed = under_attack(1, || attack("attack=stderr"));
+    let (status, body) = &observed.attack[0];
+    assert_eq!(*status, 200, "the flood does not stop the handler: {body}");
+    assert!(body["written"].as_u64().unwrap() >= 64 << 20, "{body}");
+    assert!(limit_hits("evil", "output") > before, "dropped output is counted");
+    observed.assert_isolated(one_instance_bound());
+}
+
+/// A component with two linear memories: together they may not pass the
+/// limit that each alone would fit.
+#[test]
+fn two_memories_share_one_limit() {
+    use facegate::limiter::{InstanceLimiter, MemoryLimitExceeded};
+    use wasmtime::component::{Component, Linker};
+    // Each core module's memory starts at 320 pages (20 MiB); the limit is 32 MiB.
+    let wat = r#"(component
+        (core module $a (memory (export "m") 320))
+        (core module $b (memory (export "m") 320))
+        (core instance (instantiate $a))
+        (core instance (instantiate $b)))"#;
+    let engine = wasmtime::Engine::default();
+    let component = Component::new(&engine, wat::parse_str(wat).unwrap()).unwrap();
+    let mut store = wasmtime::Store::new(&engine, InstanceLimiter::new(32 << 20));
+    store.limiter(|l| l);
+    let err = Linker::new(&engine).instantiate(&mut store, &component).unwrap_err();
+    assert!(err.chain().any(|e| e.downcast_ref::<MemoryLimitExceeded>().is_some()), "{err:#}");
+    let mut roomy = wasmtime::Store::new(&engine, InstanceLimiter::new(48 << 20));
+    roomy.limiter(|l| l);
+    assert!(Linker::new(&engine).instantiate(&mut roomy, &component).is_ok(), "40 MiB fit in 48");
+}
+
+/// A small gateway of its own: 8 instance slots, tenants limited to 8 requests.
+fn small_pool_gateway(name: &str) -> (std::net::SocketAddr, String, String) {
+    let data = harness::fresh_dir(name);
+    let mut config = harness::config(data.clone(), Some(harness::seed_dir()));
+    config.max_instances = 8;
+    config.tenant_max_concurrency = 8;
+    config.request_timeout_ms = 3_000;
+    let addr = harness::start(config);
+    let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
+    (addr, key("evil"), key("demo"))
+}
+
+#[test]
+fn sleeping_handlers_cannot_take_every_instance_slot() {
+    let (addr, evil, demo) = small_pool_gateway("small-pool-sleep");
+    // As many sleepers as the tenant may run at once (its concurrency limit).
+    let sleepers: Vec<_> = (0..8)
+        .map(|_| {
+            let client = client_with_key(&evil);
+            std::thread::spawn(move || client.get(format!("http://{addr}/v1/evil/attack?attack=sleep")).send().unwrap().status().as_u16())
+        })
+        .collect();
+    // The sleepers are in (or refused) long before their 3 s deadline.
+    std::thread::sleep(Duration::from_millis(800));
+    let photo = image("grace_hopper.jpg");
+    let started = Instant::now();
+    let status = client_with_key(&demo).post(format!("http://{addr}/v1/demo/detect")).body(photo).send().unwrap().status().as_u16();
+    let answered = started.elapsed();
+    let statuses: Vec<u16> = sleepers.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(status, 200, "the neighbour is served while the sleepers hold their share");
+    assert!(answered < Duration::from_millis(2_000), "and did not wait for a sleeper: {answered:?}");
+    let timed_out = statuses.iter().filter(|&&s| s == 504).count();
+    let refused = statuses.iter().filter(|&&s| s == 503).count();
+    assert_eq!((timed_out, refused), (7, 1), "8 slots less the reserve of 1 go to the sleepers: {statuses:?}");
+}
+
+#[test]
+fn slow_uploads_do_not_pin_instance_slots() {
+    let (addr, evil, demo) = small_pool_gateway("small-pool-upload");
+    // 8 uploads that declare a body and send only part of it.
+    let uploads: Vec<TcpStream> = (0..8)
+        .map(|_| {
+            let mut stream = TcpStream::connect(addr).unwrap();
+            let head = format!(
+                "POST /v1/evil/attack?attack=snoop HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {evil}\r\nContent-Length: 100000\r\n\r\n"
+            );
+            stream.write_all(head.as_bytes()).unwrap();
+            stream.write_all(&[0; 1000]).unwrap();
+            stream
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let metrics = anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
+    assert!(metrics.lines().any(|l| l == "facegate_instances_in_use 0"), "uploads hold no instance slot:\n{metrics}");
+    let photo = image("grace_hopper.jpg");
+    for _ in 0..3 {
+        let status = client_with_key(&demo).post(format!("http://{addr}/v1/demo/detect")).body(photo.clone()).send().unwrap().status().as_u16();
+        assert_eq!(status, 200);
+    }
+    // The uploads are still open (their tenant's slots are theirs to waste).
+    for mut upload in uploads {
+        upload.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let mut buf = [0u8; 1];
+        assert!(upload.read(&mut buf).is_err(), "the upload was not answered yet");
+    }
+}
