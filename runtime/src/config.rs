@@ -160,6 +160,35 @@ pub struct ServeConfig {
     /// Inference engines.
     #[command(flatten)]
     pub engine: EngineConfig,
+
+    // ---- Connection limits (kept together, last) ----
+    // A client that holds a connection without using it takes a slot from
+    // everyone else: every connection gets deadlines and a share.
+    //
+    /// Longest from accepting a connection to its first complete request head,
+    /// TLS handshake included (ms); past it the connection is closed.
+    // The first head is the one wait hyper's header timeout does not cover.
+    #[arg(long, env = "FACEGATE_REQUEST_HEAD_TIMEOUT_MS", default_value_t = DEFAULT_REQUEST_HEAD_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub request_head_timeout_ms: u64,
+
+    /// Keep-alive connections (HTTP/1.1 and HTTP/2) with no request in flight
+    /// and no I/O for this long (ms) are shut down gracefully (HTTP/2: GOAWAY).
+    // Longer than a client's pause between requests, short enough that
+    // abandoned connections give their slots back.
+    #[arg(long, env = "FACEGATE_IDLE_TIMEOUT_MS", default_value_t = DEFAULT_IDLE_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_timeout_ms: u64,
+
+    /// Most open client connections per listener; more are closed at once. A
+    /// listener that also serves the admin API keeps a few more for it.
+    // Bounds file descriptors and per-connection memory.
+    #[arg(long, env = "FACEGATE_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+
+    /// Most open connections from one client address (IPv6: one /64) per
+    /// listener; more are closed at once (0: no cap).
+    // Off by default: clients behind one NAT or proxy share an address.
+    #[arg(long, env = "FACEGATE_MAX_CONNECTIONS_PER_IP", default_value_t = DEFAULT_MAX_CONNECTIONS_PER_IP)]
+    pub max_connections_per_ip: u32,
 }
 
 /// Where the model and ONNX Runtime are, and how they are spread over devices.
@@ -259,6 +288,27 @@ fn parse_weight(s: &str) -> Result<(String, u32), String> {
     Ok((tenant.to_owned(), weight))
 }
 
+/// Default deadline from accept to a complete first request head, ms.
+pub const DEFAULT_REQUEST_HEAD_TIMEOUT_MS: u64 = 10_000;
+/// Default idle timeout of keep-alive connections, ms.
+pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 30_000;
+/// Default most open connections per listener.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 4096;
+/// Default most connections per client address (0: no cap).
+pub const DEFAULT_MAX_CONNECTIONS_PER_IP: u32 = 0;
+
+impl ServeConfig {
+    /// The deadline from accept to a complete first request head.
+    pub fn request_head_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_head_timeout_ms)
+    }
+
+    /// How long a keep-alive connection may sit unused.
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_timeout_ms)
+    }
+}
+
 impl ServeConfig {
     /// The default per-request deadline.
     pub fn request_timeout(&self) -> Duration {
@@ -329,5 +379,20 @@ mod tests {
         for bad in ["gpu", "cuda", "cuda:-1", "cuda:x"] {
             assert!(Cli::try_parse_from(["facegate", "serve", "--devices", bad]).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+    fn connection_limits_default_and_refuse_zero() {
+        let cli = Cli::try_parse_from(["facegate", "serve", "--idle-timeout-ms", "1500", "--max-connections-per-ip", "8"]).unwrap();
+        let Command::Serve(config) = cli.command else { panic!("not serve") };
+        assert_eq!(config.request_head_timeout(), Duration::from_millis(DEFAULT_REQUEST_HEAD_TIMEOUT_MS));
+        assert_eq!(config.idle_timeout(), Duration::from_millis(1500));
+        assert_eq!((config.max_connections, config.max_connections_per_ip), (DEFAULT_MAX_CONNECTIONS, 8));
+        for flag in ["--request-head-timeout-ms", "--idle-timeout-ms", "--max-connections"] {
+            assert!(Cli::try_parse_from(["facegate", "serve", flag, "0"]).is_err(), "{flag}");
+        }
+        let defaults = ServeConfig::with_data_dir("d".into()).unwrap();
+        assert_eq!(defaults.max_connections_per_ip, DEFAULT_MAX_CONNECTIONS_PER_IP);
     }
 }

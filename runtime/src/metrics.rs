@@ -2,7 +2,8 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use facegate_host_gpu::Models;
@@ -18,10 +19,12 @@ struct Series {
     buckets: [u64; LATENCY_BUCKETS.len()],
 }
 
-/// Request counters by tenant, handler and status.
+/// Request counters by tenant, handler and status, and connection counters.
 #[derive(Default)]
 pub struct HttpMetrics {
     requests: Mutex<BTreeMap<(String, String, u16), Series>>,
+    /// Open connections and connections closed by a limit, all listeners.
+    pub connections: Arc<ConnectionMetrics>,
 }
 
 impl HttpMetrics {
@@ -51,6 +54,73 @@ impl HttpMetrics {
             let _ = writeln!(out, "facegate_requests_seconds_bucket{{{labels},le=\"+Inf\"}} {}", s.count);
             let _ = writeln!(out, "facegate_requests_seconds_sum{{{labels}}} {}", s.sum);
             let _ = writeln!(out, "facegate_requests_seconds_count{{{labels}}} {}", s.count);
+        }
+        drop(requests);
+        self.connections.render(out);
+    }
+}
+
+/// Why the gateway closed a connection (the `reason` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseReason {
+    /// No complete first request head (TLS handshake included) in time.
+    HeadTimeout,
+    /// No request in flight and no I/O for the idle timeout.
+    Idle,
+    /// Every connection slot (and the admin reserve) was taken.
+    OverCapacity,
+    /// The client address had its most connections open.
+    PerIpCap,
+    /// The TLS handshake failed (a handshake that runs out of time is a `HeadTimeout`).
+    TlsHandshake,
+}
+
+impl CloseReason {
+    const ALL: [Self; 5] = [Self::HeadTimeout, Self::Idle, Self::OverCapacity, Self::PerIpCap, Self::TlsHandshake];
+
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::HeadTimeout => "head_timeout",
+            Self::Idle => "idle",
+            Self::OverCapacity => "over_capacity",
+            Self::PerIpCap => "per_ip_cap",
+            Self::TlsHandshake => "tls_handshake",
+        }
+    }
+}
+
+/// Open client connections, and those closed by a limit.
+#[derive(Default)]
+pub struct ConnectionMetrics {
+    open: AtomicI64,
+    closed: [AtomicU64; CloseReason::ALL.len()],
+}
+
+impl ConnectionMetrics {
+    /// A connection was admitted.
+    pub fn opened(&self) {
+        self.open.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An admitted connection ended, for whatever reason.
+    pub fn ended(&self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A connection was closed by a limit.
+    pub fn closed(&self, reason: CloseReason) {
+        self.closed[reason as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String) {
+        out.push_str("# HELP facegate_connections_open Client connections open now, all listeners.\n# TYPE facegate_connections_open gauge\n");
+        let _ = writeln!(out, "facegate_connections_open {}", self.open.load(Ordering::Relaxed));
+        out.push_str("# HELP facegate_connections_closed_total Client connections closed by a limit, by reason.\n");
+        out.push_str("# TYPE facegate_connections_closed_total counter\n");
+        for reason in CloseReason::ALL {
+            let count = self.closed[reason as usize].load(Ordering::Relaxed);
+            let _ = writeln!(out, "facegate_connections_closed_total{{reason=\"{}\"}} {count}", reason.label());
         }
     }
 }

@@ -31,6 +31,10 @@ pub enum Plane {
     Admin,
     /// Everything on one listener (no `--admin-listen`).
     Both,
+    /// A reserve connection of a full shared listener (see
+    /// [`ADMIN_RESERVE_CONNECTIONS`](super::ADMIN_RESERVE_CONNECTIONS)): the
+    /// admin API, metrics and health; anything else gets 503 `overloaded`.
+    Reserve,
 }
 
 /// Response header naming the handler version that answered.
@@ -45,7 +49,7 @@ pub struct App {
     sandbox: Arc<Sandbox>,
     models: Models,
     pub(super) config: ServeConfig,
-    metrics: HttpMetrics,
+    pub(super) metrics: HttpMetrics,
     instances: Arc<InstancePool>,
     request_ids: RequestIds,
 }
@@ -94,7 +98,7 @@ impl App {
     async fn dispatch(&self, req: Request<Incoming>, plane: Plane) -> Response<Body> {
         let path = req.uri().path().to_owned();
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
-        let (data, admin) = (plane != Plane::Admin, plane != Plane::Data);
+        let (data, admin) = (matches!(plane, Plane::Data | Plane::Both), plane != Plane::Data);
         match (req.method(), segments.as_slice()) {
             (&Method::GET, ["healthz"]) => self.health(),
             // Metrics name tenants and handlers: they are for the operator.
@@ -105,6 +109,13 @@ impl App {
             (_, ["healthz"]) => method_not_allowed(),
             (_, ["metrics"]) if admin => method_not_allowed(),
             (_, ["v1", "models"]) if data => method_not_allowed(),
+            // Reserve slots are for the operator; tenants wait for a main slot.
+            _ if plane == Plane::Reserve => response::before_body(response::retry_later(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded",
+                "all connection slots are in use",
+                1,
+            )),
             _ => response::before_body(response::error(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}"))),
         }
     }

@@ -2,6 +2,7 @@
 //! example handlers, the CenterFace model on ONNX Runtime) on an ephemeral port.
 
 mod bad_input;
+mod connections;
 mod control;
 mod detect;
 mod harness;

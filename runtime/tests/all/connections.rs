@@ -1,0 +1,525 @@
+//! Connection limits: a connection that never sends a complete first request
+//! head (TLS handshake included) is closed; an idle keep-alive connection
+//! (HTTP/1.1 and HTTP/2) is shut down but a slow request is not cut; the
+//! connection caps close the connections over them; the admin API answers
+//! on a shared listener whose slots are full; closures are counted.
+
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use facegate::config::ServeConfig;
+use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+use tokio_rustls::rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
+
+use crate::harness::{ADMIN_TOKEN, config, fresh_dir, seed_dir, start};
+
+/// Head timeout of the quick gateways.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(1);
+/// Idle timeout of the quick gateway.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Slack on every "closed by then" bound: the test machine is small and noisy.
+const MARGIN: Duration = Duration::from_secs(8);
+/// Connection slots of the small gateway.
+const SMALL_SLOTS: usize = 8;
+/// Connections per address at the small gateway.
+const SMALL_PER_IP: usize = 3;
+
+struct Gateway {
+    addr: SocketAddr,
+    data_dir: PathBuf,
+}
+
+impl Gateway {
+    fn start(name: &str, tune: impl FnOnce(&mut ServeConfig)) -> Self {
+        let data_dir = fresh_dir(name);
+        let mut config = config(data_dir.clone(), Some(seed_dir()));
+        tune(&mut config);
+        Self { addr: start(config), data_dir }
+    }
+
+    fn key(&self, tenant: &str) -> String {
+        let path = self.data_dir.join(format!("{tenant}.key"));
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).trim().to_owned()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+}
+
+/// Head timeout 1 s, idle timeout 2 s, request deadline 5 s (over twice the idle timeout).
+fn quick() -> &'static Gateway {
+    static GATEWAY: OnceLock<Gateway> = OnceLock::new();
+    GATEWAY.get_or_init(|| {
+        Gateway::start("conn-quick", |c| {
+            c.request_head_timeout_ms = HEAD_TIMEOUT.as_millis() as u64;
+            c.idle_timeout_ms = IDLE_TIMEOUT.as_millis() as u64;
+            c.request_timeout_ms = 5_000;
+            c.max_connections = 64;
+        })
+    })
+}
+
+/// Few slots, a per-address cap and long timeouts (silent sockets keep
+/// their slots for the whole test). Its tests fill it, so they hold the
+/// returned guard: one at a time.
+fn small() -> (&'static Gateway, MutexGuard<'static, ()>) {
+    static GATEWAY: OnceLock<Gateway> = OnceLock::new();
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let gateway = GATEWAY.get_or_init(|| {
+        Gateway::start("conn-small", |c| {
+            c.request_head_timeout_ms = 60_000;
+            c.idle_timeout_ms = 60_000;
+            c.max_connections = SMALL_SLOTS as u32;
+            c.max_connections_per_ip = SMALL_PER_IP as u32;
+        })
+    });
+    settle(gateway);
+    (gateway, guard)
+}
+
+/// An HTTPS gateway with head timeout 1 s, and its certificate.
+fn tls() -> &'static (SocketAddr, CertificateDer<'static>) {
+    static GATEWAY: OnceLock<(SocketAddr, CertificateDer<'static>)> = OnceLock::new();
+    GATEWAY.get_or_init(|| {
+        let dir = fresh_dir("conn-tls");
+        std::fs::create_dir_all(&dir).unwrap();
+        let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+        let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+        std::fs::write(&cert, certified.cert.pem()).unwrap();
+        std::fs::write(&key, certified.signing_key.serialize_pem()).unwrap();
+        let mut config = config(dir.join("data"), Some(seed_dir()));
+        config.tls_cert = Some(cert);
+        config.tls_key = Some(key);
+        config.request_head_timeout_ms = HEAD_TIMEOUT.as_millis() as u64;
+        (start(config), certified.cert.der().clone())
+    })
+}
+
+/// A TCP connection to `addr` from the loopback address `source` (each
+/// address has its own per-address cap).
+fn connect_from(source: &str, addr: SocketAddr) -> TcpStream {
+    let source: IpAddr = source.parse().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_io().build().unwrap();
+    runtime.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(SocketAddr::new(source, 0)).unwrap();
+        let stream = socket.connect(addr).await.unwrap().into_std().unwrap();
+        stream.set_nonblocking(false).unwrap();
+        stream
+    })
+}
+
+/// Reads until the server closes `stream`; panics if it is still open after
+/// `within`. Returns how long that took.
+fn expect_closed(stream: &mut impl Read, set_timeout: impl FnOnce(Duration), within: Duration) -> Duration {
+    let started = Instant::now();
+    set_timeout(within);
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return started.elapsed(),
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                panic!("still open after {:?}", started.elapsed())
+            }
+            // Reset, or a TLS stream cut without close_notify: closed.
+            Err(_) => return started.elapsed(),
+        }
+    }
+}
+
+fn expect_tcp_closed(stream: &mut TcpStream, within: Duration) -> Duration {
+    let clone = stream.try_clone().unwrap();
+    expect_closed(stream, |t| clone.set_read_timeout(Some(t)).unwrap(), within)
+}
+
+/// Whether `stream` is still open (nothing to read, no EOF) after a short wait.
+fn still_open(stream: &mut TcpStream) -> bool {
+    stream.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    matches!(stream.read(&mut [0u8; 64]), Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut))
+}
+
+/// Sends one keep-alive HTTP/1.1 request and reads its response (by
+/// `Content-Length`); returns the status and body.
+fn exchange(stream: &mut (impl Read + Write), method: &str, path: &str, bearer: Option<&str>) -> (u16, String) {
+    let auth = bearer.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(stream, "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{auth}Content-Length: 0\r\n\r\n").unwrap();
+    let mut response = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).unwrap();
+        assert!(n > 0, "closed mid-response: {}", String::from_utf8_lossy(&response));
+        response.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&response);
+        let Some((head, body)) = text.split_once("\r\n\r\n") else { continue };
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap()))
+            .expect("a content-length");
+        if body.len() >= length {
+            let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+            return (status, body.to_owned());
+        }
+    }
+}
+
+/// A client with no connection pool (the server closes idle connections).
+fn fresh_client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).pool_max_idle_per_host(0).build().unwrap()
+}
+
+/// The gateway's `/metrics` text.
+fn metrics(gateway: &Gateway) -> String {
+    // While the gateway is full a connection may be refused: try again.
+    let deadline = Instant::now() + MARGIN;
+    loop {
+        match fresh_client().get(gateway.url("/metrics")).bearer_auth(ADMIN_TOKEN).send() {
+            Ok(response) => {
+                assert_eq!(response.status(), 200);
+                return response.text().unwrap();
+            }
+            Err(e) => assert!(Instant::now() < deadline, "{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The value of the sample `series` (name and labels) in `metrics`.
+fn sample(metrics: &str, series: &str) -> i64 {
+    let line = metrics.lines().find(|l| l.strip_prefix(series).is_some_and(|rest| rest.starts_with(' '))).unwrap_or_else(|| panic!("no {series}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+fn closed_total(metrics: &str, reason: &str) -> i64 {
+    sample(metrics, &format!("facegate_connections_closed_total{{reason=\"{reason}\"}}"))
+}
+
+/// Waits until only the metrics request's own connection is open.
+fn settle(gateway: &Gateway) {
+    let deadline = Instant::now() + MARGIN;
+    while sample(&metrics(gateway), "facegate_connections_open") != 1 {
+        assert!(Instant::now() < deadline, "connections stay open: {}", metrics(gateway));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn silent_connections_are_closed_after_the_head_timeout_and_slots_come_back() {
+    let gateway = quick();
+    let started = Instant::now();
+    let mut silent: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(gateway.addr).unwrap()).collect();
+    // A head that never completes is no better than none.
+    let mut slow = TcpStream::connect(gateway.addr).unwrap();
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: loc").unwrap();
+    silent.push(slow);
+    for stream in &mut silent {
+        expect_tcp_closed(stream, HEAD_TIMEOUT + MARGIN);
+    }
+    assert!(started.elapsed() >= HEAD_TIMEOUT, "closed before the head timeout: {:?}", started.elapsed());
+    let response = fresh_client().get(gateway.url("/healthz")).send().unwrap();
+    assert_eq!(response.status(), 200);
+}
+
+#[test]
+fn silent_tls_connections_are_closed_during_and_after_the_handshake() {
+    let (addr, cert) = tls();
+    let before = tls_metrics();
+    // Nothing sent.
+    let started = Instant::now();
+    let mut silent = TcpStream::connect(addr).unwrap();
+    expect_tcp_closed(&mut silent, HEAD_TIMEOUT + MARGIN);
+    assert!(started.elapsed() >= HEAD_TIMEOUT, "{:?}", started.elapsed());
+    // Half a ClientHello.
+    let mut client = tls_client(cert);
+    let mut hello = Vec::new();
+    client.write_tls(&mut hello).unwrap();
+    let mut half = TcpStream::connect(addr).unwrap();
+    half.write_all(&hello[..hello.len() / 2]).unwrap();
+    expect_tcp_closed(&mut half, HEAD_TIMEOUT + MARGIN);
+    // A whole handshake, then nothing.
+    let started = Instant::now();
+    let mut tcp = TcpStream::connect(addr).unwrap();
+    let mut client = tls_client(cert);
+    while client.is_handshaking() {
+        client.complete_io(&mut tcp).unwrap();
+    }
+    let mut tls = StreamOwned::new(client, tcp);
+    let socket = tls.sock.try_clone().unwrap();
+    expect_closed(&mut tls, |t| socket.set_read_timeout(Some(t)).unwrap(), HEAD_TIMEOUT + MARGIN);
+    assert!(started.elapsed() >= HEAD_TIMEOUT, "{:?}", started.elapsed());
+    // Not TLS at all: the handshake fails at once.
+    let mut clear = TcpStream::connect(addr).unwrap();
+    clear.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    expect_tcp_closed(&mut clear, MARGIN);
+
+    let after = tls_metrics();
+    assert!(closed_total(&after, "head_timeout") >= closed_total(&before, "head_timeout") + 3, "{after}");
+    assert!(closed_total(&after, "tls_handshake") > closed_total(&before, "tls_handshake"), "{after}");
+    // Connections closed by a deadline do not stay counted as open.
+    assert!(sample(&after, "facegate_connections_open") < 4, "{after}");
+}
+
+fn tls_client(cert: &CertificateDer<'static>) -> ClientConnection {
+    let mut roots = RootCertStore::empty();
+    roots.add(cert.clone()).unwrap();
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    ClientConnection::new(Arc::new(config), ServerName::try_from("localhost").unwrap()).unwrap()
+}
+
+/// `/metrics` of the TLS gateway.
+fn tls_metrics() -> String {
+    let (addr, cert) = tls();
+    let mut tls = StreamOwned::new(tls_client(cert), TcpStream::connect(addr).unwrap());
+    let (status, body) = exchange(&mut tls, "GET", "/metrics", Some(ADMIN_TOKEN));
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+#[test]
+fn idle_http1_keep_alive_is_closed_after_the_idle_timeout_but_not_while_used() {
+    let gateway = quick();
+    let mut stream = TcpStream::connect(gateway.addr).unwrap();
+    stream.set_read_timeout(Some(MARGIN)).unwrap();
+    // Requests closer together than the idle timeout keep the connection,
+    // longer than the idle timeout in all.
+    let used_since = Instant::now();
+    while used_since.elapsed() < IDLE_TIMEOUT + IDLE_TIMEOUT / 2 {
+        assert_eq!(exchange(&mut stream, "GET", "/healthz", None).0, 200);
+        std::thread::sleep(IDLE_TIMEOUT / 4);
+    }
+    assert_eq!(exchange(&mut stream, "GET", "/healthz", None).0, 200);
+    let idle = expect_tcp_closed(&mut stream, IDLE_TIMEOUT + MARGIN);
+    assert!(idle >= IDLE_TIMEOUT / 2, "closed after {idle:?} idle");
+}
+
+#[test]
+fn a_request_longer_than_the_idle_timeout_is_not_cut() {
+    let gateway = quick();
+    let mut stream = TcpStream::connect(gateway.addr).unwrap();
+    stream.set_read_timeout(Some(MARGIN + MARGIN)).unwrap();
+    let started = Instant::now();
+    // The hostile handler loops until the request deadline (5 s).
+    let (status, body) = exchange(&mut stream, "GET", "/v1/evil/attack?attack=loop", Some(&gateway.key("evil")));
+    assert!(status == 504 && body.contains("handler_timeout"), "{status}: {body}");
+    assert!(started.elapsed() > IDLE_TIMEOUT * 2, "{:?}", started.elapsed());
+    // Not even shut down gracefully: the connection is still good for more.
+    assert_eq!(exchange(&mut stream, "GET", "/healthz", None).0, 200);
+}
+
+/// HTTP/2 frame types used below.
+const DATA: u8 = 0;
+const HEADERS: u8 = 1;
+const SETTINGS: u8 = 4;
+const PING: u8 = 6;
+const GOAWAY: u8 = 7;
+
+fn write_frame(stream: &mut TcpStream, kind: u8, flags: u8, stream_id: u32, payload: &[u8]) {
+    let mut frame = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    frame.extend_from_slice(&[kind, flags]);
+    frame.extend_from_slice(&stream_id.to_be_bytes());
+    frame.extend_from_slice(payload);
+    stream.write_all(&frame).unwrap();
+}
+
+/// The next frame (type, flags, stream, payload), or `None` once the server closed.
+fn read_frame(stream: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
+    let mut head = [0u8; 9];
+    match stream.read_exact(&mut head) {
+        Ok(()) => {}
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => panic!("no frame and no close in time"),
+        Err(_) => return None,
+    }
+    let length = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+    let mut payload = vec![0u8; length];
+    stream.read_exact(&mut payload).ok()?;
+    Some((head[3], head[4], u32::from_be_bytes(head[5..9].try_into().unwrap()) & 0x7fff_ffff, payload))
+}
+
+#[test]
+fn idle_http2_connection_gets_goaway_and_is_closed() {
+    let gateway = quick();
+    let mut stream = TcpStream::connect(gateway.addr).unwrap();
+    stream.set_read_timeout(Some(IDLE_TIMEOUT + MARGIN)).unwrap();
+    // h2c with prior knowledge: the preface, empty SETTINGS, one GET /healthz
+    // (HPACK: GET, http, literal :authority and :path).
+    stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+    write_frame(&mut stream, SETTINGS, 0, 0, &[]);
+    let mut block = vec![0x82, 0x86, 0x01, 9];
+    block.extend_from_slice(b"localhost");
+    block.extend_from_slice(&[0x04, 8]);
+    block.extend_from_slice(b"/healthz");
+    write_frame(&mut stream, HEADERS, 0x5, 1, &block); // END_STREAM | END_HEADERS
+    let (mut answered, mut goaway_after) = (false, None);
+    let mut answered_at = Instant::now();
+    while let Some((kind, flags, id, payload)) = read_frame(&mut stream) {
+        match kind {
+            SETTINGS if flags & 1 == 0 => write_frame(&mut stream, SETTINGS, 1, 0, &[]),
+            PING if flags & 1 == 0 => write_frame(&mut stream, PING, 1, 0, &payload),
+            HEADERS | DATA if id == 1 && flags & 1 == 1 => {
+                answered = true;
+                answered_at = Instant::now();
+            }
+            GOAWAY => {
+                assert!(answered, "GOAWAY before the answer");
+                goaway_after.get_or_insert(answered_at.elapsed());
+            }
+            _ => {}
+        }
+    }
+    let idle = goaway_after.expect("the server closed without GOAWAY");
+    assert!(idle >= IDLE_TIMEOUT / 2 && idle <= IDLE_TIMEOUT + MARGIN, "GOAWAY after {idle:?} idle");
+}
+
+#[test]
+fn closures_by_a_limit_are_counted() {
+    let gateway = quick();
+    let before = metrics(gateway);
+    let mut silent = TcpStream::connect(gateway.addr).unwrap();
+    let mut idle = TcpStream::connect(gateway.addr).unwrap();
+    assert_eq!(exchange(&mut idle, "GET", "/healthz", None).0, 200);
+    expect_tcp_closed(&mut silent, HEAD_TIMEOUT + MARGIN);
+    expect_tcp_closed(&mut idle, IDLE_TIMEOUT + MARGIN);
+    let after = metrics(gateway);
+    for reason in ["head_timeout", "idle"] {
+        assert!(closed_total(&after, reason) > closed_total(&before, reason), "{reason}: {after}");
+    }
+    assert!(sample(&after, "facegate_connections_open") >= 1, "{after}");
+}
+
+#[test]
+fn admin_api_answers_on_a_full_shared_listener_and_tenants_get_503() {
+    let (gateway, _one_at_a_time) = small();
+    let before = metrics(gateway);
+    // Every main slot held by a silent socket, each from its own address.
+    let fillers: Vec<TcpStream> = (1..=SMALL_SLOTS).map(|i| connect_from(&format!("127.0.1.{i}"), gateway.addr)).collect();
+    // Served on a reserve connection: metrics, which count the fillers and itself.
+    let deadline = Instant::now() + MARGIN;
+    while sample(&metrics(gateway), "facegate_connections_open") < SMALL_SLOTS as i64 + 1 {
+        assert!(Instant::now() < deadline, "fillers not admitted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let response = fresh_client().get(gateway.url("/healthz")).send().unwrap();
+    assert_eq!(response.status(), 200);
+    let response = fresh_client().get(gateway.url("/admin/v1/tenants")).bearer_auth(ADMIN_TOKEN).send().unwrap();
+    assert_eq!(response.status(), 200, "the admin API answers");
+    let response = fresh_client().get(gateway.url("/v1/models")).send().unwrap();
+    assert_eq!(response.status(), 503, "tenants wait for a main slot");
+    assert_eq!(response.headers().get("retry-after").unwrap(), "1");
+    let response = fresh_client().post(gateway.url("/v1/demo/detect")).bearer_auth(gateway.key("demo")).body(Vec::new()).send().unwrap();
+    assert_eq!(response.status(), 503);
+    let body: serde_json::Value = response.json().unwrap();
+    assert_eq!(body["error"]["code"], "overloaded", "{body}");
+
+    // The reserve full too: the next connection is closed at once.
+    let reserve: Vec<TcpStream> =
+        (1..=facegate::http::ADMIN_RESERVE_CONNECTIONS).map(|i| connect_from(&format!("127.0.2.{i}"), gateway.addr)).collect();
+    let mut over = connect_from("127.0.3.1", gateway.addr);
+    expect_tcp_closed(&mut over, MARGIN);
+    // Reserve connections have a short head timeout: the reserve frees up.
+    drop(reserve);
+    let after = metrics(gateway);
+    assert!(closed_total(&after, "over_capacity") > closed_total(&before, "over_capacity"), "{after}");
+
+    // The fillers leave: tenants are served again.
+    drop(fillers);
+    settle(gateway);
+    let response = fresh_client().get(gateway.url("/v1/models")).send().unwrap();
+    assert_eq!(response.status(), 200);
+}
+
+#[test]
+fn connections_over_the_per_address_cap_are_closed() {
+    let (gateway, _one_at_a_time) = small();
+    let before = metrics(gateway);
+    let mut held: Vec<TcpStream> = (0..SMALL_PER_IP).map(|_| connect_from("127.0.4.1", gateway.addr)).collect();
+    let mut over = connect_from("127.0.4.1", gateway.addr);
+    let took = expect_tcp_closed(&mut over, MARGIN);
+    assert!(took < MARGIN, "{took:?}");
+    assert!(held.iter_mut().all(still_open), "the first connections are kept");
+    // Another address is served.
+    let mut other = connect_from("127.0.4.2", gateway.addr);
+    assert_eq!(exchange(&mut other, "GET", "/healthz", None).0, 200);
+    // One leaves: the address may connect again.
+    held.pop();
+    let deadline = Instant::now() + MARGIN;
+    loop {
+        let mut again = connect_from("127.0.4.1", gateway.addr);
+        if still_open(&mut again) {
+            assert_eq!(exchange(&mut again, "GET", "/healthz", None).0, 200);
+            break;
+        }
+        assert!(Instant::now() < deadline, "the address's share did not come back");
+    }
+    let after = metrics(gateway);
+    assert!(closed_total(&after, "per_ip_cap") > closed_total(&before, "per_ip_cap"), "{after}");
+}
+
+/// Starts a gateway that drains when `shutdown` resolves; the returned
+/// receiver hears once `serve` has returned.
+fn start_until(
+    config: ServeConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> (SocketAddr, std::sync::mpsc::Receiver<()>) {
+    let (started, addr) = std::sync::mpsc::channel();
+    let (ended, returned) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let models = facegate::load_models(&config.engine).expect("load model (run deploy/setup.sh)");
+            let gateway = facegate::Gateway::new(&config, models).expect("start gateway");
+            let (listener, addr) = facegate::bind(config.listen).await.unwrap();
+            started.send(addr).unwrap();
+            gateway.serve(listener, shutdown).await.unwrap();
+            ended.send(()).unwrap();
+        });
+    });
+    (addr.recv().expect("gateway failed to start"), returned)
+}
+
+#[test]
+fn shutdown_finishes_requests_in_flight_and_closes_idle_connections() {
+    let data_dir = fresh_dir("conn-drain");
+    let mut config = config(data_dir.clone(), Some(seed_dir()));
+    config.request_timeout_ms = 3_000;
+    config.idle_timeout_ms = 60_000;
+    let (signal, signalled) = tokio::sync::oneshot::channel::<()>();
+    let (addr, returned) = start_until(config, async move {
+        let _ = signalled.await;
+    });
+    let gateway = Gateway { addr, data_dir };
+    let mut idle = TcpStream::connect(addr).unwrap();
+    assert_eq!(exchange(&mut idle, "GET", "/healthz", None).0, 200);
+    let key = gateway.key("evil");
+    let url = gateway.url("/v1/evil/attack?attack=loop");
+    let slow = std::thread::spawn(move || {
+        let response = fresh_client().get(url).bearer_auth(key).send().unwrap();
+        (response.status().as_u16(), response.text().unwrap())
+    });
+    let deadline = Instant::now() + MARGIN;
+    while sample(&metrics(&gateway), "facegate_instances_in_use") < 1 {
+        assert!(Instant::now() < deadline, "the slow request never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let signalled_at = Instant::now();
+    signal.send(()).unwrap();
+    // At once, not after its 60 s idle timeout.
+    expect_tcp_closed(&mut idle, MARGIN);
+    let (status, body) = slow.join().unwrap();
+    assert_eq!(status, 504, "the request in flight is answered: {body}");
+    returned.recv_timeout(facegate::http::SHUTDOWN_GRACE + MARGIN).expect("serve returns once drained");
+    assert!(signalled_at.elapsed() < facegate::http::SHUTDOWN_GRACE, "drained before the grace period ended");
+    assert!(TcpStream::connect(addr).is_err(), "no longer listening");
+}
