@@ -29,7 +29,11 @@ const ATTACKS: &[(&str, Attack)] = &[
     ("sleeping handlers", Attack::Query("attack=sleep")),
     ("1280² tensors", Attack::Query("attack=big-tensor&side=1280&n=2")),
     ("slow bodies", Attack::SlowBody),
+    ("idle connections", Attack::Idle),
 ];
+
+/// Idle connections each attacker client keeps open.
+const IDLE_PER_CLIENT: usize = 256;
 
 /// Concurrency of the neighbour tenant.
 const NEIGHBOUR_CONCURRENCY: usize = 4;
@@ -40,6 +44,8 @@ enum Attack {
     Query(&'static str),
     /// Uploads that declare a body and send a byte now and then.
     SlowBody,
+    /// Connections that never send a byte, reopened when closed.
+    Idle,
 }
 
 /// Runs the suite and prints its table.
@@ -120,6 +126,7 @@ fn start_attack(attack: Attack, addr: SocketAddr, key: &str, clients: usize, sto
                 match attack {
                     Attack::Query(query) => query_loop(addr, &key, query, &stop).await,
                     Attack::SlowBody => slow_body_loop(addr, &key, &stop).await,
+                    Attack::Idle => idle_loop(addr, &stop).await,
                 }
             })
         })
@@ -156,5 +163,21 @@ async fn slow_body_loop(addr: SocketAddr, key: &str, stop: &AtomicBool) {
         while !stop.load(Ordering::SeqCst) && stream.write_all(b"x").await.is_ok() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+}
+
+/// Keeps [`IDLE_PER_CLIENT`] silent connections open, replacing those the gateway closes.
+async fn idle_loop(addr: SocketAddr, stop: &AtomicBool) {
+    let mut open: Vec<tokio::net::TcpStream> = Vec::new();
+    while !stop.load(Ordering::SeqCst) {
+        // A closed connection reads as ready (EOF); keep the rest.
+        open.retain(|s| s.try_read(&mut [0u8; 1]).is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock));
+        while open.len() < IDLE_PER_CLIENT {
+            match tokio::net::TcpStream::connect(addr).await {
+                Ok(stream) => open.push(stream),
+                Err(_) => break,
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

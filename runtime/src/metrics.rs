@@ -146,6 +146,10 @@ pub enum Limit {
     HostResources,
     /// Guest stdout/stderr past the capture cap (output dropped, request unaffected).
     Output,
+    /// `face-detect.infer` calls past the per-request budget (`quota-exceeded` to the guest).
+    InferCalls,
+    /// Inference queue full, globally or for the tenant (`overloaded` to the guest).
+    Queue,
 }
 
 impl Limit {
@@ -160,6 +164,8 @@ impl Limit {
             Limit::Memory => "memory",
             Limit::HostResources => "host_resources",
             Limit::Output => "output",
+            Limit::InferCalls => "infer_calls",
+            Limit::Queue => "queue",
         }
     }
 }

@@ -278,7 +278,8 @@ fn root_cause(err: &wasmtime::Error) -> String {
     }
 }
 
-/// Logs what the guest wrote to stdout/stderr, escaped and attributed; counts output dropped past the cap.
+/// Logs what the guest wrote to stdout/stderr, escaped and attributed;
+/// counts output dropped past the cap and `infer` calls refused by a limit.
 fn log_output(handler: &Handler, info: &RequestInfo, store: &Store<RequestState>, hits: &LimitHits) {
     let (bytes, dropped) = store.data().stdio.contents();
     if !bytes.is_empty() {
@@ -286,6 +287,13 @@ fn log_output(handler: &Handler, info: &RequestInfo, store: &Store<RequestState>
     }
     if dropped > 0 {
         hits.hit(&handler.tenant, Limit::Output);
+    }
+    let face = &store.data().face_detect;
+    if face.quota_refusals > 0 {
+        hits.hit(&handler.tenant, Limit::InferCalls);
+    }
+    if face.overloaded_refusals > 0 {
+        hits.hit(&handler.tenant, Limit::Queue);
     }
 }
 

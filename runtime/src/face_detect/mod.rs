@@ -24,12 +24,16 @@ pub struct FaceDetectCtx {
     calls_left: u32,
     /// Time this request spent inside `infer` (queueing + device).
     pub infer_time: Duration,
+    /// `infer` calls refused for the per-request call budget.
+    pub quota_refusals: u32,
+    /// `infer` calls refused because the queue (global or the tenant's) was full.
+    pub overloaded_refusals: u32,
 }
 
 impl FaceDetectCtx {
     /// A context for one request of `tenant`, allowed `max_calls` inferences before `deadline`.
     pub fn new(models: Models, tenant: Arc<str>, deadline: Instant, max_calls: u32) -> Self {
-        Self { models, tenant, deadline, calls_left: max_calls, infer_time: Duration::ZERO }
+        Self { models, tenant, deadline, calls_left: max_calls, infer_time: Duration::ZERO, quota_refusals: 0, overloaded_refusals: 0 }
     }
 }
 
@@ -66,6 +70,7 @@ impl wit::Host for FaceDetectView<'_> {
 
     async fn infer(&mut self, model: String, input: wit::Tensor) -> wasmtime::Result<Result<Vec<wit::Tensor>, wit::Error>> {
         if self.ctx.calls_left == 0 {
+            self.ctx.quota_refusals += 1;
             return Ok(Err(wit::Error::QuotaExceeded("this request has used all its face-detect calls".into())));
         }
         self.ctx.calls_left -= 1;
@@ -77,6 +82,7 @@ impl wit::Host for FaceDetectView<'_> {
         let started = Instant::now();
         let result = self.ctx.models.infer(&model, request).await;
         self.ctx.infer_time += started.elapsed();
+        self.ctx.overloaded_refusals += u32::from(matches!(result, Err(InferError::Overloaded)));
         Ok(result.map(|outputs| outputs.into_iter().map(to_wit_tensor).collect()).map_err(to_wit_error))
     }
 }

@@ -139,7 +139,7 @@ fn store_error(e: &StoreError) -> Response<Body> {
         StoreError::NotFound(m) => response::error(StatusCode::NOT_FOUND, "not_found", m),
         StoreError::Conflict(m) => response::error(StatusCode::CONFLICT, "conflict", m),
         StoreError::Invalid(m) => response::error(StatusCode::BAD_REQUEST, "invalid", m),
-        StoreError::Busy(m) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "busy", &m, 5),
+        StoreError::Busy(m) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "busy", m, 5),
         StoreError::Internal(err) => {
             tracing::error!(error = %format!("{err:#}"), "admin operation failed");
             response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e)

@@ -206,7 +206,9 @@ impl App {
         let req = match buffer_body(req, limits.max_body_bytes, limits.timeout()).await {
             Ok(req) => req,
             Err((limit, refusal)) => {
-                self.hits().hit(tenant, limit);
+                if let Some(limit) = limit {
+                    self.hits().hit(tenant, limit);
+                }
                 return refusal;
             }
         };
@@ -264,11 +266,11 @@ pub(super) fn bearer(req: &Request<Incoming>) -> Option<&str> {
 
 /// Reads the whole body under a size limit and a read timeout (the shorter
 /// of [`BODY_READ_TIMEOUT`] and `timeout`: a slow upload holds a slot).
-/// A refusal names the limit it comes from, for the counters.
-pub(super) async fn buffer_body(req: Request<Incoming>, limit: usize, timeout: Duration) -> Result<Request<Full<Bytes>>, (Limit, Response<Body>)> {
+/// A refusal names the limit it comes from, if any, for the counters.
+pub(super) async fn buffer_body(req: Request<Incoming>, limit: usize, timeout: Duration) -> Result<Request<Full<Bytes>>, (Option<Limit>, Response<Body>)> {
     let too_large = || {
         let refusal = response::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes"));
-        (Limit::BodySize, response::before_body(refusal))
+        (Some(Limit::BodySize), response::before_body(refusal))
     };
     if content_length(&req).is_some_and(|n| n > limit as u64) {
         return Err(too_large());
@@ -281,15 +283,15 @@ pub(super) async fn buffer_body(req: Request<Incoming>, limit: usize, timeout: D
         Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Err(too_large()),
         Ok(Err(_)) => {
             let refusal = response::error(StatusCode::BAD_REQUEST, "bad_body", "the request body could not be read");
-            return Err((Limit::BodyTimeout, response::before_body(refusal)));
+            return Err((None, response::before_body(refusal)));
         }
         Err(_) => {
             let refusal = response::error(StatusCode::REQUEST_TIMEOUT, "body_timeout", "request body was not received in time");
-            return Err((Limit::BodyTimeout, response::before_body(refusal)));
+            return Err((Some(Limit::BodyTimeout), response::before_body(refusal)));
         }
     };
     if parts.headers.get(HOST).is_some_and(|h| h.to_str().is_err()) {
-        return Err((Limit::BodySize, response::error(StatusCode::BAD_REQUEST, "bad_host", "the Host header is not valid text")));
+        return Err((None, response::error(StatusCode::BAD_REQUEST, "bad_host", "the Host header is not valid text")));
     }
     if parts.uri.authority().is_none() && !parts.headers.contains_key(HOST) {
         parts.headers.insert(HOST, hyper::header::HeaderValue::from_static("localhost"));
