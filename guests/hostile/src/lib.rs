@@ -16,7 +16,7 @@
 //! | `snoop`       | reads files, environment and cwd                           | 200, JSON of what it saw    |
 //! | `bad-tensor`  | calls `face-detect.infer` with malformed tensors           | 200, JSON of each outcome   |
 //! | `many-calls`  | calls `infer` 100 times with a valid tensor                | 200, JSON: successes, error |
-//! | `fields`      | keeps ever more header `fields`, each filled to its limit  | 500 `resource_limit`        |
+//! | `fields`      | keeps ever more header `fields`, `per` (default 8) 4 KiB headers each | 500 `resource_limit` |
 //! | `bodies`      | keeps ever more response bodies, each with a written chunk | 500 `resource_limit`        |
 //! | `pollables`   | keeps ever more clock pollables                            | 500 `resource_limit`        |
 //! | `random`      | asks `wasi:random` for 64 MiB at once                      | 500 `resource_limit`        |
@@ -64,7 +64,7 @@ impl Handler for Hostile {
             "snoop" => Ok(Response::json(200, &snoop())),
             "bad-tensor" => bad_tensors(query.get("case")?),
             "many-calls" => Ok(Response::json(200, &many_calls())),
-            "fields" => hoard_fields(),
+            "fields" => hoard_fields(query.get("per")?),
             "bodies" => hoard_bodies(),
             "pollables" => hoard_pollables(),
             "random" => Ok(Response::json(200, &json!({ "bytes": random(64 * MIB) }))),
@@ -248,15 +248,16 @@ fn describe(error: &face_detect::Error) -> String {
     }
 }
 
-/// Keeps creating header `fields` and filling each up to the host's size
-/// limit, never dropping one.
-fn hoard_fields() -> ! {
+/// Keeps creating header `fields` with `per` 4 KiB headers each (8, 32 KiB,
+/// by default: under the host's size limit of one map), never dropping one.
+fn hoard_fields(per: Option<&str>) -> ! {
     use facegate_guest_sdk::wasi::http::types::Fields;
+    let per: usize = per.and_then(|p| p.parse().ok()).unwrap_or(8);
     let value = vec![b'x'; 4096];
     let mut kept = Vec::new();
     loop {
         let fields = Fields::new();
-        for i in 0.. {
+        for i in 0..per {
             if fields.append(&format!("x-hoard-{i}"), &value).is_err() {
                 break;
             }

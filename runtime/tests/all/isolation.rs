@@ -142,6 +142,11 @@ fn hoarded_header_fields_end_the_request_at_the_resource_limit() {
 }
 
 #[test]
+fn a_header_map_past_its_size_limit_ends_the_request() {
+    assert_resource_limit("attack=fields&per=100000");
+}
+
+#[test]
 fn hoarded_bodies_end_the_request_at_the_resource_limit() {
     assert_resource_limit("attack=bodies");
 }
