@@ -75,6 +75,10 @@ pub struct BenchConfig {
     #[arg(long, default_value_t = 4)]
     pub attackers: usize,
 
+    /// Only the `--suite isolation` attacks whose name contains this.
+    #[arg(long)]
+    pub only: Option<String>,
+
     /// Gateway settings (handlers directory, limits) for the in-process gateway.
     #[command(flatten)]
     pub serve: BenchServe,

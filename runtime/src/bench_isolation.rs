@@ -30,7 +30,11 @@ const ATTACKS: &[(&str, Attack)] = &[
     ("1280² tensors", Attack::Query("attack=big-tensor&side=1280&n=2")),
     ("slow bodies", Attack::SlowBody),
     ("idle connections", Attack::Idle),
+    ("uploads compiling", Attack::Upload),
 ];
+
+/// Admin token of the bench's gateway (uploads go through the admin API).
+const ADMIN_TOKEN: &str = "bench-admin-token-0123456789";
 
 /// Idle connections each attacker client keeps open.
 const IDLE_PER_CLIENT: usize = 256;
@@ -46,11 +50,14 @@ enum Attack {
     SlowBody,
     /// Connections that never send a byte, reopened when closed.
     Idle,
+    /// New versions of a handler uploaded through the admin API, back to back.
+    Upload,
 }
 
 /// Runs the suite and prints its table.
 pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> anyhow::Result<()> {
     let seed = seed_with_attacker(&config.serve.seed_dir, &config.hostile)?;
+    let component = Bytes::from(std::fs::read(seed.join("demo/detect.wasm")).context("the seed has no demo/detect.wasm")?);
     let models = crate::load_models(&config.serve.engine)?;
     // The defaults a production gateway runs with, not the bench's wide-open ones.
     let (addr, keys, _server) = start_seeded(&seed, &config.serve.engine, models.clone(), 99, |c| {
@@ -58,6 +65,7 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
         c.request_timeout_ms = 5_000;
         c.max_instances = defaults.max_instances;
         c.tenant_max_concurrency = defaults.tenant_max_concurrency;
+        c.admin_token = Some(ADMIN_TOKEN.to_owned());
     })
     .await?;
     let _ = std::fs::remove_dir_all(&seed);
@@ -68,12 +76,12 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
     println!("\n== isolation: neighbour demo/detect at concurrency {NEIGHBOUR_CONCURRENCY} alone vs beside {} attacker clients; {rounds} interleaved rounds of {:.1} s ==", config.attackers, round.as_secs_f64());
     println!("{:<24} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}", "attack", "alone r/s", "beside r/s", "tput", "p99 alone", "p99 bes.", "p99");
     measure_gateway(&demo, &models, images, NEIGHBOUR_CONCURRENCY, Duration::from_secs_f64(config.warmup), config.side).await;
-    for (name, attack) in ATTACKS {
+    for (name, attack) in ATTACKS.iter().filter(|(name, _)| config.only.as_deref().is_none_or(|only| name.contains(only))) {
         let (mut alone, mut beside) = (LoopStats::default(), LoopStats::default());
         for _ in 0..rounds {
             alone.merge(measure_gateway(&demo, &models, images, NEIGHBOUR_CONCURRENCY, round, config.side).await.0);
             let stop = Arc::new(AtomicBool::new(false));
-            let attackers = start_attack(*attack, addr, &evil, config.attackers, &stop);
+            let attackers = start_attack(*attack, addr, &evil, &component, config.attackers, &stop);
             beside.merge(measure_gateway(&demo, &models, images, NEIGHBOUR_CONCURRENCY, round, config.side).await.0);
             stop.store(true, Ordering::SeqCst);
             for task in attackers {
@@ -118,15 +126,16 @@ fn seed_with_attacker(seed_dir: &Path, hostile: &Path) -> anyhow::Result<std::pa
     Ok(seed)
 }
 
-fn start_attack(attack: Attack, addr: SocketAddr, key: &str, clients: usize, stop: &Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<()>> {
+fn start_attack(attack: Attack, addr: SocketAddr, key: &str, component: &Bytes, clients: usize, stop: &Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<()>> {
     (0..clients)
         .map(|_| {
-            let (stop, key) = (Arc::clone(stop), key.to_owned());
+            let (stop, key, component) = (Arc::clone(stop), key.to_owned(), component.clone());
             tokio::spawn(async move {
                 match attack {
                     Attack::Query(query) => query_loop(addr, &key, query, &stop).await,
                     Attack::SlowBody => slow_body_loop(addr, &key, &stop).await,
                     Attack::Idle => idle_loop(addr, &stop).await,
+                    Attack::Upload => upload_loop(addr, component, &stop).await,
                 }
             })
         })
@@ -179,5 +188,21 @@ async fn idle_loop(addr: SocketAddr, stop: &AtomicBool) {
             }
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Uploads `component` as new versions of `evil/uploaded` (not activated), back to back.
+async fn upload_loop(addr: SocketAddr, component: Bytes, stop: &AtomicBool) {
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let url = format!("http://{addr}/admin/v1/tenants/evil/handlers/uploaded?activate=false");
+    while !stop.load(Ordering::SeqCst) {
+        let request = hyper::Request::put(&url).header(hyper::header::AUTHORIZATION, format!("Bearer {ADMIN_TOKEN}"));
+        let Ok(req) = request.body(Full::new(component.clone())) else { return };
+        match client.request(req).await {
+            Ok(resp) => {
+                let _ = resp.into_body().collect().await;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! Compiling uploaded components off the serving path: a small pool of its
-//! own (one thread by default), a time budget, and a bound on uploads
-//! waiting, so an upload never takes the cores that serve requests.
+//! own (one thread by default) at a lower CPU priority, a time budget, and a
+//! bound on uploads waiting, so an upload does not take the cores that
+//! serve requests.
 //!
 //! wasmtime compiles a component's functions in parallel with rayon; run
 //! inside this pool, its parallel iterators use this pool's threads only.
@@ -41,10 +42,15 @@ pub struct CompilePool {
 }
 
 impl CompilePool {
-    /// A pool of `threads` compile threads (at least one) with a budget of `timeout` per upload.
-    pub fn new(threads: usize, timeout: Duration) -> anyhow::Result<Self> {
+    /// A pool of `threads` compile threads (at least one) at niceness
+    /// `nice` (0: the server's own priority) with a budget of `timeout` per upload.
+    pub fn new(threads: usize, nice: i32, timeout: Duration) -> anyhow::Result<Self> {
         let threads = threads.max(1);
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|i| format!("compile-{i}")).build()?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("compile-{i}"))
+            .start_handler(move |_| lower_priority(nice))
+            .build()?;
         Ok(Self { pool, timeout, pending: Arc::default(), max_pending: threads * (1 + WAITING_PER_THREAD) })
     }
 
@@ -71,6 +77,19 @@ impl CompilePool {
     }
 }
 
+/// Lowers the calling thread's priority (Linux: threads have their own niceness).
+fn lower_priority(nice: i32) {
+    #[cfg(target_os = "linux")]
+    if nice > 0 {
+        let thread = rustix::thread::gettid();
+        if let Err(e) = rustix::process::setpriority_process(Some(thread), nice) {
+            tracing::warn!(error = %e, "cannot lower the compile thread's priority");
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = nice;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,7 +99,7 @@ mod tests {
     #[test]
     fn compiles_on_the_pool_and_refuses_garbage() {
         let engine = Engine::default();
-        let pool = CompilePool::new(1, Duration::from_secs(30)).unwrap();
+        let pool = CompilePool::new(1, 10, Duration::from_secs(30)).unwrap();
         let bytes: Arc<[u8]> = wat::parse_str(EMPTY_COMPONENT).unwrap().into();
         assert!(pool.compile(&engine, bytes).is_ok());
         let garbage: Arc<[u8]> = Arc::from(&b"\0asm\x0d\0\x01\0garbage"[..]);
@@ -88,10 +107,19 @@ mod tests {
         assert_eq!(pool.pending.load(Ordering::Acquire), 0);
     }
 
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn compile_threads_run_at_a_lower_priority() {
+        let pool = CompilePool::new(1, 10, Duration::from_secs(5)).unwrap();
+        let nice = pool.pool.install(|| rustix::process::getpriority_process(Some(rustix::thread::gettid())).unwrap());
+        let own = rustix::process::getpriority_process(None).unwrap();
+        assert_eq!(nice, own + 10);
+    }
+
     #[test]
     fn a_compile_past_the_budget_is_refused_and_the_queue_is_bounded() {
         let engine = Engine::default();
-        let pool = CompilePool::new(1, Duration::from_millis(50)).unwrap();
+        let pool = CompilePool::new(1, 10, Duration::from_millis(50)).unwrap();
         // Hold the only thread so every upload waits past its budget.
         let (release, wait) = std::sync::mpsc::channel::<()>();
         pool.pool.spawn(move || {

@@ -32,6 +32,9 @@ pub const DEFAULT_TENANT_RPS: f64 = 100.0;
 pub const DEFAULT_TENANT_BURST: u32 = 200;
 /// Default threads compiling uploads.
 pub const DEFAULT_COMPILE_THREADS: usize = 1;
+/// Default niceness of the compile threads: a weight of about a tenth of
+/// the serving threads' while both want the CPU.
+pub const DEFAULT_COMPILE_NICE: i32 = 10;
 /// Default compile budget of one upload, ms (an 18 MB Python component
 /// takes about 25 s on one core of the reference machine).
 pub const DEFAULT_COMPILE_TIMEOUT_MS: u64 = 120_000;
@@ -152,6 +155,11 @@ pub struct ServeConfig {
     /// Threads that compile uploaded components (serving keeps the other cores).
     #[arg(long, env = "FACEGATE_COMPILE_THREADS", default_value_t = DEFAULT_COMPILE_THREADS)]
     pub compile_threads: usize,
+
+    /// Niceness of the compile threads (0..=19): above 0 they get CPU only
+    /// in proportion, so serving keeps its cores while an upload compiles.
+    #[arg(long, env = "FACEGATE_COMPILE_NICE", default_value_t = DEFAULT_COMPILE_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub compile_nice: i32,
 
     /// Longest an upload's compilation may take (ms); past it the upload is refused.
     #[arg(long, env = "FACEGATE_COMPILE_TIMEOUT_MS", default_value_t = DEFAULT_COMPILE_TIMEOUT_MS)]

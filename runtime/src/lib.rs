@@ -121,7 +121,7 @@ impl Gateway {
         let settings = ControlSettings {
             defaults: config.default_limits(),
             max_instances: config.max_instances,
-            compile: CompilePool::new(config.compile_threads, Duration::from_millis(config.compile_timeout_ms))?,
+            compile: CompilePool::new(config.compile_threads, config.compile_nice, Duration::from_millis(config.compile_timeout_ms))?,
             weights: config.engine.tenant_weights.iter().cloned().collect(),
         };
         let control = ControlPlane::open(&config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;

@@ -80,7 +80,12 @@ impl App {
             Ok(Ok((status, value))) => response::json(status, &value),
             Ok(Err(e)) => store_error(&e),
             Err(e) => {
-                tracing::error!(error = %e, "admin operation panicked");
+                // Cancelled only when the runtime shuts down; anything else is a panic.
+                if e.is_cancelled() {
+                    tracing::debug!("admin operation cancelled at shutdown");
+                } else {
+                    tracing::error!(error = %e, "admin operation panicked");
+                }
                 response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error")
             }
         }
