@@ -110,6 +110,8 @@ pub struct Measurement {
     pub mean_batch: f64,
     /// Calls that failed.
     pub errors: usize,
+    /// Client loops that panicked; their calls are missing from the figures.
+    pub failed_clients: usize,
 }
 
 /// A duration in seconds: finite and not negative.
@@ -130,7 +132,7 @@ pub async fn run(config: BenchConfig) -> anyhow::Result<()> {
         gateway_vs_engine(&config, &images, &tensors, duration).await?;
     }
     if matches!(suite, "fake" | "all") {
-        fake_device(duration).await;
+        fake_device(&config, duration).await;
     }
     if suite == "isolation" {
         crate::bench_isolation::run(&config, &images, duration).await?;
@@ -236,6 +238,14 @@ fn print_row(label: &str, concurrency: usize, m: &Measurement) {
         m.mean_batch,
         m.errors
     );
+    print_failed_clients(m.failed_clients);
+}
+
+/// A line under a row whose client loops panicked (their calls are missing).
+pub(crate) fn print_failed_clients(failed: usize) {
+    if failed > 0 {
+        println!("  {failed} client loop(s) panicked: their calls are missing from the row above");
+    }
 }
 
 /// An in-process gateway on a throw-away store seeded from `--seed-dir`,
@@ -312,22 +322,31 @@ where
         .collect();
     let mut all = LoopStats::default();
     for task in tasks {
-        if let Ok(stats) = task.await {
-            all.merge(stats);
+        match task.await {
+            Ok(stats) => all.merge(stats),
+            Err(e) => {
+                eprintln!("a bench client loop failed: {e}");
+                all.failed_clients += 1;
+            }
         }
     }
     all
 }
 
-/// What one client loop saw.
-#[derive(Default)]
+/// What one client loop saw (or several, merged).
+#[derive(Debug, Default)]
 pub(crate) struct LoopStats {
     latencies: Vec<Duration>,
     completed_in_window: usize,
     errors: usize,
+    /// Client loops that panicked (counted by [`drive`]).
+    failed_clients: usize,
 }
 
 impl LoopStats {
+    /// One call that ran from `start` to `done`: its latency and outcome
+    /// count if it started inside `[warmup, end)`, its completion if it
+    /// succeeded inside that window.
     fn record(&mut self, start: Instant, done: Instant, ok: bool, warmup: Instant, end: Instant) {
         if start >= warmup && start < end {
             self.latencies.push(done - start);
@@ -342,25 +361,39 @@ impl LoopStats {
         self.latencies.extend(other.latencies);
         self.completed_in_window += other.completed_in_window;
         self.errors += other.errors;
+        self.failed_clients += other.failed_clients;
     }
 
+    /// Completions per second of `window`, latency percentiles, errors
+    /// and failed clients; no batch figure (callers add it).
     pub(crate) fn summarize(mut self, window: Duration) -> Measurement {
         self.latencies.sort();
-        let last = self.latencies.len().saturating_sub(1) as f64;
-        let pick = |q: f64| self.latencies.get((last * q).round() as usize).copied().unwrap_or_default();
         Measurement {
             throughput: self.completed_in_window as f64 / window.as_secs_f64(),
-            p50: pick(0.5),
-            p99: pick(0.99),
+            p50: percentile(&self.latencies, 0.5),
+            p99: percentile(&self.latencies, 0.99),
             mean_batch: 0.0,
             errors: self.errors,
+            failed_clients: self.failed_clients,
         }
     }
 }
 
+/// The `q`-quantile of `sorted`: the value at rank `round(q·(n−1))`; zero
+/// when there is none.
+fn percentile(sorted: &[Duration], q: f64) -> Duration {
+    let last = sorted.len().saturating_sub(1) as f64;
+    sorted.get((last * q).round() as usize).copied().unwrap_or_default()
+}
+
 /// Batches and samples run between a snapshot and now.
 fn batch_delta(models: &Models, before: &[u64]) -> (u64, u64) {
-    let after = batch_counts(models);
+    histogram_delta(&batch_counts(models), before)
+}
+
+/// Batches and samples between two batch-size histograms (entry `n - 1`
+/// counts the batches of `n`).
+fn histogram_delta(after: &[u64], before: &[u64]) -> (u64, u64) {
     let (mut batches, mut samples) = (0u64, 0u64);
     for (n, (a, b)) in (1u64..).zip(after.iter().zip(before)) {
         batches += a - b;
@@ -446,46 +479,175 @@ pub(crate) async fn measure_gateway(
     (measured, batches, samples)
 }
 
+/// Hold-back delay of the fake suite's second row when `--batch-delay-us` is 0.
+const FAKE_DEFAULT_DELAY: Duration = Duration::from_millis(2);
+
+/// The fake suite's rows: each `--concurrency` level, without a hold-back
+/// delay and with `--batch-delay-us` (2 ms when that is 0).
+fn fake_plan(config: &BenchConfig) -> (Vec<usize>, [Duration; 2]) {
+    let delay = match config.serve.engine.batch_delay_us {
+        0 => FAKE_DEFAULT_DELAY,
+        us => Duration::from_micros(us),
+    };
+    (config.concurrency.clone(), [Duration::ZERO, delay])
+}
+
 /// The batcher alone, on a fake device costing `a + b·n` per batch of n,
-/// without and with a hold-back delay (`--batch-delay-us` in `serve`).
-async fn fake_device(duration: Duration) {
+/// without and with a hold-back delay (`--batch-delay-us` in `serve`), and
+/// the ratio of the two at each level.
+async fn fake_device(config: &BenchConfig, duration: Duration) {
     const MAX_BATCH: usize = 16;
     let (a, b) = (Duration::from_millis(8), Duration::from_micros(500));
     let ideal = MAX_BATCH as f64 / (a + b * MAX_BATCH as u32).as_secs_f64();
+    let (levels, delays) = fake_plan(config);
+    let warmup = Duration::from_secs_f64(config.warmup);
     println!("\n== batcher alone, fake device: {a:?} + {b:?}·n per batch, max batch {MAX_BATCH}; ideal {ideal:.1}/s ==");
     println!("{:<10} {:>8} {:>10} {:>9} {:>9} {:>7} {:>12}", "conc", "delay", "calls/s", "p50 ms", "p99 ms", "batch", "of ideal");
-    for concurrency in [1, 4, 16, 64] {
-        for delay in [Duration::ZERO, Duration::from_millis(2)] {
-            let config = BatcherConfig { max_batch: MAX_BATCH, max_delay: delay, ..BatcherConfig::default() };
-            let Some(m) = measure_fake(&config, (a, b), concurrency, duration).await else { return };
+    for concurrency in levels {
+        let mut rows = Vec::new();
+        for delay in delays {
+            let batcher = BatcherConfig { max_batch: MAX_BATCH, max_delay: delay, ..BatcherConfig::default() };
+            let Some(m) = measure_fake(&batcher, (a, b), concurrency, warmup, duration).await else { return };
             println!(
-                "{concurrency:<10} {:>6}ms {:>10.1} {:>9.2} {:>9.2} {:>7.2} {:>11.3}x",
-                delay.as_millis(),
+                "{concurrency:<10} {:>6}µs {:>10.1} {:>9.2} {:>9.2} {:>7.2} {:>11.3}x",
+                delay.as_micros(),
                 m.throughput,
                 m.p50.as_secs_f64() * 1e3,
                 m.p99.as_secs_f64() * 1e3,
                 m.mean_batch,
                 m.throughput / ideal
             );
+            print_failed_clients(m.failed_clients);
+            rows.push(m);
+        }
+        if let [none, delayed] = rows.as_slice() {
+            println!(
+                "  ratio delay/none at {concurrency}: throughput {:.3}, p50 {:.3}",
+                delayed.throughput / none.throughput,
+                delayed.p50.as_secs_f64() / none.p50.as_secs_f64()
+            );
         }
     }
 }
 
-async fn measure_fake(config: &BatcherConfig, (a, b): (Duration, Duration), concurrency: usize, duration: Duration) -> Option<Measurement> {
+/// One fake-device configuration: an unmeasured warm-up, then `duration`
+/// measured; the mean batch counts only the batches run while measured.
+async fn measure_fake(
+    config: &BatcherConfig,
+    (a, b): (Duration, Duration),
+    concurrency: usize,
+    warmup: Duration,
+    duration: Duration,
+) -> Option<Measurement> {
     let backend: Box<dyn Backend> = Box::new(FakeBackend::new("fake", config.max_batch, a, b));
     let batcher = Batcher::start(vec![backend], config).ok()?;
     let mut models = Models::new();
     models.insert(batcher);
     let input = Tensor::new(vec![4], facegate_host_gpu::ElementType::U8, vec![1; 4]).ok()?;
     let driver = models.clone();
-    let measured = drive(concurrency, duration, move |_| {
+    let call = move |_| {
         let (models, input) = (driver.clone(), input.clone());
         async move {
             let request = InferRequest { tenant: "bench".into(), input, deadline: Instant::now() + Duration::from_secs(60) };
             models.infer("fake", request).await.is_ok()
         }
-    })
-    .await;
-    let mean_batch = models.iter().next().map_or(0.0, |b| b.metrics().mean_batch_size());
+    };
+    drive(concurrency, warmup, call.clone()).await;
+    let before = batch_counts(&models);
+    let measured = drive(concurrency, duration, call).await;
+    let (batches, samples) = batch_delta(&models, &before);
+    let mean_batch = if batches == 0 { 0.0 } else { samples as f64 / batches as f64 };
     Some(Measurement { mean_batch, ..measured.summarize(duration) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn bench_config(args: &[&str]) -> BenchConfig {
+        let cli = crate::config::Cli::try_parse_from(["facegate", "bench"].iter().chain(args)).unwrap();
+        let crate::config::Command::Bench(config) = cli.command else { panic!("not bench") };
+        config
+    }
+
+    #[test]
+    fn a_call_counts_by_when_it_started_and_ended() {
+        let t0 = Instant::now();
+        let (warmup, end) = (t0 + 100 * MS, t0 + 200 * MS);
+        let mut stats = LoopStats::default();
+        stats.record(t0, t0 + 150 * MS, true, warmup, end); // started in the warm-up: completion only
+        stats.record(t0 + 110 * MS, t0 + 120 * MS, true, warmup, end); // inside: both
+        stats.record(t0 + 120 * MS, t0 + 130 * MS, false, warmup, end); // failed inside: latency and error
+        stats.record(t0 + 190 * MS, t0 + 260 * MS, true, warmup, end); // ends after the window: latency only
+        stats.record(t0 + 200 * MS, t0 + 210 * MS, false, warmup, end); // started at the end: nothing
+        assert_eq!(stats.latencies, [10 * MS, 10 * MS, 70 * MS]);
+        assert_eq!((stats.completed_in_window, stats.errors), (2, 1));
+    }
+
+    #[test]
+    fn percentiles_pick_the_value_at_the_rounded_rank() {
+        let sorted: Vec<Duration> = (1..=100).map(|i| i * MS).collect();
+        assert_eq!(percentile(&sorted, 0.5), 51 * MS, "rank round(49.5) = 50");
+        assert_eq!(percentile(&sorted, 0.99), 99 * MS, "rank round(98.01) = 98");
+        assert_eq!(percentile(&sorted, 0.0), MS);
+        assert_eq!(percentile(&sorted, 1.0), 100 * MS);
+        assert_eq!(percentile(&[7 * MS], 0.99), 7 * MS);
+        assert_eq!(percentile(&[], 0.5), Duration::ZERO);
+    }
+
+    #[test]
+    fn summarize_sorts_merges_and_divides_by_the_window() {
+        let mut a = LoopStats { latencies: vec![30 * MS, 10 * MS], completed_in_window: 3, errors: 1, failed_clients: 0 };
+        a.merge(LoopStats { latencies: vec![20 * MS], completed_in_window: 1, errors: 0, failed_clients: 1 });
+        let m = a.summarize(Duration::from_secs(2));
+        assert_eq!(m.throughput, 2.0, "4 completions in 2 s");
+        assert_eq!((m.p50, m.p99), (20 * MS, 30 * MS));
+        assert_eq!((m.errors, m.failed_clients, m.mean_batch), (1, 1, 0.0));
+    }
+
+    #[test]
+    fn a_tally_adds_rounds_and_averages_batches_over_them() {
+        let round = |completed, latency, batches, samples| {
+            (LoopStats { latencies: vec![latency], completed_in_window: completed, ..LoopStats::default() }, batches, samples)
+        };
+        let mut tally = Tally::default();
+        tally.add(round(10, 5 * MS, 4, 4), Duration::from_secs(1));
+        tally.add(round(20, 15 * MS, 2, 6), Duration::from_secs(1));
+        let m = tally.summarize();
+        assert_eq!(m.throughput, 15.0, "30 completions in two 1-s rounds");
+        assert_eq!(m.mean_batch, 10.0 / 6.0, "10 samples in 6 batches");
+        assert_eq!((m.p50, m.p99), (15 * MS, 15 * MS));
+        assert_eq!(Tally::default().summarize().mean_batch, 0.0, "no batch, no mean");
+    }
+
+    #[test]
+    fn batch_deltas_count_only_the_batches_between_snapshots() {
+        // Batches of 1, 2 and 3: 5, 1, 0 before; 7, 1, 3 after.
+        assert_eq!(histogram_delta(&[7, 1, 3], &[5, 1, 0]), (5, 2 + 9));
+        assert_eq!(histogram_delta(&[5, 1, 0], &[5, 1, 0]), (0, 0));
+    }
+
+    #[test]
+    fn the_fake_suite_follows_the_concurrency_and_delay_flags() {
+        let (levels, delays) = fake_plan(&bench_config(&["--suite", "fake", "--concurrency", "2,8", "--batch-delay-us", "500"]));
+        assert_eq!((levels, delays), (vec![2, 8], [Duration::ZERO, Duration::from_micros(500)]));
+        let (levels, delays) = fake_plan(&bench_config(&[]));
+        assert_eq!((levels, delays), (vec![1, 4, 16, 64], [Duration::ZERO, FAKE_DEFAULT_DELAY]));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_client_loop_is_reported() {
+        let stats = drive(3, 100 * MS, |i| async move {
+            assert_ne!(i % 3, 1, "client 1 panics on purpose");
+            tokio::time::sleep(5 * MS).await;
+            true
+        })
+        .await;
+        assert_eq!(stats.failed_clients, 1);
+        assert!(stats.completed_in_window > 0, "the other two loops still count");
+        assert_eq!(stats.summarize(100 * MS).failed_clients, 1);
+    }
 }

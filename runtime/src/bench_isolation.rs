@@ -16,7 +16,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::io::AsyncWriteExt;
 
-use crate::bench::{BenchConfig, LoopStats, measure_gateway, start_seeded};
+use crate::bench::{BenchConfig, LoopStats, measure_gateway, print_failed_clients, start_seeded};
 
 /// The attacks, each a query of the hostile handler, or a connection-level attack.
 const ATTACKS: &[(&str, Attack)] = &[
@@ -101,6 +101,7 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
         if b.errors > 0 {
             println!("  {} neighbour requests failed beside this attack", b.errors);
         }
+        print_failed_clients(a.failed_clients + b.failed_clients);
     }
     Ok(())
 }

@@ -213,7 +213,7 @@ pub struct EngineConfig {
     /// Devices the model runs on, comma-separated: `cpu`, `cuda:N`,
     /// `tensorrt:N` (e.g. `cuda:0,cuda:1`). Each GPU is one device worker;
     /// `cpu` adds `--cpu-workers` of them. GPUs need a build with
-    /// `--features facegate-host-gpu/cuda` (or `tensorrt`) and the
+    /// `--features cuda` (or `tensorrt`) and the
     /// onnxruntime-gpu library as `--onnxruntime`.
     #[arg(long, env = "FACEGATE_DEVICES", value_delimiter = ',', default_value = "cpu", value_parser = parse_device)]
     pub devices: Vec<DeviceSpec>,

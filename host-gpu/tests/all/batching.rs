@@ -121,19 +121,34 @@ async fn a_failing_batch_fails_only_its_own_calls() {
     assert_eq!(batcher.metrics().samples_failed, 4);
 }
 
-/// A full queue refuses at once instead of growing.
+/// A full queue refuses at once instead of growing: with the one device
+/// busy, of 10 callers exactly the queue's 4 are admitted (and answered
+/// correctly once the device frees up) and the other 6 refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_answers_overloaded() {
     let backend = FakeBackend::new("fake", 1, 200 * MS, Duration::ZERO);
+    let batches = backend.batch_counter();
     let config = BatcherConfig { max_batch: 1, queue_capacity: 4, tenant_capacity: 4, ..Default::default() };
     let batcher = Batcher::start(vec![Box::new(backend)], &config).unwrap();
-    let calls: Vec<_> = (0..10).map(|_| { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 0)).await }) }).collect();
-    let mut overloaded = 0;
+    // The device is busy (for 200 ms) before the 10 callers come.
+    let busy = { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 100)).await }) };
+    while batches.load(Ordering::SeqCst) == 0 { tokio::time::sleep(MS).await; }
+    let calls: Vec<_> = (0..10u8).map(|i| { let b = batcher.clone(); tokio::spawn(async move { (i, b.infer(request("t", i)).await) }) }).collect();
+    let (mut admitted, mut overloaded) = (Vec::new(), 0);
     for call in calls {
-        if call.await.unwrap() == Err(InferError::Overloaded) { overloaded += 1; }
+        match call.await.unwrap() {
+            (_, Err(InferError::Overloaded)) => overloaded += 1,
+            (i, Ok(outputs)) => {
+                assert_eq!(outputs[0].to_f32_vec().unwrap(), [f32::from(i) + 1.0], "call {i} got another's answer");
+                admitted.push(i);
+            }
+            (i, Err(e)) => panic!("call {i} failed: {e}"),
+        }
     }
-    assert!(overloaded >= 5, "only {overloaded} of 10 refused with a queue of 4 and one busy device");
-    assert_eq!(batcher.metrics().rejected_overloaded, overloaded);
+    assert_eq!((admitted.len(), overloaded), (4, 6), "admitted {admitted:?}, with a queue of 4 and the device busy");
+    assert_eq!(busy.await.unwrap().unwrap()[0].to_f32_vec().unwrap(), [101.0]);
+    assert_eq!(batcher.metrics().rejected_overloaded, 6);
+    assert_eq!(batches.load(Ordering::SeqCst), 5, "the busy call and the 4 admitted ran");
 }
 
 /// Calls whose deadline passes while queued never reach the device.

@@ -28,10 +28,12 @@ fn rss_mib() -> u64 {
     line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
 }
 
-/// What happened around one attack.
-struct Observed<T> {
-    attack: T,
-    window: (Instant, Instant),
+/// What happened around one attack (or a few in a row).
+pub(crate) struct Observed<T> {
+    /// What the attack returned.
+    pub(crate) attack: T,
+    /// (start, end) of each attack.
+    windows: Vec<(Instant, Instant)>,
     /// (start, end, status) of each neighbour request.
     neighbour: Vec<(Instant, Instant, u16)>,
     slowest_health: Duration,
@@ -39,14 +41,15 @@ struct Observed<T> {
 }
 
 impl<T> Observed<T> {
-    /// Every neighbour request succeeded, at least one overlapped the
-    /// attack, health answered in time and RSS stayed under `bound_mib`.
-    fn assert_isolated(&self, bound_mib: u64) {
+    /// Every neighbour request succeeded, each attack overlapped at least
+    /// one of them, health answered in time and RSS peaked under `bound_mib`.
+    pub(crate) fn assert_isolated(&self, bound_mib: u64) {
         let statuses: Vec<u16> = self.neighbour.iter().map(|r| r.2).collect();
         assert!(statuses.iter().all(|&s| s == 200), "neighbour got {statuses:?}");
-        let (from, to) = self.window;
-        let overlapping = self.neighbour.iter().filter(|(start, end, _)| *start < to && *end > from).count();
-        assert!(overlapping >= 1, "no neighbour request overlapped the attack ({} requests)", statuses.len());
+        for (i, &(from, to)) in self.windows.iter().enumerate() {
+            let overlapping = self.neighbour.iter().filter(|(start, end, _)| *start < to && *end > from).count();
+            assert!(overlapping >= 1, "no neighbour request overlapped attack {i} ({} requests)", statuses.len());
+        }
         assert!(self.slowest_health < HEALTH_BOUND, "/healthz took {:?} during the attack", self.slowest_health);
         assert!(self.peak_rss_growth_mib < bound_mib, "RSS peaked {} MiB over the baseline (bound {bound_mib})", self.peak_rss_growth_mib);
     }
@@ -55,7 +58,7 @@ impl<T> Observed<T> {
 /// Runs `attack` `repeats` times, each time while a neighbour's request to
 /// `demo/detect` is in flight (so they overlap), with `/healthz` polled and
 /// RSS sampled throughout.
-fn under_attack<T: Send>(repeats: usize, mut attack: impl FnMut() -> T + Send) -> Observed<Vec<T>> {
+pub(crate) fn under_attack<T: Send>(repeats: usize, mut attack: impl FnMut() -> T + Send) -> Observed<Vec<T>> {
     // Started (model loaded, handlers compiled) before anything is measured.
     harness::gateway();
     let baseline = rss_mib();
@@ -94,26 +97,40 @@ fn under_attack<T: Send>(repeats: usize, mut attack: impl FnMut() -> T + Send) -
                 std::thread::sleep(Duration::from_millis(20));
             }
         });
-        let from = Instant::now();
+        // Stops the helpers however the attacks end: the scope joins them
+        // before it passes on an attack's panic.
+        let stopper = StopOnDrop(&stop);
+        let mut windows = Vec::new();
         let results = (0..repeats)
             .map(|_| {
                 while !in_flight.load(Ordering::SeqCst) {
                     std::thread::sleep(Duration::from_millis(1));
                 }
-                attack()
+                let from = Instant::now();
+                let result = attack();
+                windows.push((from, Instant::now()));
+                result
             })
             .collect();
-        let to = Instant::now();
-        stop.store(true, Ordering::SeqCst);
+        drop(stopper);
         let neighbour = neighbour.join().unwrap();
         Observed {
             attack: results,
-            window: (from, to),
+            windows,
             neighbour,
             slowest_health: *slowest.lock().unwrap(),
             peak_rss_growth_mib: peak.load(Ordering::SeqCst).saturating_sub(baseline),
         }
     })
+}
+
+/// Sets its flag when dropped, unwinding included.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }
 
 fn attack(query: &str) -> (u16, Value) {
@@ -123,7 +140,7 @@ fn attack(query: &str) -> (u16, Value) {
 }
 
 /// The bound for one attacking instance plus the neighbour's.
-fn one_instance_bound() -> u64 {
+pub(crate) fn one_instance_bound() -> u64 {
     let host = facegate::state::host_memory_bound(facegate::state::DEFAULT_MAX_HOST_RESOURCES) as u64 >> 20;
     2 * (TENANT_MEMORY_MIB + host) + RSS_MARGIN_MIB
 }

@@ -56,13 +56,28 @@ fn serves_https_with_the_configured_certificate() {
     assert!(response.contains("\"status\":\"ok\""), "{response}");
 }
 
+/// Clear-text HTTP to the TLS port gets, promptly, a fatal TLS alert (a
+/// record of content type 21, level 2) and then the close; no HTTP
+/// answer, and no waiting for the handshake timeout.
 #[test]
-fn clear_text_is_not_answered_on_the_tls_port() {
+fn clear_text_on_the_tls_port_gets_a_tls_alert_and_the_close() {
     let (addr, _) = tls_gateway();
     let mut stream = TcpStream::connect(addr).unwrap();
-    stream.set_read_timeout(Some(std::time::Duration::from_secs(15))).unwrap();
+    // Half the server's handshake timeout: a server that waits fails the test.
+    let limit = std::time::Duration::from_millis(facegate::config::DEFAULT_REQUEST_HEAD_TIMEOUT_MS) / 2;
+    stream.set_read_timeout(Some(limit)).unwrap();
     stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
     let mut response = Vec::new();
-    let _ = stream.read_to_end(&mut response);
-    assert!(!String::from_utf8_lossy(&response).contains("200 OK"));
+    let read = stream.read_to_end(&mut response);
+    let closed = match &read {
+        Ok(_) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    };
+    assert!(closed, "not closed within {limit:?}: {read:?}, got {response:?}");
+    // A TLS alert record: type 21, version 3.x, length 2, level fatal, a description.
+    assert!(
+        matches!(response.as_slice(), [21, 3, _, 0, 2, 2, _]),
+        "expected one fatal TLS alert record, got {response:?} ({:?})",
+        String::from_utf8_lossy(&response)
+    );
 }
