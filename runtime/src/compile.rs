@@ -64,7 +64,12 @@ impl CompilePool {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let (engine, pending) = (engine.clone(), Arc::clone(&self.pending));
         self.pool.spawn(move || {
-            let result = Component::new(&engine, &bytes).map_err(|e| CompileError::Invalid(format!("{e:#}")));
+            // A panic in a rayon job aborts the process: catch it, fail the upload only.
+            let compiled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Component::new(&engine, &bytes)));
+            let result = match compiled {
+                Ok(compiled) => compiled.map_err(|e| CompileError::Invalid(format!("{e:#}"))),
+                Err(_) => Err(CompileError::Failed),
+            };
             pending.fetch_sub(1, Ordering::AcqRel);
             // The uploader may have given up (time budget): nobody to tell.
             let _ = tx.send(result);

@@ -16,7 +16,7 @@ use facegate::config::ServeConfig;
 use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 use tokio_rustls::rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
 
-use crate::harness::{ADMIN_TOKEN, config, fresh_dir, seed_dir, start};
+use crate::harness::{ADMIN_TOKEN, config, fresh_dir, seed_dir, start, start_until, tls_config};
 
 /// Head timeout of the quick gateways.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(1);
@@ -88,17 +88,9 @@ fn small() -> (&'static Gateway, MutexGuard<'static, ()>) {
 fn tls() -> &'static (SocketAddr, CertificateDer<'static>) {
     static GATEWAY: OnceLock<(SocketAddr, CertificateDer<'static>)> = OnceLock::new();
     GATEWAY.get_or_init(|| {
-        let dir = fresh_dir("conn-tls");
-        std::fs::create_dir_all(&dir).unwrap();
-        let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
-        let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
-        std::fs::write(&cert, certified.cert.pem()).unwrap();
-        std::fs::write(&key, certified.signing_key.serialize_pem()).unwrap();
-        let mut config = config(dir.join("data"), Some(seed_dir()));
-        config.tls_cert = Some(cert);
-        config.tls_key = Some(key);
+        let (mut config, cert) = tls_config(&fresh_dir("conn-tls"));
         config.request_head_timeout_ms = HEAD_TIMEOUT.as_millis() as u64;
-        (start(config), certified.cert.der().clone())
+        (start(config), cert)
     })
 }
 
@@ -464,28 +456,6 @@ fn connections_over_the_per_address_cap_are_closed() {
     }
     let after = metrics(gateway);
     assert!(closed_total(&after, "per_ip_cap") > closed_total(&before, "per_ip_cap"), "{after}");
-}
-
-/// Starts a gateway that drains when `shutdown` resolves; the returned
-/// receiver hears once `serve` has returned.
-fn start_until(
-    config: ServeConfig,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> (SocketAddr, std::sync::mpsc::Receiver<()>) {
-    let (started, addr) = std::sync::mpsc::channel();
-    let (ended, returned) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
-        runtime.block_on(async move {
-            let models = facegate::load_models(&config.engine).expect("load model (run deploy/setup.sh)");
-            let gateway = facegate::Gateway::new(&config, models).expect("start gateway");
-            let (listener, addr) = facegate::bind(config.listen).await.unwrap();
-            started.send(addr).unwrap();
-            gateway.serve(listener, shutdown).await.unwrap();
-            ended.send(()).unwrap();
-        });
-    });
-    (addr.recv().expect("gateway failed to start"), returned)
 }
 
 #[test]

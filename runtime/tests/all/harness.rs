@@ -132,21 +132,46 @@ pub fn key(tenant: &str) -> String {
 /// Starts a gateway with `config` on a thread of its own; returns its address.
 /// With `FACEGATE_LOG` set, the gateways log to the test output.
 pub fn start(config: ServeConfig) -> SocketAddr {
+    start_until(config, std::future::pending()).0
+}
+
+/// Starts a gateway that drains when `shutdown` resolves; the returned
+/// receiver hears once `serve` has returned.
+pub fn start_until(
+    config: ServeConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> (SocketAddr, std::sync::mpsc::Receiver<()>) {
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("FACEGATE_LOG") {
         let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
     }
-    let (tx, rx) = std::sync::mpsc::channel();
+    let (started, addr) = std::sync::mpsc::channel();
+    let (ended, returned) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
         runtime.block_on(async move {
             let models = facegate::load_models(&config.engine).expect("load model (run deploy/setup.sh)");
             let gateway = facegate::Gateway::new(&config, models).expect("start gateway");
             let (listener, addr) = facegate::bind(config.listen).await.unwrap();
-            tx.send(addr).unwrap();
-            gateway.serve(listener, std::future::pending()).await.unwrap();
+            started.send(addr).unwrap();
+            gateway.serve(listener, shutdown).await.unwrap();
+            let _ = ended.send(());
         });
     });
-    rx.recv().expect("gateway failed to start")
+    (addr.recv().expect("gateway failed to start"), returned)
+}
+
+/// The test gateway's settings over HTTPS, with a fresh self-signed
+/// certificate for `localhost` written under `dir`; returns the certificate too.
+pub fn tls_config(dir: &Path) -> (ServeConfig, tokio_rustls::rustls::pki_types::CertificateDer<'static>) {
+    std::fs::create_dir_all(dir).unwrap();
+    let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert, certified.cert.pem()).unwrap();
+    std::fs::write(&key, certified.signing_key.serialize_pem()).unwrap();
+    let mut config = config(dir.join("data"), Some(seed_dir()));
+    config.tls_cert = Some(cert);
+    config.tls_key = Some(key);
+    (config, certified.cert.der().clone())
 }
 
 /// A blocking HTTP client with a generous timeout, sending no key.

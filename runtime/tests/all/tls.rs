@@ -3,30 +3,19 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 use tokio_rustls::rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
 
-use crate::harness::{config, seed_dir, start};
+use crate::harness::{fresh_dir, start, tls_config};
 
 /// A TLS gateway with a fresh self-signed certificate for `localhost`.
 fn tls_gateway() -> &'static (SocketAddr, CertificateDer<'static>) {
     static GATEWAY: OnceLock<(SocketAddr, CertificateDer<'static>)> = OnceLock::new();
     GATEWAY.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("tls-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-
-        let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
-        let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
-        std::fs::write(&cert, certified.cert.pem()).unwrap();
-        std::fs::write(&key, certified.signing_key.serialize_pem()).unwrap();
-        let mut config = config(dir.join("data"), Some(seed_dir()));
-        config.tls_cert = Some(cert);
-        config.tls_key = Some(key);
-        (start(config), certified.cert.der().clone())
+        let (config, cert) = tls_config(&fresh_dir("tls"));
+        (start(config), cert)
     })
 }
 
