@@ -69,12 +69,6 @@ pub struct Sandbox {
     hits: Arc<LimitHits>,
 }
 
-/// Who a request is for, for logs and counters.
-#[derive(Debug, Clone)]
-pub struct RequestInfo {
-    /// The request's id (also the `x-request-id` response header).
-    pub id: Arc<str>,
-}
 
 /// Deadline marker error, so a timeout is told apart from other traps.
 #[derive(Debug, thiserror::Error)]
@@ -120,7 +114,7 @@ impl Sandbox {
     }
 
     /// Runs `request` through `handler` under `limits`, stopping the guest
-    /// at `deadline`. `permits` (instance and tenant slots) are held until
+    /// at `deadline`; `request_id` names it in the logs. `permits` (instance and tenant slots) are held until
     /// the guest is gone.
     pub async fn handle(
         &self,
@@ -128,7 +122,7 @@ impl Sandbox {
         request: hyper::Request<Full<Bytes>>,
         deadline: Instant,
         limits: SandboxLimits,
-        info: RequestInfo,
+        request_id: Arc<str>,
         permits: impl Send + 'static,
     ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
         let mut store = self.new_store(handler, deadline, limits);
@@ -151,7 +145,7 @@ impl Sandbox {
                 proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await
             };
             let result = tokio::time::timeout_at(deadline.into(), run).await;
-            log_output(&handler_ref, &info, &store, &hits);
+            log_output(&handler_ref, &request_id, &store, &hits);
             result
         });
         // If the client goes away before the response head, this future is
@@ -280,10 +274,10 @@ fn root_cause(err: &wasmtime::Error) -> String {
 
 /// Logs what the guest wrote to stdout/stderr, escaped and attributed;
 /// counts output dropped past the cap and `infer` calls refused by a limit.
-fn log_output(handler: &Handler, info: &RequestInfo, store: &Store<RequestState>, hits: &LimitHits) {
+fn log_output(handler: &Handler, request_id: &str, store: &Store<RequestState>, hits: &LimitHits) {
     let (bytes, dropped) = store.data().stdio.contents();
     if !bytes.is_empty() {
-        tracing::info!(tenant = %handler.tenant, handler = %handler.name, request_id = %info.id, dropped_bytes = dropped, output = %escape_for_log(&bytes), "guest output");
+        tracing::info!(tenant = %handler.tenant, handler = %handler.name, request_id, dropped_bytes = dropped, output = %escape_for_log(&bytes), "guest output");
     }
     if dropped > 0 {
         hits.hit(&handler.tenant, Limit::Output);

@@ -16,7 +16,7 @@ use crate::control::{ControlPlane, TenantGate};
 use crate::handlers::Handler;
 use crate::instances::{InstancePool, Refusal};
 use crate::metrics::{self, HttpMetrics, Limit, LimitHits};
-use crate::sandbox::{RequestInfo, Sandbox, SandboxError, SandboxLimits};
+use crate::sandbox::{Sandbox, SandboxError, SandboxLimits};
 use facegate_host_gpu::Models;
 
 /// Longest a client may take to send a request body (also capped by the request timeout).
@@ -232,8 +232,7 @@ impl App {
             max_infer_calls: limits.max_infer_calls,
             max_host_resources: self.config.max_host_resources,
         };
-        let info = RequestInfo { id: Arc::clone(id) };
-        match self.sandbox.handle(handler, req, deadline, sandbox_limits, info, (instance, tenant_slot)).await {
+        match self.sandbox.handle(handler, req, deadline, sandbox_limits, Arc::clone(id), (instance, tenant_slot)).await {
             Ok(mut response) => {
                 response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));
                 response
