@@ -163,6 +163,7 @@ impl Batcher {
     /// answered so.
     pub fn remove_tenant(&self, tenant: &str) -> usize {
         let removed = self.shared.lock().remove_tenant(tenant);
+        self.shared.metrics.forget_tenant(tenant);
         let count = removed.len();
         for entry in removed {
             let _ = entry.reply.send(Err(InferError::ShuttingDown));
@@ -343,6 +344,7 @@ fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Ve
     let result = result.and_then(|outputs| check_len(outputs, batch.len()));
     let (size, elapsed, ok) = (batch.len(), started.elapsed(), result.is_ok());
     shared.metrics.record_batch(index, size, elapsed, ok);
+    shared.metrics.charge_tenants(elapsed, batch.iter().map(|e| (&*e.tenant, crate::queue::sample_cost(e.input.shape()))));
     match result {
         Ok(outputs) => {
             for (entry, output) in batch.into_iter().zip(outputs) {

@@ -1,5 +1,7 @@
 //! Counters a batcher keeps about itself; lock-free, read as a snapshot.
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -16,6 +18,8 @@ pub struct Metrics {
     wait_sum_us: AtomicU64,
     /// Busy time per worker (device), microseconds.
     busy_us: Vec<AtomicU64>,
+    /// Device time charged to each tenant, microseconds (see [`Metrics::charge_tenants`]).
+    tenant_busy_us: Mutex<BTreeMap<String, u64>>,
     /// Batch size each worker chose for the shape of its latest batch.
     batch_limit: Vec<AtomicU64>,
     /// Whether each worker is still learning that shape's size.
@@ -40,6 +44,9 @@ pub struct MetricsSnapshot {
     pub wait_sum_seconds: f64,
     /// Busy seconds of each worker.
     pub busy_seconds: Vec<f64>,
+    /// Device seconds charged to each tenant: each batch's time split
+    /// between its samples by their cost (pixels).
+    pub tenant_busy_seconds: BTreeMap<String, f64>,
     /// The batch size each worker last chose (learned, or `max_batch` when fixed).
     pub batch_limit: Vec<u64>,
     /// Whether each worker is still learning the size for its latest batch's
@@ -81,6 +88,7 @@ impl Metrics {
             wait_count: AtomicU64::new(0),
             wait_sum_us: AtomicU64::new(0),
             busy_us: (0..workers).map(|_| AtomicU64::new(0)).collect(),
+            tenant_busy_us: Mutex::default(),
             batch_limit: (0..workers).map(|_| AtomicU64::new(max_batch as u64)).collect(),
             learning: (0..workers).map(|_| AtomicBool::new(false)).collect(),
             samples_ok: AtomicU64::new(0),
@@ -113,6 +121,31 @@ impl Metrics {
         counter.fetch_add(size as u64, Ordering::Relaxed);
     }
 
+    /// Charges a batch's device time to the tenants of its samples, each
+    /// `(tenant, cost)` its share in proportion to its cost.
+    pub(crate) fn charge_tenants<'a>(&self, busy: Duration, samples: impl Iterator<Item = (&'a str, u64)> + Clone) {
+        let total: u64 = samples.clone().map(|(_, cost)| cost).sum();
+        if total == 0 {
+            return;
+        }
+        let busy = micros(busy);
+        let mut charged = self.tenant_busy_us.lock().unwrap_or_else(|p| p.into_inner());
+        for (tenant, cost) in samples {
+            let share = u64::try_from(u128::from(busy) * u128::from(cost) / u128::from(total)).unwrap_or(u64::MAX);
+            match charged.get_mut(tenant) {
+                Some(us) => *us = us.saturating_add(share),
+                None => {
+                    charged.insert(tenant.to_owned(), share);
+                }
+            }
+        }
+    }
+
+    /// Forgets a deleted tenant's charged device time.
+    pub(crate) fn forget_tenant(&self, tenant: &str) {
+        self.tenant_busy_us.lock().unwrap_or_else(|p| p.into_inner()).remove(tenant);
+    }
+
     /// Records a worker's chosen batch size, and whether it is still learning it.
     pub(crate) fn record_sizing(&self, worker: usize, limit: usize, learning: bool) {
         if let Some(slot) = self.batch_limit.get(worker) {
@@ -140,6 +173,9 @@ impl Metrics {
             wait_count: load(&self.wait_count),
             wait_sum_seconds: load(&self.wait_sum_us) as f64 / 1e6,
             busy_seconds: self.busy_us.iter().map(|a| load(a) as f64 / 1e6).collect(),
+            tenant_busy_seconds: (self.tenant_busy_us.lock().unwrap_or_else(|p| p.into_inner()).iter())
+                .map(|(tenant, us)| (tenant.clone(), *us as f64 / 1e6))
+                .collect(),
             batch_limit: self.batch_limit.iter().map(load).collect(),
             learning: self.learning.iter().map(|a| a.load(Ordering::Relaxed)).collect(),
             samples_ok: load(&self.samples_ok),

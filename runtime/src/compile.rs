@@ -57,19 +57,30 @@ impl CompilePool {
     /// Compiles `bytes` for `engine` on the pool; blocks the caller (a
     /// blocking admin thread) until done, refused or out of time.
     pub fn compile(&self, engine: &Engine, bytes: Arc<[u8]>) -> Result<Component, CompileError> {
+        let engine = engine.clone();
+        self.run(move || Component::new(&engine, &bytes).map_err(|e| CompileError::Invalid(format!("{e:#}"))))?
+    }
+
+    /// Whether a new upload would be refused [`CompileError::Busy`] now:
+    /// lets the admin API refuse before it reads the upload's body.
+    pub fn is_full(&self) -> bool {
+        self.pending.load(Ordering::Acquire) >= self.max_pending
+    }
+
+    /// Runs `job` (an upload's CPU-heavy work: compiling, hashing,
+    /// serialising) on the pool, under the same budget and bound as
+    /// [`Self::compile`]; blocks the caller until done, refused or out of time.
+    /// A job past its budget finishes in the background and is discarded.
+    pub fn run<T: Send + 'static>(&self, job: impl FnOnce() -> T + Send + 'static) -> Result<T, CompileError> {
         if self.pending.fetch_add(1, Ordering::AcqRel) >= self.max_pending {
             self.pending.fetch_sub(1, Ordering::AcqRel);
             return Err(CompileError::Busy);
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let (engine, pending) = (engine.clone(), Arc::clone(&self.pending));
+        let pending = Arc::clone(&self.pending);
         self.pool.spawn(move || {
             // A panic in a rayon job aborts the process: catch it, fail the upload only.
-            let compiled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Component::new(&engine, &bytes)));
-            let result = match compiled {
-                Ok(compiled) => compiled.map_err(|e| CompileError::Invalid(format!("{e:#}"))),
-                Err(_) => Err(CompileError::Failed),
-            };
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).map_err(|_| CompileError::Failed);
             pending.fetch_sub(1, Ordering::AcqRel);
             // The uploader may have given up (time budget): nobody to tell.
             let _ = tx.send(result);
@@ -134,6 +145,12 @@ mod tests {
         let outcomes: Vec<_> = (0..4).map(|_| pool.compile(&engine, Arc::clone(&bytes))).collect();
         assert!(matches!(outcomes[0], Err(CompileError::TooSlow(_))), "{:?}", outcomes[0].as_ref().err());
         assert!(matches!(outcomes[3], Err(CompileError::Busy)), "{:?}", outcomes[3].as_ref().err());
+        assert!(pool.is_full(), "the three still waiting fill it");
         release.send(()).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while pool.is_full() {
+            assert!(std::time::Instant::now() < deadline, "the queue never drained");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }

@@ -212,6 +212,7 @@ pub fn render(http: &HttpMetrics, hits: &LimitHits, models: &Models, instances_i
     family(&mut out, "facegate_batch_size", "histogram", "Samples per device batch.", &snapshots, batch_sizes);
     family(&mut out, "facegate_queue_wait_seconds", "histogram", "Time calls waited for a device.", &snapshots, queue_wait);
     family(&mut out, "facegate_device_busy_seconds_total", "counter", "Time each device spent running batches.", &snapshots, busy);
+    family(&mut out, "facegate_tenant_device_seconds_total", "counter", "Device time charged to each tenant: each batch's time split between its samples by their pixels.", &snapshots, tenant_busy);
     family(&mut out, "facegate_batch_limit", "gauge", "Batch size each device chose for the input shape of its latest batch (learned per shape).", &snapshots, limits);
     family(&mut out, "facegate_batch_sizing_learning", "gauge", "1 while a device is still learning the batch size for the input shape of its latest batch (probing often).", &snapshots, learning);
     family(&mut out, "facegate_queue_depth", "gauge", "Calls waiting now.", &snapshots, depth);
@@ -252,6 +253,12 @@ fn queue_wait(out: &mut String, l: &str, m: &MetricsSnapshot) {
 fn busy(out: &mut String, l: &str, m: &MetricsSnapshot) {
     for (device, seconds) in m.busy_seconds.iter().enumerate() {
         let _ = writeln!(out, "facegate_device_busy_seconds_total{{{l},device=\"{device}\"}} {seconds}");
+    }
+}
+
+fn tenant_busy(out: &mut String, l: &str, m: &MetricsSnapshot) {
+    for (tenant, seconds) in &m.tenant_busy_seconds {
+        let _ = writeln!(out, "facegate_tenant_device_seconds_total{{{l},tenant=\"{}\"}} {seconds}", tenant.escape_default());
     }
 }
 

@@ -293,6 +293,13 @@ async fn device_time_is_shared_by_pixels_not_samples() {
     let (big, small) = (spent(BIG), spent(SMALL));
     let ratio = big.as_secs_f64() / small.as_secs_f64();
     assert!((0.6..1.6).contains(&ratio), "device time big/small {ratio:.2} ({big:?} vs {small:?})");
+    // The per-tenant device time the batcher reports is the time the device
+    // spent on each (totals, now that every call is answered).
+    let (charged, total) = (batcher.metrics().tenant_busy_seconds, busy.lock().expect("busy lock").clone());
+    for (tenant, len) in [("big", BIG), ("small", SMALL)] {
+        let (reported, timed) = (charged[tenant], total[&len].as_secs_f64());
+        assert!((reported - timed).abs() <= 0.05 * timed + 0.02, "{tenant}: reported {reported:.3} s, device ran {timed:.3} s");
+    }
 }
 
 /// Removing a tenant answers its waiting calls at once, leaves other

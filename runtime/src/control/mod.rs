@@ -9,6 +9,7 @@ pub mod blobs;
 pub mod db;
 pub mod keys;
 pub mod limits;
+mod upload;
 pub mod validate;
 
 use std::collections::HashMap;
@@ -26,6 +27,7 @@ use self::blobs::Blobs;
 use self::db::{ActiveHandler, Db, KeyRow, StoreError, StoreResult, VersionRow};
 use self::keys::NewKey;
 use self::limits::{ConcurrencyGate, LimitOverrides, TenantLimits, TokenBucket};
+use self::upload::Upload;
 use crate::compile::{CompileError, CompilePool};
 use crate::handlers::{Handler, valid_name};
 use crate::sandbox::Sandbox;
@@ -374,7 +376,13 @@ impl ControlPlane {
         self.refresh(&db, Vec::new())
     }
 
+    /// Whether uploads are refused as busy now (see [`CompilePool::is_full`]).
+    pub fn uploads_busy(&self) -> bool {
+        self.compile.is_full()
+    }
+
     /// Validates, compiles and stores a new version of a handler; activates it if asked.
+    /// The heavy part runs on the compile pool (see [`upload`]), under its budget.
     pub fn deploy(&self, tenant: &str, handler: &str, bytes: &[u8], activate: bool) -> StoreResult<Deployed> {
         let handler = valid_name(handler).map_err(|e| StoreError::Invalid(e.to_string()))?;
         let outgoing_http = {
@@ -383,26 +391,29 @@ impl ControlPlane {
             entry.gate.limits.outgoing_http
         };
         validate::check_header(bytes).map_err(StoreError::Invalid)?;
-        let engine = self.sandbox.engine();
-        let component = self.compile.compile(engine, Arc::from(bytes)).map_err(|e| match e {
+        let upload = Upload {
+            sandbox: Arc::clone(&self.sandbox),
+            blobs: self.blobs.clone(),
+            engine_id: self.engine_id.clone(),
+            tenant: tenant.to_owned(),
+            handler: handler.clone(),
+            outgoing_http,
+            bytes: Arc::from(bytes),
+        };
+        let prepared = self.compile.run(move || upload.prepare()).map_err(|e| match e {
             CompileError::Invalid(_) => StoreError::Invalid(e.to_string()),
             CompileError::TooSlow(_) | CompileError::Busy => StoreError::Busy(e.to_string()),
             CompileError::Failed => StoreError::Internal(anyhow::anyhow!(e)),
-        })?;
-        validate::check_imports(engine, &component, tenant, outgoing_http).map_err(StoreError::Invalid)?;
-        validate::check_exports(engine, &component).map_err(StoreError::Invalid)?;
-        // Link before storing anything: a component that cannot run is refused.
-        let mut linked = Handler::link(self.sandbox.linker(outgoing_http), &component, tenant, &handler, 0, outgoing_http)
-            .map_err(StoreError::Invalid)?;
-        // Files first (atomic, fsynced), then the row that makes them visible.
-        let sha256 = self.blobs.put_component(bytes)?;
+        })??;
         let mut db = self.db();
         // The grant may have changed while this compiled (outside the lock).
         if self.defaults.with(&db.tenant(tenant)?.overrides).outgoing_http != outgoing_http {
             return Err(StoreError::Conflict(format!("tenant {tenant:?}'s outgoing HTTP grant changed during the upload; upload again")));
         }
-        self.cache_artifact(&db, &sha256, &component)?;
+        let sha256 = prepared.sha256;
+        db.put_artifact(&sha256, &self.engine_id, &prepared.artifact_sha256)?;
         let version = db.add_version(tenant, &handler, &sha256, bytes.len(), activate)?;
+        let mut linked = prepared.linked;
         linked.version = version;
         let preloaded = if activate { vec![Arc::new(linked)] } else { Vec::new() };
         self.refresh(&db, preloaded)?;
@@ -597,8 +608,7 @@ impl ControlPlane {
     }
 
     fn cache_artifact(&self, db: &Db, sha256: &str, component: &Component) -> StoreResult<()> {
-        let artifact = component.serialize().map_err(|e| anyhow::anyhow!("serialize: {e}"))?;
-        let artifact_sha = self.blobs.put_artifact(sha256, &self.engine_id, &artifact)?;
+        let artifact_sha = upload::write_artifact(&self.blobs, &self.engine_id, sha256, component)?;
         db.put_artifact(sha256, &self.engine_id, &artifact_sha)
     }
 }

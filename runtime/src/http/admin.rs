@@ -19,6 +19,7 @@ use super::routes::{App, bearer, buffer_body};
 use crate::control::db::StoreError;
 use crate::control::keys;
 use crate::control::limits::LimitOverrides;
+use crate::compile::CompileError;
 use crate::control::ControlPlane;
 
 /// Longest an admin upload may take to arrive.
@@ -67,6 +68,10 @@ impl App {
         let method = req.method().clone();
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
+        // Refused before its body is read: a client retrying at once costs little.
+        if method == Method::PUT && matches!(rest, ["tenants", _, "handlers", _]) && self.control.uploads_busy() {
+            return response::before_body(store_error(&StoreError::Busy(CompileError::Busy.to_string())));
+        }
         let body = match buffer_body(req, self.config.max_component_bytes, UPLOAD_TIMEOUT).await {
             Ok(req) => match req.into_body().collect().await {
                 Ok(collected) => collected.to_bytes(),

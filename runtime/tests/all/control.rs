@@ -346,3 +346,52 @@ fn with_an_admin_listener_the_admin_api_and_metrics_leave_the_public_one() {
     let response = client_with_key(&key).post(format!("http://{public}/v1/demo/detect")).body(image("grace_hopper.jpg")).send().unwrap();
     assert_eq!(response.status(), 200);
 }
+
+/// Raising a tenant's concurrency limit resizes its gate in place: requests
+/// already running count against the new limit, so it never runs more.
+/// Deleting a tenant ends its keys and its device-time account; a new
+/// tenant of the same name starts afresh.
+#[test]
+fn tenant_state_follows_limit_changes_and_deletion() {
+    let key = tenant_with_key("follow", json!({ "max_concurrency": 1, "timeout_ms": 3000, "weight": 7 }));
+    assert_eq!(upload("follow", "attack", component("hostile"), true).0, 201);
+    let client = client_with_key(&key);
+    let body: Value = client.get(url("/v1/follow/attack?attack=big-tensor&side=64")).send().unwrap().json().unwrap();
+    assert_eq!(body["outcomes"], json!(["ok"]), "{body}");
+    let device_series = "facegate_tenant_device_seconds_total{model=\"centerface\",tenant=\"follow\"}";
+    assert!(metrics().contains(device_series), "the tenant's device time is reported");
+
+    let looping = |key: &str| {
+        let key = key.to_owned();
+        std::thread::spawn(move || client_with_key(&key).get(url("/v1/follow/attack?attack=loop")).send().unwrap().status().as_u16())
+    };
+    let first = looping(&key);
+    std::thread::sleep(Duration::from_millis(500));
+    let (status, body) = admin_json(admin(Method::PATCH, "tenants/follow").json(&json!({ "max_concurrency": 2 })));
+    assert_eq!((status, body["limits"]["max_concurrency"].as_u64()), (200, Some(2)), "{body}");
+    let second = looping(&key);
+    std::thread::sleep(Duration::from_millis(500));
+    let third = client.get(url("/v1/follow/attack?attack=panic")).send().unwrap().status().as_u16();
+    assert_eq!(third, 429, "two running, the limit is two");
+    assert_eq!((first.join().unwrap(), second.join().unwrap()), (504, 504));
+
+    let (status, body) = admin_json(admin(Method::DELETE, "tenants/follow"));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(client.get(url("/v1/follow/attack?attack=panic")).send().unwrap().status(), 401, "its key is gone");
+    assert!(!metrics().contains(device_series), "its device time is forgotten");
+    let key = tenant_with_key("follow", json!({}));
+    let (status, body) = admin_json(admin(Method::GET, "tenants/follow"));
+    assert_eq!((status, body["limits"]["weight"].as_u64(), body["limits"]["max_concurrency"].as_u64()), (200, Some(1), Some(gateway_default_concurrency())), "{body}");
+    assert_eq!(body["handlers"], json!([]), "no handler of the old tenant: {body}");
+    assert_eq!(client_with_key(&key).get(url("/v1/follow/attack?attack=panic")).send().unwrap().status(), 404);
+}
+
+fn metrics() -> String {
+    anonymous().get(url("/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap()
+}
+
+/// The shared gateway's default per-tenant concurrency.
+fn gateway_default_concurrency() -> u64 {
+    let config = crate::harness::config(std::path::PathBuf::from("/nonexistent"), None);
+    u64::from(config.tenant_max_concurrency)
+}

@@ -302,3 +302,59 @@ fn slow_uploads_do_not_pin_instance_slots() {
         assert!(upload.read(&mut buf).is_err(), "the upload was not answered yet");
     }
 }
+
+/// The value of the `/metrics` line that starts with `series` (0 when absent).
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .map_or(0.0, |value| value.parse().unwrap())
+}
+
+/// Two busy tenants of equal weight get equal device time, though one sends
+/// 640² images and the other 320² ones (4× fewer pixels): the gateway
+/// charges each sample its pixels, and reports device time per tenant.
+/// Charging samples instead would give the 640² tenant about 4× the time.
+#[test]
+fn busy_tenants_share_device_time_whatever_their_image_sizes() {
+    let seed = harness::fresh_dir("fair-seed");
+    for tenant in ["large", "modest"] {
+        harness::install(&seed, tenant, "attack", &harness::guest("hostile"));
+    }
+    let data = harness::fresh_dir("fair-data");
+    let mut config = harness::config(data.clone(), Some(seed));
+    config.request_timeout_ms = 30_000;
+    config.tenant_max_concurrency = 16;
+    let addr = harness::start(config);
+    let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
+    let stop = AtomicBool::new(false);
+    let device_seconds = || {
+        let text = anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
+        let of = |tenant: &str| metric(&text, &format!("facegate_tenant_device_seconds_total{{model=\"centerface\",tenant=\"{tenant}\"}}"));
+        (of("large"), of("modest"))
+    };
+    let (before, after) = std::thread::scope(|s| {
+        // Enough clients that both tenants always have calls waiting.
+        for (tenant, side, clients) in [("large", 640, 4), ("modest", 320, 12)] {
+            for _ in 0..clients {
+                let (client, stop) = (client_with_key(&key(tenant)), &stop);
+                s.spawn(move || {
+                    let url = format!("http://{addr}/v1/{tenant}/attack?attack=big-tensor&side={side}");
+                    while !stop.load(Ordering::SeqCst) {
+                        let body: Value = client.get(&url).send().unwrap().json().unwrap();
+                        assert_eq!(body["outcomes"], serde_json::json!(["ok"]), "{tenant}: {body}");
+                    }
+                });
+            }
+        }
+        let _stop = StopOnDrop(&stop);
+        // Past the batch sizer's first probes, then one measured window.
+        std::thread::sleep(Duration::from_secs(3));
+        let before = device_seconds();
+        std::thread::sleep(Duration::from_secs(8));
+        (before, device_seconds())
+    });
+    let (large, modest) = (after.0 - before.0, after.1 - before.1);
+    assert!(large > 0.5 && modest > 0.5, "both tenants ran: {large:.2} s and {modest:.2} s of device time");
+    let ratio = large / modest;
+    assert!((0.6..1.7).contains(&ratio), "device time 640²/320² tenant: {ratio:.2} ({large:.2} s vs {modest:.2} s)");
+}

@@ -1,0 +1,60 @@
+//! The CPU-heavy part of a deploy, run on the compile pool (its own thread,
+//! at a lower priority, under a time budget): compiling, validating and
+//! linking the component, hashing and writing its bytes and its precompiled
+//! artifact. What is left for the caller is quick: the row that makes the
+//! version visible, under the database lock.
+
+use std::sync::Arc;
+
+use wasmtime::component::Component;
+
+use super::blobs::Blobs;
+use super::db::{StoreError, StoreResult};
+use super::validate;
+use crate::handlers::Handler;
+use crate::sandbox::Sandbox;
+
+/// One upload, owned, so it can move to a compile thread.
+pub(super) struct Upload {
+    pub sandbox: Arc<Sandbox>,
+    pub blobs: Blobs,
+    pub engine_id: String,
+    pub tenant: String,
+    pub handler: String,
+    pub outgoing_http: bool,
+    pub bytes: Arc<[u8]>,
+}
+
+/// A validated, linked, stored upload, not yet visible.
+pub(super) struct Prepared {
+    /// Linked at version 0; the caller sets the version the row gets.
+    pub linked: Handler,
+    /// The component bytes' SHA-256 (hex), their blob's name.
+    pub sha256: String,
+    /// The precompiled artifact's SHA-256 (hex).
+    pub artifact_sha256: String,
+}
+
+impl Upload {
+    /// Compiles, validates, links and stores the upload (files only).
+    pub fn prepare(self) -> StoreResult<Prepared> {
+        let engine = self.sandbox.engine();
+        let component = Component::new(engine, &self.bytes)
+            .map_err(|e| StoreError::Invalid(format!("the component does not compile: {e:#}")))?;
+        validate::check_imports(engine, &component, &self.tenant, self.outgoing_http).map_err(StoreError::Invalid)?;
+        validate::check_exports(engine, &component).map_err(StoreError::Invalid)?;
+        // Link before storing anything: a component that cannot run is refused.
+        let linker = self.sandbox.linker(self.outgoing_http);
+        let linked = Handler::link(linker, &component, &self.tenant, &self.handler, 0, self.outgoing_http).map_err(StoreError::Invalid)?;
+        // Files are atomic and fsynced; nothing refers to them until the row is added.
+        let sha256 = self.blobs.put_component(&self.bytes)?;
+        let artifact_sha256 = write_artifact(&self.blobs, &self.engine_id, &sha256, &component)?;
+        Ok(Prepared { linked, sha256, artifact_sha256 })
+    }
+}
+
+/// Serialises `component` into its artifact file; returns the artifact's SHA-256.
+pub(super) fn write_artifact(blobs: &Blobs, engine_id: &str, sha256: &str, component: &Component) -> anyhow::Result<String> {
+    let artifact = component.serialize().map_err(|e| anyhow::anyhow!("serialize: {e}"))?;
+    blobs.put_artifact(sha256, engine_id, &artifact)
+}
