@@ -35,6 +35,17 @@ pub struct Face {
 }
 
 impl Face {
+    /// Scales the box and landmarks by `fx` along x and `fy` along y (from
+    /// a reduced decode's pixels to the original's).
+    pub fn scale(&mut self, fx: f32, fy: f32) {
+        let [x1, y1, x2, y2] = self.bbox;
+        self.bbox = [x1 * fx, y1 * fy, x2 * fx, y2 * fy];
+        for [x, y] in &mut self.landmarks {
+            *x *= fx;
+            *y *= fy;
+        }
+    }
+
     /// Width of the box.
     pub fn width(&self) -> f32 {
         self.bbox[2] - self.bbox[0]

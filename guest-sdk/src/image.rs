@@ -15,6 +15,9 @@ use image::{DynamicImage, ImageDecoder, ImageReader};
 
 use crate::face_detect::{ElementType, Tensor};
 
+mod scaled;
+pub use scaled::{ScaledImage, decode_for_letterbox};
+
 /// Decoded RGB image, 8 bits per channel (re-exported from the `image` crate).
 pub use image::RgbImage;
 

@@ -131,20 +131,53 @@ impl Detection {
     /// "score","landmarks"}],"timings_ms"}`; pixels rounded to 0.1, scores
     /// to 1e-4, milliseconds to 0.01.
     pub fn to_json(&self) -> serde_json::Value {
-        let faces: Vec<FaceJson> = self.faces.iter().map(FaceJson::from).collect();
-        serde_json::json!({
-            "model": MODEL,
-            "image": { "width": self.image.width(), "height": self.image.height() },
-            "faces": faces,
-            "timings_ms": self.timings.rounded(),
-        })
+        faces_json(self.image.dimensions(), &self.faces, &self.timings)
     }
 
     /// 200 with [`to_json`](Self::to_json) and a `Server-Timing` header.
     pub fn json_response(&self) -> Response {
-        Response::json(200, &self.to_json())
-            .with_header("server-timing", self.timings.server_timing())
+        json_response(self.to_json(), &self.timings)
     }
+}
+
+/// What [`detect_faces`] found: the faces and the image's size, without
+/// the pixels (which it may have decoded at a reduced scale).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FaceReport {
+    /// The image's width (EXIF orientation applied).
+    pub width: u32,
+    /// The image's height (EXIF orientation applied).
+    pub height: u32,
+    /// Faces in image pixels, best first, at most `max_faces`.
+    pub faces: Vec<Face>,
+    /// Time spent per step.
+    pub timings: Timings,
+}
+
+impl FaceReport {
+    /// The same JSON as [`Detection::to_json`].
+    pub fn to_json(&self) -> serde_json::Value {
+        faces_json((self.width, self.height), &self.faces, &self.timings)
+    }
+
+    /// 200 with [`to_json`](Self::to_json) and a `Server-Timing` header.
+    pub fn json_response(&self) -> Response {
+        json_response(self.to_json(), &self.timings)
+    }
+}
+
+fn faces_json((width, height): (u32, u32), faces: &[Face], timings: &Timings) -> serde_json::Value {
+    let faces: Vec<FaceJson> = faces.iter().map(FaceJson::from).collect();
+    serde_json::json!({
+        "model": MODEL,
+        "image": { "width": width, "height": height },
+        "faces": faces,
+        "timings_ms": timings.rounded(),
+    })
+}
+
+fn json_response(json: serde_json::Value, timings: &Timings) -> Response {
+    Response::json(200, &json).with_header("server-timing", timings.server_timing())
 }
 
 /// One face as JSON.
@@ -183,6 +216,32 @@ pub fn detect(bytes: &[u8], options: &DetectOptions) -> Result<Detection, Error>
     let (faces, timings) = detect_image(&image, options)?;
     Ok(Detection {
         image,
+        faces,
+        timings: Timings {
+            decode_ms,
+            ..timings
+        },
+    })
+}
+
+/// Finds the faces in the image in `bytes`, decoding only what the
+/// letterbox needs ([`image::decode_for_letterbox`]: a large JPEG at 1/2,
+/// 1/4 or 1/8 scale). Faces are in the original image's pixels. For
+/// handlers that need the pixels at full size (blur, crop), use [`detect`].
+pub fn detect_faces(bytes: &[u8], options: &DetectOptions) -> Result<FaceReport, Error> {
+    let start = Instant::now();
+    let scaled = image::decode_for_letterbox(bytes, &options.limits, options.size)?;
+    let decode_ms = elapsed_ms(start);
+    let (mut faces, timings) = detect_image(&scaled.image, options)?;
+    let (fx, fy) = scaled.factors();
+    if scaled.is_reduced() {
+        for face in &mut faces {
+            face.scale(fx, fy);
+        }
+    }
+    Ok(FaceReport {
+        width: scaled.width,
+        height: scaled.height,
         faces,
         timings: Timings {
             decode_ms,

@@ -8,7 +8,7 @@
 //! with a `Server-Timing` header.
 
 use facegate_guest_sdk::{
-    DetectOptions, Error, Handler, Request, Response, detect, export_handler,
+    DetectOptions, Error, Handler, Request, Response, detect_faces, export_handler,
 };
 
 /// The handler (POST only, bodies up to 16 MiB).
@@ -17,8 +17,9 @@ struct Detect;
 impl Handler for Detect {
     fn handle(request: Request) -> Result<Response, Error> {
         let options = DetectOptions::from_query(request.query())?;
-        let detection = detect(request.image_bytes()?, &options)?;
-        Ok(detection.json_response())
+        // Faces only: a large JPEG is decoded at the scale the letterbox needs.
+        let report = detect_faces(request.image_bytes()?, &options)?;
+        Ok(report.json_response())
     }
 }
 

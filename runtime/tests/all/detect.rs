@@ -277,3 +277,47 @@ fn infer_once(models: &facegate_host_gpu::Models) -> Vec<facegate_host_gpu::Tens
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(models.infer("centerface", request)).unwrap()
 }
+
+/// `city.jpg` enlarged to a phone photo's 12 MP (4032 px wide), as a JPEG.
+fn phone_sized_city() -> (Vec<u8>, (u32, u32)) {
+    let city = image::load_from_memory(&image("city.jpg")).unwrap().into_rgb8();
+    let height = (u64::from(city.height()) * 4032 / u64::from(city.width())) as u32;
+    let large = image::imageops::resize(&city, 4032, height, image::imageops::FilterType::Triangle);
+    let mut jpeg = Vec::new();
+    image::codecs::jpeg::JpegEncoder::new_with_quality(&mut jpeg, 90).encode_image(&large).unwrap();
+    (jpeg, (4032, height))
+}
+
+/// `detect` decodes a large JPEG at a reduced scale (only what its 640
+/// letterbox needs); `crop` decodes it whole. They find the same faces, in
+/// the same original pixels, with scores within ±0.03 (small faces, a few
+/// pixels wide in the letterbox, feel the different resampling most); a
+/// face that close to the threshold may be on either side of it in either.
+#[test]
+fn a_reduced_decode_finds_the_faces_of_a_full_decode() {
+    let (jpeg, (width, height)) = phone_sized_city();
+    let post = |handler: &str| -> Value {
+        let response = client().post(url(&format!("/v1/demo/{handler}"))).body(jpeg.clone()).send().unwrap();
+        assert_eq!(response.status(), 200, "{handler}: {}", response.text().unwrap_or_default());
+        response.json().unwrap()
+    };
+    let (reduced, full) = (post("detect"), post("crop"));
+    for body in [&reduced, &full] {
+        assert_eq!((body["image"]["width"].as_u64(), body["image"]["height"].as_u64()), (Some(u64::from(width)), Some(u64::from(height))));
+    }
+    let faces = |body: &Value| -> Vec<([f64; 4], f64)> {
+        body["faces"].as_array().unwrap().iter().map(|f| (four(&f["box"]), f["score"].as_f64().unwrap())).collect()
+    };
+    let (reduced, full) = (faces(&reduced), faces(&full));
+    const TOLERANCE: f64 = 0.03;
+    let clear = |faces: &[([f64; 4], f64)]| faces.iter().filter(|(_, score)| *score >= 0.5 + TOLERANCE).count();
+    assert!(clear(&full) >= 10, "city has many clear faces: {full:?}");
+    // Every clear face of either is in the other, with about its score.
+    for (one, other) in [(&full, &reduced), (&reduced, &full)] {
+        for (face, score) in one.iter().filter(|(_, score)| *score >= 0.5 + TOLERANCE) {
+            let (best, matched) = other.iter().map(|(b, s)| (iou(b, face), *s)).fold((0.0, 0.0), |a, b| if b.0 > a.0 { b } else { a });
+            assert!(best >= MIN_IOU, "face {face:?}: best IoU {best:.3} among {other:?}");
+            assert!((matched - score).abs() <= TOLERANCE, "face {face:?}: score {score} vs {matched}");
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! Decoding only what a letterbox needs: a JPEG much larger than the
+//! letterbox is decoded at 1/2, 1/4 or 1/8 of its size straight from its DCT
+//! coefficients (as libjpeg's `scale_denom` and Pillow's `draft` do), at the
+//! smallest scale that still covers the letterboxed image, then resized as
+//! usual. A 12 MP photo for a 640 letterbox decodes at 1/4: the entropy
+//! decoding is the same, the inverse DCT, colour conversion and resize
+//! handle 1/16 of the pixels.
+
+use image::metadata::Orientation;
+use image::{DynamicImage, GrayImage};
+use jpeg_decoder::PixelFormat;
+
+use super::{
+    ImageError, ImageFormat, ImageLimits, RgbImage, check_dimensions, check_header, decode,
+    letterbox_geometry, sniff_format,
+};
+
+/// An image decoded for a letterbox, perhaps at a reduced scale.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScaledImage {
+    /// The pixels, EXIF orientation applied; at most the original's size.
+    pub image: RgbImage,
+    /// The original's width, after EXIF orientation.
+    pub width: u32,
+    /// The original's height, after EXIF orientation.
+    pub height: u32,
+}
+
+impl ScaledImage {
+    /// Original pixels per decoded pixel, along x and along y (1 when decoded full size).
+    pub fn factors(&self) -> (f32, f32) {
+        (
+            self.width as f32 / self.image.width() as f32,
+            self.height as f32 / self.image.height() as f32,
+        )
+    }
+
+    /// Whether the image was decoded below its full size.
+    pub fn is_reduced(&self) -> bool {
+        self.image.dimensions() != (self.width, self.height)
+    }
+}
+
+/// Decodes `bytes` for a letterbox of `side`: a JPEG at the smallest DCT
+/// scale whose size still covers the letterboxed image (see the module
+/// docs); anything else, or a JPEG that needs its full size, as [`decode`]
+/// does. The same limits and errors as [`decode`] apply, to the original's
+/// dimensions.
+pub fn decode_for_letterbox(
+    bytes: &[u8],
+    limits: &ImageLimits,
+    side: u32,
+) -> Result<ScaledImage, ImageError> {
+    if sniff_format(bytes)? == ImageFormat::Jpeg {
+        check_header(bytes, ImageFormat::Jpeg, limits)?;
+        if let Some(scaled) = decode_jpeg_reduced(bytes, limits, side)? {
+            return Ok(scaled);
+        }
+    }
+    let image = decode(bytes, limits)?;
+    let (width, height) = image.dimensions();
+    Ok(ScaledImage {
+        image,
+        width,
+        height,
+    })
+}
+
+/// The reduced decode, or `None` when the JPEG is not at least twice the
+/// letterbox's size or has a pixel format left to the full decoder.
+fn decode_jpeg_reduced(
+    bytes: &[u8],
+    limits: &ImageLimits,
+    side: u32,
+) -> Result<Option<ScaledImage>, ImageError> {
+    let mut decoder = jpeg_decoder::Decoder::new(bytes);
+    decoder.set_max_decoding_buffer_size(usize::try_from(limits.max_alloc).unwrap_or(usize::MAX));
+    decoder.read_info().map_err(jpeg_error)?;
+    let Some(info) = decoder.info() else {
+        return Ok(None);
+    };
+    let (width, height) = (u32::from(info.width), u32::from(info.height));
+    check_dimensions(width, height, limits)?;
+    // The letterbox's scale does not depend on the orientation: the stored
+    // image needs (want_w, want_h), rotated or not.
+    let (_, want_w, want_h) = letterbox_geometry(width, height, side.max(1));
+    let reducible = want_w.saturating_mul(2) <= width && want_h.saturating_mul(2) <= height;
+    if !reducible || !matches!(info.pixel_format, PixelFormat::RGB24 | PixelFormat::L8) {
+        return Ok(None);
+    }
+    let to_u16 = |v: u32| u16::try_from(v).unwrap_or(u16::MAX);
+    let (w, h) = decoder
+        .scale(to_u16(want_w), to_u16(want_h))
+        .map_err(jpeg_error)?;
+    let pixels = decoder.decode().map_err(jpeg_error)?;
+    let (w, h) = (u32::from(w), u32::from(h));
+    let image = match info.pixel_format {
+        PixelFormat::L8 => GrayImage::from_raw(w, h, pixels).map(|g| DynamicImage::ImageLuma8(g).into_rgb8()),
+        _ => RgbImage::from_raw(w, h, pixels),
+    }
+    .ok_or_else(|| ImageError::Invalid("the JPEG decoder returned too few pixels".into()))?;
+    let orientation = decoder
+        .exif_data()
+        .and_then(Orientation::from_exif_chunk)
+        .unwrap_or(Orientation::NoTransforms);
+    let mut image = DynamicImage::ImageRgb8(image);
+    image.apply_orientation(orientation);
+    let turned = matches!(
+        orientation,
+        Orientation::Rotate90 | Orientation::Rotate270 | Orientation::Rotate90FlipH | Orientation::Rotate270FlipH
+    );
+    let (width, height) = if turned { (height, width) } else { (width, height) };
+    Ok(Some(ScaledImage {
+        image: image.into_rgb8(),
+        width,
+        height,
+    }))
+}
+
+fn jpeg_error(error: jpeg_decoder::Error) -> ImageError {
+    match error {
+        jpeg_decoder::Error::Unsupported(feature) => {
+            ImageError::Unsupported(format!("JPEG feature {feature:?}"))
+        }
+        other => ImageError::Invalid(other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::image::{encode_jpeg, letterbox};
+
+    /// Smooth content (as photos mostly are), so a reduced decode and a full
+    /// one resized should agree closely.
+    fn photo_like(width: u32, height: u32) -> RgbImage {
+        RgbImage::from_fn(width, height, |x, y| {
+            let (fx, fy) = (x as f32 / width as f32, y as f32 / height as f32);
+            let wave = ((fx * 9.0).sin() * (fy * 7.0).cos() * 100.0 + 128.0) as u8;
+            image::Rgb([wave, (fx * 255.0) as u8, (fy * 255.0) as u8])
+        })
+    }
+
+    /// Mean absolute difference of two equally sized letterboxes, per byte.
+    fn mean_difference(a: &RgbImage, b: &RgbImage, side: u32) -> f64 {
+        let (a, b) = (letterbox(a, side).expect("letterbox"), letterbox(b, side).expect("letterbox"));
+        let total: u64 = a.pixels.iter().zip(&b.pixels).map(|(x, y)| u64::from(x.abs_diff(*y))).sum();
+        total as f64 / a.pixels.len() as f64
+    }
+
+    /// An EXIF APP1 segment (big-endian TIFF) holding only an orientation tag.
+    fn exif_orientation(value: u16) -> Vec<u8> {
+        let mut tiff = b"MM\0\x2a\0\0\0\x08".to_vec();
+        tiff.extend_from_slice(&1u16.to_be_bytes()); // one entry
+        tiff.extend_from_slice(&0x0112u16.to_be_bytes()); // Orientation
+        tiff.extend_from_slice(&3u16.to_be_bytes()); // SHORT
+        tiff.extend_from_slice(&1u32.to_be_bytes());
+        tiff.extend_from_slice(&value.to_be_bytes());
+        tiff.extend_from_slice(&[0, 0, 0, 0, 0, 0]); // padding, next IFD 0
+        let mut payload = b"Exif\0\0".to_vec();
+        payload.extend_from_slice(&tiff);
+        let mut segment = vec![0xFF, 0xE1];
+        segment.extend_from_slice(&u16::try_from(payload.len() + 2).expect("short").to_be_bytes());
+        segment.extend_from_slice(&payload);
+        segment
+    }
+
+    #[test]
+    fn a_large_jpeg_is_decoded_reduced_and_matches_the_full_decode() {
+        let jpeg = encode_jpeg(&photo_like(2560, 1920), 92).expect("encode");
+        let scaled = decode_for_letterbox(&jpeg, &ImageLimits::default(), 640).expect("scaled");
+        assert_eq!((scaled.width, scaled.height), (2560, 1920));
+        assert_eq!(scaled.image.dimensions(), (640, 480), "1/4 covers 640×480 exactly");
+        assert_eq!(scaled.factors(), (4.0, 4.0));
+        let full = decode(&jpeg, &ImageLimits::default()).expect("full");
+        let difference = mean_difference(&scaled.image, &full, 640);
+        assert!(difference < 2.0, "mean difference {difference:.2} per byte");
+        // A larger letterbox needs more: 1/2.
+        let scaled = decode_for_letterbox(&jpeg, &ImageLimits::default(), 1024).expect("scaled");
+        assert_eq!(scaled.image.dimensions(), (1280, 960));
+    }
+
+    #[test]
+    fn images_the_letterbox_needs_whole_are_decoded_as_decode_does() {
+        let small = encode_jpeg(&photo_like(1000, 750), 90).expect("encode");
+        let scaled = decode_for_letterbox(&small, &ImageLimits::default(), 640).expect("decoded");
+        assert!(!scaled.is_reduced(), "1000 px for a 640 letterbox: halving would not cover it");
+        assert_eq!(scaled.image, decode(&small, &ImageLimits::default()).expect("full"));
+        let mut png = Vec::new();
+        photo_like(2000, 1500)
+            .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+            .expect("png");
+        let scaled = decode_for_letterbox(&png, &ImageLimits::default(), 640).expect("png");
+        assert_eq!((scaled.image.dimensions(), scaled.width), ((2000, 1500), 2000));
+    }
+
+    #[test]
+    fn exif_orientation_is_applied_to_the_reduced_image_and_the_size() {
+        let plain = encode_jpeg(&photo_like(2560, 1920), 92).expect("encode");
+        let mut rotated = plain[..2].to_vec(); // SOI
+        rotated.extend_from_slice(&exif_orientation(6)); // rotate 90° clockwise
+        rotated.extend_from_slice(&plain[2..]);
+        let scaled = decode_for_letterbox(&rotated, &ImageLimits::default(), 640).expect("scaled");
+        assert_eq!((scaled.width, scaled.height), (1920, 2560));
+        assert_eq!(scaled.image.dimensions(), (480, 640));
+        let full = decode(&rotated, &ImageLimits::default()).expect("full");
+        assert_eq!(full.dimensions(), (1920, 2560));
+        let difference = mean_difference(&scaled.image, &full, 640);
+        assert!(difference < 2.0, "mean difference {difference:.2} per byte");
+    }
+
+    #[test]
+    fn limits_and_errors_are_those_of_decode() {
+        let jpeg = encode_jpeg(&photo_like(2560, 1920), 80).expect("encode");
+        let limits = ImageLimits { max_pixels: 1_000_000, ..ImageLimits::default() };
+        let error = decode_for_letterbox(&jpeg, &limits, 640).expect_err("too large");
+        assert_eq!((error.status(), error.code()), (413, "image_too_large"));
+        let error = decode_for_letterbox(&jpeg[..jpeg.len() / 2], &ImageLimits::default(), 640).expect_err("truncated");
+        assert_eq!((error.status(), error.code()), (400, "invalid_image"));
+        let error = decode_for_letterbox(b"GIF89a....", &ImageLimits::default(), 640).expect_err("gif");
+        assert_eq!(error.status(), 415);
+    }
+}
