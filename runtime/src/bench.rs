@@ -37,8 +37,10 @@ pub struct BenchConfig {
 
     /// What to measure: `issue2` (gateway vs engine at the given levels),
     /// `batching` (gateway with batching off vs on, plus the engine), `fake`
-    /// (batcher with a fake a+b·n device), `isolation` (a neighbour tenant
-    /// while a hostile one attacks; not part of `all`), or `all`.
+    /// (batcher with a fake a+b·n device), `pipeline` (CPU per request
+    /// outside inference, per image kind, and wasm vs native
+    /// preprocessing), `isolation` (a neighbour tenant while a hostile one
+    /// attacks; not part of `all`), or `all`.
     #[arg(long, default_value = "all")]
     pub suite: String,
 
@@ -70,6 +72,10 @@ pub struct BenchConfig {
     /// The hostile test handler, deployed as tenant `evil` for `--suite isolation`.
     #[arg(long, default_value = "guests/target/wasm32-wasip2/release/hostile.wasm")]
     pub hostile: PathBuf,
+
+    /// Requests per image in `--suite pipeline` (medians are reported).
+    #[arg(long, default_value_t = 10)]
+    pub iterations: usize,
 
     /// Concurrent attacker clients of each attack in `--suite isolation`.
     #[arg(long, default_value_t = 4)]
@@ -133,6 +139,9 @@ pub async fn run(config: BenchConfig) -> anyhow::Result<()> {
     }
     if matches!(suite, "fake" | "all") {
         fake_device(&config, duration).await;
+    }
+    if matches!(suite, "pipeline" | "all") {
+        crate::bench_pipeline::run(&config, config.iterations.max(1)).await?;
     }
     if suite == "isolation" {
         crate::bench_isolation::run(&config, &images, duration).await?;
@@ -271,7 +280,7 @@ pub(crate) async fn start_seeded(
     label: usize,
     adjust: impl FnOnce(&mut ServeConfig),
 ) -> anyhow::Result<(SocketAddr, std::collections::HashMap<String, String>, tokio::task::JoinHandle<()>)> {
-    let data_dir = std::env::temp_dir().join(format!("facegate-bench-{}-{label}", std::process::id()));
+    let data_dir = bench_data_dir(label);
     let _ = std::fs::remove_dir_all(&data_dir);
     let mut config = ServeConfig::with_data_dir(data_dir.clone())?;
     config.listen = "127.0.0.1:0".parse()?;
@@ -284,13 +293,21 @@ pub(crate) async fn start_seeded(
     adjust(&mut config);
     let gateway = crate::Gateway::new(&config, models)?;
     let keys = gateway.seeded_keys.iter().map(|k| (k.tenant.clone(), k.key.clone())).collect();
-    // Everything is loaded and the bench changes nothing: the store can go now.
-    let _ = std::fs::remove_dir_all(&data_dir);
+    // Everything is loaded: without an admin API nothing changes the store,
+    // which can go now (with one, the caller removes `bench_data_dir(label)`).
+    if config.admin_token.is_none() {
+        let _ = std::fs::remove_dir_all(&data_dir);
+    }
     let (listener, addr) = crate::bind(config.listen).await?;
     let task = tokio::spawn(async move {
         let _ = gateway.serve(listener, std::future::pending()).await;
     });
     Ok((addr, keys, task))
+}
+
+/// The throw-away store of the bench gateway numbered `label`.
+pub(crate) fn bench_data_dir(label: usize) -> PathBuf {
+    std::env::temp_dir().join(format!("facegate-bench-{}-{label}", std::process::id()))
 }
 
 /// Drives `call` from `concurrency` closed loops: a warm-up, then `duration`

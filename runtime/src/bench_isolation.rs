@@ -60,7 +60,7 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
     let component = Bytes::from(std::fs::read(seed.join("demo/detect.wasm")).context("the seed has no demo/detect.wasm")?);
     let models = crate::load_models(&config.serve.engine)?;
     // The defaults a production gateway runs with, not the bench's wide-open ones.
-    let (addr, keys, _server) = start_seeded(&seed, &config.serve.engine, models.clone(), 99, |c| {
+    let (addr, keys, _server) = start_seeded(&seed, &config.serve.engine, models.clone(), STORE_LABEL, |c| {
         let defaults = crate::config::ServeConfig::with_data_dir(c.data_dir.clone()).expect("defaults parse");
         c.request_timeout_ms = 5_000;
         c.max_instances = defaults.max_instances;
@@ -103,8 +103,12 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
         }
         print_failed_clients(a.failed_clients + b.failed_clients);
     }
+    let _ = std::fs::remove_dir_all(crate::bench::bench_data_dir(STORE_LABEL));
     Ok(())
 }
+
+/// Label of this suite's gateway store (kept while it runs: uploads write to it).
+const STORE_LABEL: usize = 99;
 
 /// A seed directory: `seed_dir`'s tenants plus tenant `evil` serving `hostile` as `attack`.
 fn seed_with_attacker(seed_dir: &Path, hostile: &Path) -> anyhow::Result<std::path::PathBuf> {

@@ -15,6 +15,7 @@
 
 pub mod bench;
 mod bench_isolation;
+mod bench_pipeline;
 pub mod cli;
 pub mod compile;
 pub mod config;
