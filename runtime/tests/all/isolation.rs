@@ -358,3 +358,53 @@ fn busy_tenants_share_device_time_whatever_their_image_sizes() {
     let ratio = large / modest;
     assert!((0.6..1.7).contains(&ratio), "device time 640²/320² tenant: {ratio:.2} ({large:.2} s vs {modest:.2} s)");
 }
+
+/// Large tensors (4× a 640² image's pixels, two calls a request) are served
+/// and charged, and cost the neighbour only its share of the device.
+#[test]
+fn large_tensors_are_served_beside_a_neighbour() {
+    let observed = under_attack(2, || attack("attack=big-tensor&side=1280&n=2"));
+    for (status, body) in &observed.attack {
+        assert_eq!((*status, &body["outcomes"]), (200, &serde_json::json!(["ok", "ok"])), "{body}");
+    }
+    observed.assert_isolated(one_instance_bound());
+}
+
+/// Hundreds of silent connections and half-sent request heads (the
+/// deadlines that close them are tested in `connections`) leave the
+/// neighbour served, `/healthz` answering and the gateway's memory flat.
+#[test]
+fn silent_and_half_open_connections_cost_the_neighbour_nothing() {
+    let observed = under_attack(1, || {
+        let addr = harness::gateway().addr;
+        let silent: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let half: Vec<TcpStream> = (0..100)
+            .map(|_| {
+                let mut stream = TcpStream::connect(addr).unwrap();
+                stream.write_all(b"POST /v1/demo/detect HTTP/1.1\r\nHost: x\r\nContent-Le").unwrap();
+                stream
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs(2));
+        silent.len() + half.len()
+    });
+    assert_eq!(observed.attack, [400]);
+    // The sockets hold no instance: the bound of the other attacks (one
+    // attacking instance, the neighbour's and the margin) is ample.
+    observed.assert_isolated(one_instance_bound());
+}
+
+/// Uploads compile on their own niced thread: the neighbour is served and
+/// `/healthz` answers while they do.
+#[test]
+fn uploads_compile_beside_a_neighbour() {
+    let component = std::fs::read(harness::guest("detect")).unwrap();
+    let observed = under_attack(2, || {
+        let request = harness::admin(reqwest::Method::PUT, "tenants/evil/handlers/uploaded?activate=false").body(component.clone());
+        harness::admin_json(request)
+    });
+    for (status, body) in &observed.attack {
+        assert_eq!(*status, 201, "{body}");
+    }
+    observed.assert_isolated(one_instance_bound());
+}
