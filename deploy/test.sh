@@ -5,6 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/setup.sh --no-build
+# The console's tests drive a real headless Chromium over WebDriver.
+if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then
+  echo "[test] installing chromium and chromium-driver (Debian) for the console tests" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
 deploy/scripts/build-guests.sh
 HOME_DIR=${FACEGATE_HOME:-$PWD/.facegate}
 export FACEGATE_HOME=$HOME_DIR

@@ -42,6 +42,21 @@ impl HttpMetrics {
         }
     }
 
+    /// Requests summed per tenant (all handlers), for the console's live view.
+    pub fn by_tenant(&self) -> BTreeMap<String, TenantRequests> {
+        let requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: BTreeMap<String, TenantRequests> = BTreeMap::new();
+        for ((tenant, _, status), series) in requests.iter() {
+            let summary = out.entry(tenant.clone()).or_default();
+            summary.requests += series.count;
+            *summary.by_status.entry(*status).or_default() += series.count;
+            for (sum, count) in summary.buckets.iter_mut().zip(series.buckets) {
+                *sum += count;
+            }
+        }
+        out
+    }
+
     fn render(&self, out: &mut String) {
         let requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
         out.push_str("# HELP facegate_requests_seconds Handler request latency, by tenant, handler and status.\n");
@@ -57,6 +72,29 @@ impl HttpMetrics {
         }
         drop(requests);
         self.connections.render(out);
+    }
+}
+
+/// One tenant's requests, all handlers together.
+#[derive(Debug, Clone, Default)]
+pub struct TenantRequests {
+    /// Requests answered.
+    pub requests: u64,
+    /// Requests by response status.
+    pub by_status: BTreeMap<u16, u64>,
+    /// Cumulative latency histogram over the request-latency buckets.
+    buckets: [u64; LATENCY_BUCKETS.len()],
+}
+
+impl TenantRequests {
+    /// The upper bound (seconds) of the latency bucket holding quantile `q`;
+    /// `None` with no requests, or past the largest bucket.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.requests == 0 {
+            return None;
+        }
+        let rank = (q * self.requests as f64).ceil().max(1.0) as u64;
+        LATENCY_BUCKETS.iter().zip(self.buckets).find(|(_, count)| *count >= rank).map(|(bound, _)| *bound)
     }
 }
 

@@ -65,6 +65,9 @@ impl App {
         if let Some(refusal) = self.admin_refusal(&req) {
             return refusal;
         }
+        if req.method() == Method::GET && rest == ["stats"] {
+            return self.stats();
+        }
         let method = req.method().clone();
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();

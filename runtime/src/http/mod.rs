@@ -2,6 +2,7 @@
 
 mod admin;
 mod conn;
+pub mod console;
 pub mod response;
 mod routes;
 pub mod tls;

@@ -47,7 +47,7 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 pub struct App {
     pub(super) control: Arc<ControlPlane>,
     sandbox: Arc<Sandbox>,
-    models: Models,
+    pub(super) models: Models,
     pub(super) config: ServeConfig,
     pub(super) metrics: HttpMetrics,
     instances: Arc<InstancePool>,
@@ -101,6 +101,10 @@ impl App {
         let (data, admin) = (matches!(plane, Plane::Data | Plane::Both), plane != Plane::Data);
         match (req.method(), segments.as_slice()) {
             (&Method::GET, ["healthz"]) => self.health(),
+            (&Method::GET, [""] | ["console", _]) if plane != Plane::Reserve => {
+                super::console::asset(path.trim_start_matches('/')).unwrap_or_else(not_found_path(&path))
+            }
+            (&Method::GET, ["v1", "me"]) if data => self.me(&req),
             // Metrics name tenants and handlers: they are for the operator.
             (&Method::GET, ["metrics"]) if admin => self.admin_refusal(&req).unwrap_or_else(|| self.prometheus()),
             (&Method::GET, ["v1", "models"]) if data => self.list_models(),
@@ -119,6 +123,10 @@ impl App {
             _ => response::before_body(response::error(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}"))),
         }
     }
+}
+
+fn not_found_path(path: &str) -> impl FnOnce() -> Response<Body> + '_ {
+    move || response::error(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}"))
 }
 
 /// Whether an HTTP/1 request declares a body (a length above 0, or chunks).

@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod connections;
+mod console;
 mod control;
 mod detect;
 mod harness;

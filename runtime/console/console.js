@@ -1,0 +1,419 @@
+// facegate console: "Try it" for tenants, "Operate" for the operator.
+// Same-origin requests only; keys and tokens live in this page's memory
+// (never in URLs or storage); every server-provided string goes through
+// textContent, never HTML. The page state the tests read is
+// window.facegateConsole.
+"use strict";
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const state = { key: null, tenant: null, token: null, faces: [], runs: 0, lastError: null,
+                  tenants: [], detail: null, versions: {}, stats: null, rates: {}, history: [] };
+  window.facegateConsole = state;
+  let image = null; // the chosen Blob
+  let camera = null; // the webcam stream, when started
+
+  const HINTS = {
+    unauthorized: "The key is missing, wrong or revoked.",
+    unknown_handler: "This tenant has no such handler.",
+    body_too_large: "The image is larger than this tenant may send.",
+    unsupported_image: "Send a JPEG, PNG or WebP image.",
+    invalid_image: "The image is corrupt or truncated.",
+    image_too_large: "The image has more pixels than the handler accepts.",
+    rate_limited: "Too many requests for this tenant.",
+    concurrency_limited: "Too many requests in flight for this tenant.",
+    overloaded: "The gateway is busy.",
+    handler_timeout: "The handler ran past its deadline.",
+    invalid: "The gateway refused it.",
+  };
+
+  function el(tag, text, attrs) {
+    const node = document.createElement(tag);
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    for (const [name, value] of Object.entries(attrs || {})) node.setAttribute(name, value);
+    return node;
+  }
+  function say(target, text, kind) {
+    const node = $(target);
+    node.textContent = text;
+    node.className = kind || "";
+  }
+  // The error as a user wants to read it: status, code, message, hint, Retry-After.
+  async function explain(response) {
+    let code = "http_" + response.status;
+    let message = response.statusText || "";
+    try {
+      const body = await response.json();
+      if (body && body.error) { code = body.error.code; message = body.error.message; }
+    } catch (_) { /* not JSON */ }
+    let text = `${response.status} ${code}: ${message}`;
+    if (HINTS[code]) text += ` — ${HINTS[code]}`;
+    const retry = response.headers.get("retry-after");
+    if (retry) text += ` Retry after ${retry} s.`;
+    return { code, text };
+  }
+  async function fail(target, response) {
+    const error = await explain(response);
+    state.lastError = error.code;
+    say(target, error.text, "error");
+    return error;
+  }
+
+  // ---- tabs ----
+  function showTab(name) {
+    for (const tab of ["try", "operate"]) {
+      const on = tab === name;
+      $("tab-" + tab).setAttribute("aria-selected", String(on));
+      $(tab).hidden = !on;
+    }
+  }
+  $("tab-try").addEventListener("click", () => showTab("try"));
+  $("tab-operate").addEventListener("click", () => showTab("operate"));
+
+  // ---- try it ----
+  async function loadHandlers() {
+    state.key = $("key").value.trim();
+    state.tenant = null;
+    const response = await fetch("/v1/me", { headers: { Authorization: "Bearer " + state.key } });
+    if (!response.ok) { await fail("try-status", response); return false; }
+    const me = await response.json();
+    state.tenant = me.tenant;
+    const select = $("handler");
+    select.replaceChildren(...me.handlers.map((h) => el("option", `${h.name} (v${h.version})`, { value: h.name })));
+    say("try-status", `Tenant ${me.tenant}: ${me.handlers.length} handler(s).`, "ok");
+    state.lastError = null;
+    return true;
+  }
+  $("load-handlers").addEventListener("click", loadHandlers);
+  $("key").addEventListener("change", loadHandlers);
+
+  function choose(blob) {
+    if (!blob) return;
+    image = blob;
+    say("try-status", `Image chosen (${blob.type || "unknown type"}, ${blob.size} bytes).`);
+  }
+  $("image").addEventListener("change", (e) => choose(e.target.files[0]));
+  const drop = $("drop");
+  drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
+  drop.addEventListener("dragleave", () => drop.classList.remove("over"));
+  drop.addEventListener("drop", (e) => { e.preventDefault(); drop.classList.remove("over"); choose(e.dataTransfer.files[0]); });
+  drop.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); $("image").click(); } });
+
+  if (navigator.mediaDevices && navigator.mediaDevices.getUserMedia) {
+    $("snapshot").hidden = false;
+    $("snapshot").addEventListener("click", async () => {
+      const video = $("camera");
+      if (!camera) {
+        try { camera = await navigator.mediaDevices.getUserMedia({ video: true }); } catch (e) { say("try-status", "No webcam: " + e.message, "error"); return; }
+        video.srcObject = camera; video.hidden = false;
+        $("snapshot").textContent = "Take snapshot";
+        return;
+      }
+      const canvas = document.createElement("canvas");
+      canvas.width = video.videoWidth; canvas.height = video.videoHeight;
+      canvas.getContext("2d").drawImage(video, 0, 0);
+      canvas.toBlob((blob) => choose(blob), "image/jpeg", 0.9);
+    });
+  }
+
+  function timings(header) {
+    const list = $("timings");
+    list.replaceChildren();
+    for (const part of (header || "").split(",")) {
+      const [name, ...params] = part.trim().split(";");
+      const dur = params.map((p) => p.trim()).find((p) => p.startsWith("dur="));
+      if (name && dur) list.append(el("dt", name), el("dd", `${dur.slice(4)} ms`));
+    }
+  }
+
+  async function draw(faces, size) {
+    const canvas = $("canvas");
+    const bitmap = await createImageBitmap(image, { imageOrientation: "from-image" });
+    canvas.width = size ? size.width : bitmap.width;
+    canvas.height = size ? size.height : bitmap.height;
+    const ctx = canvas.getContext("2d");
+    ctx.drawImage(bitmap, 0, 0, canvas.width, canvas.height);
+    const line = Math.max(2, canvas.width / 300);
+    ctx.lineWidth = line;
+    ctx.font = `${Math.max(12, line * 6)}px system-ui`;
+    for (const face of faces) {
+      const [x1, y1, x2, y2] = face.box;
+      ctx.strokeStyle = "#00e676";
+      ctx.strokeRect(x1, y1, x2 - x1, y2 - y1);
+      ctx.fillStyle = "#00e676";
+      ctx.fillText(Number(face.score).toFixed(2), x1, Math.max(12, y1 - line));
+      ctx.fillStyle = "#ff4081";
+      for (const [x, y] of face.landmarks || []) ctx.fillRect(x - line, y - line, 2 * line, 2 * line);
+    }
+    canvas.dataset.faces = String(faces.length);
+  }
+
+  async function run(event) {
+    event.preventDefault();
+    if (!state.tenant && !(await loadHandlers())) return;
+    if (!image) { say("try-status", "Choose or drop an image first.", "error"); return; }
+    const params = new URLSearchParams({ threshold: $("threshold").value, size: $("size").value, max_faces: $("max-faces").value });
+    const url = `/v1/${encodeURIComponent(state.tenant)}/${encodeURIComponent($("handler").value)}?${params}`;
+    say("try-status", "Running…");
+    const response = await fetch(url, { method: "POST", body: image,
+      headers: { Authorization: "Bearer " + state.key, "Content-Type": image.type || "application/octet-stream" } });
+    timings(response.headers.get("server-timing"));
+    if (!response.ok) { state.faces = []; await fail("try-status", response); return; }
+    state.lastError = null;
+    const type = response.headers.get("content-type") || "";
+    const returned = $("returned");
+    if (type.startsWith("image/")) {
+      returned.src = URL.createObjectURL(await response.blob());
+      returned.hidden = false;
+      state.faces = [];
+      say("try-status", "The handler returned an image.", "ok");
+    } else {
+      const body = await response.json();
+      returned.hidden = true;
+      state.faces = Array.isArray(body.faces) ? body.faces : [];
+      await draw(state.faces, body.image);
+      const list = $("faces");
+      list.replaceChildren(...state.faces.map((f) => el("li", `score ${Number(f.score).toFixed(3)} at [${f.box.map((v) => Math.round(v)).join(", ")}]`)));
+      say("try-status", `${state.faces.length} face(s) found.`, "ok");
+    }
+    state.runs += 1;
+  }
+  $("try-form").addEventListener("submit", run);
+
+  // ---- operate ----
+  async function admin(method, path, body, type) {
+    const headers = { Authorization: "Bearer " + state.token };
+    if (type) headers["Content-Type"] = type;
+    const response = await fetch("/admin/v1/" + path, { method, headers, body });
+    if (!response.ok) throw response;
+    return response.json();
+  }
+  async function attempt(target, action) {
+    try { return await action(); } catch (e) {
+      if (e instanceof Response) await fail(target, e); else say(target, String(e), "error");
+      return undefined;
+    }
+  }
+  const json = (value) => JSON.stringify(value);
+  const seg = encodeURIComponent;
+
+  async function connect(event) {
+    event.preventDefault();
+    state.token = $("admin-token").value.trim();
+    const list = await attempt("op-status", () => admin("GET", "tenants"));
+    if (!list) {
+      $("op-body").hidden = true;
+      if (state.lastError === "not_found") {
+        $("op-status").textContent += " The admin API is on its own listener (--admin-listen): open the console there.";
+      }
+      return;
+    }
+    $("op-body").hidden = false;
+    say("op-status", "Connected.", "ok");
+    state.lastError = null;
+    renderTenants(list.tenants);
+    poll();
+  }
+  $("admin-form").addEventListener("submit", connect);
+
+  async function refreshTenants() {
+    const list = await attempt("op-status", () => admin("GET", "tenants"));
+    if (list) renderTenants(list.tenants);
+  }
+  function renderTenants(tenants) {
+    state.tenants = tenants.map((t) => t.name);
+    $("tenants").tBodies[0].replaceChildren(...tenants.map((t) => {
+      const open = el("button", "Open", { type: "button", "aria-label": `Open tenant ${t.name}` });
+      open.addEventListener("click", () => openTenant(t.name));
+      const remove = el("button", "Delete", { type: "button", "aria-label": `Delete tenant ${t.name}` });
+      remove.addEventListener("click", async () => {
+        if (!window.confirm(`Delete tenant ${t.name}, its keys and handlers?`)) return;
+        if (await attempt("op-status", () => admin("DELETE", "tenants/" + seg(t.name)))) {
+          if (state.detail === t.name) { state.detail = null; $("detail").hidden = true; }
+          refreshTenants();
+        }
+      });
+      const actions = el("td"); actions.append(open, " ", remove);
+      const rate = state.rates[t.name];
+      return rowOf([t.name, t.handlers.map((h) => `${h.name} v${h.active_version}`).join(", "), rate === undefined ? "–" : rate.toFixed(1)], actions);
+    }));
+  }
+  function rowOf(cells, last) {
+    const row = el("tr");
+    for (const cell of cells) row.append(el("td", cell));
+    if (last) row.append(last);
+    return row;
+  }
+
+  $("create-tenant").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const name = $("new-tenant").value.trim();
+    if (await attempt("op-status", () => admin("POST", "tenants", json({ name }), "application/json"))) {
+      say("op-status", `Tenant ${name} created.`, "ok");
+      $("new-tenant").value = "";
+      await refreshTenants();
+      openTenant(name);
+    }
+  });
+
+  async function openTenant(name) {
+    const info = await attempt("op-status", () => admin("GET", "tenants/" + seg(name)));
+    if (!info) return;
+    state.detail = name;
+    $("detail").hidden = false;
+    $("detail-title").textContent = `Tenant ${name}`;
+    $("new-key").hidden = true;
+    for (const input of $("limits-form").elements) {
+      if (input.name) input.value = info.limits[input.name] ?? "";
+    }
+    await Promise.all([renderKeys(name), renderHandlers(name, info.handlers)]);
+  }
+
+  $("limits-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const patch = {};
+    for (const input of e.target.elements) {
+      if (input.name && input.value !== "") patch[input.name] = Number(input.value);
+    }
+    if (await attempt("op-status", () => admin("PATCH", "tenants/" + seg(state.detail), json(patch), "application/json"))) {
+      say("op-status", "Limits saved.", "ok");
+    }
+  });
+
+  async function renderKeys(name) {
+    const list = await attempt("op-status", () => admin("GET", `tenants/${seg(name)}/keys`));
+    if (!list) return;
+    $("keys").tBodies[0].replaceChildren(...list.keys.map((k) => {
+      const actions = el("td");
+      if (!k.revoked_at) {
+        const revoke = el("button", "Revoke", { type: "button", "aria-label": `Revoke key ${k.id}` });
+        revoke.addEventListener("click", async () => {
+          if (await attempt("op-status", () => admin("DELETE", `tenants/${seg(name)}/keys/${seg(k.id)}`))) renderKeys(name);
+        });
+        actions.append(revoke);
+      }
+      return rowOf([k.id, date(k.created_at), k.revoked_at ? date(k.revoked_at) : "–"], actions);
+    }));
+  }
+  const date = (seconds) => new Date(seconds * 1000).toLocaleString();
+
+  $("create-key").addEventListener("click", async () => {
+    const created = await attempt("op-status", () => admin("POST", `tenants/${seg(state.detail)}/keys`));
+    if (!created) return;
+    $("new-key-value").textContent = created.key;
+    $("new-key").hidden = false;
+    renderKeys(state.detail);
+  });
+  $("copy-key").addEventListener("click", async () => {
+    try { await navigator.clipboard.writeText($("new-key-value").textContent); say("op-status", "Key copied.", "ok"); }
+    catch (_) { say("op-status", "Copy failed: select the key and copy it by hand.", "error"); }
+  });
+
+  async function renderHandlers(name, handlers) {
+    const box = $("handlers");
+    box.replaceChildren();
+    state.versions = {};
+    for (const h of handlers) {
+      const info = await attempt("op-status", () => admin("GET", `tenants/${seg(name)}/handlers/${seg(h.name)}/versions`));
+      if (!info) continue;
+      state.versions[h.name] = { active: info.active_version, versions: info.versions.map((v) => v.version) };
+      const table = el("table");
+      table.append(el("caption", `${h.name}: active version ${info.active_version ?? "none"}`));
+      const head = el("tr");
+      for (const title of ["Version", "sha256", "Size", "Uploaded", ""]) head.append(el("th", title, { scope: "col" }));
+      table.append(head);
+      for (const v of info.versions.slice().reverse()) {
+        const actions = el("td");
+        if (v.version === info.active_version) actions.append(el("strong", "active"));
+        else {
+          const activate = el("button", "Activate", { type: "button", "aria-label": `Activate ${h.name} version ${v.version}` });
+          activate.addEventListener("click", () => change(name, h.name, "activate", json({ version: v.version })));
+          actions.append(activate);
+        }
+        table.append(rowOf([`v${v.version}`, v.sha256.slice(0, 16) + "…", `${(v.size / 1024).toFixed(0)} KiB`, date(v.created_at)], actions));
+      }
+      const rollback = el("button", `Roll back ${h.name}`, { type: "button" });
+      rollback.addEventListener("click", () => change(name, h.name, "rollback"));
+      box.append(table, rollback);
+    }
+  }
+  async function change(tenant, handler, action, body) {
+    const done = await attempt("upload-status", () => admin("POST", `tenants/${seg(tenant)}/handlers/${seg(handler)}/${action}`, body, body ? "application/json" : undefined));
+    if (done) { say("upload-status", `${handler}: version ${done.active_version} is active.`, "ok"); openTenant(tenant); }
+  }
+
+  $("upload-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const file = $("upload-file").files[0];
+    const handler = $("upload-name").value.trim();
+    if (!file) { say("upload-status", "Choose a .wasm component.", "error"); return; }
+    say("upload-status", "Uploading and compiling…");
+    const stored = await attempt("upload-status", () => admin("PUT", `tenants/${seg(state.detail)}/handlers/${seg(handler)}`, file, "application/wasm"));
+    if (!stored) return;
+    state.lastError = null;
+    say("upload-status", `${handler}: version ${stored.version} stored (sha256 ${stored.sha256.slice(0, 16)}…) and active.`, "ok");
+    openTenant(state.detail);
+  });
+
+  // ---- live view ----
+  let polling = null;
+  function poll() {
+    if (polling) return;
+    const tick = async () => {
+      if (!$("operate").hidden && state.token) {
+        try { live(await admin("GET", "stats")); } catch (_) { /* shown on the next action */ }
+      }
+    };
+    tick();
+    polling = window.setInterval(tick, 2000);
+  }
+  function live(stats) {
+    const now = Date.now() / 1000;
+    const previous = state.stats;
+    state.stats = { at: now, stats };
+    if (previous) {
+      const dt = Math.max(0.001, now - previous.at);
+      for (const [tenant, t] of Object.entries(stats.tenants)) {
+        const before = previous.stats.tenants[tenant];
+        state.rates[tenant] = before ? Math.max(0, t.requests - before.requests) / dt : 0;
+      }
+      const tenant = state.detail;
+      state.history.push(tenant ? state.rates[tenant] || 0 : Object.values(state.rates).reduce((a, b) => a + b, 0));
+      if (state.history.length > 90) state.history.shift();
+      chart();
+    }
+    const list = $("live");
+    list.replaceChildren();
+    const t = state.detail && stats.tenants[state.detail];
+    if (t) {
+      const errors = Object.entries(t.by_status).filter(([s]) => Number(s) >= 400).map(([s, n]) => `${s}: ${n}`).join(", ") || "none";
+      list.append(el("dt", "requests"), el("dd", t.requests), el("dt", "p50 / p99 latency"), el("dd", `≤ ${ms(t.p50_seconds)} / ≤ ${ms(t.p99_seconds)}`),
+        el("dt", "errors by status"), el("dd", errors), el("dt", "queue depth"), el("dd", t.queue_depth), el("dt", "device time"), el("dd", `${t.device_seconds.toFixed(2)} s`));
+    }
+    for (const m of stats.models) {
+      list.append(el("dt", `${m.name}: batches by size`), el("dd", m.batch_sizes.map((n, i) => `${i + 1}:${n}`).filter((s) => !s.endsWith(":0")).join("  ") || "none"),
+        el("dt", `${m.name}: device busy`), el("dd", m.busy_seconds.map((s) => `${s.toFixed(1)} s`).join(", ")));
+    }
+    if (!$("tenants").hidden) renderRates();
+  }
+  const ms = (seconds) => (seconds === null ? "–" : `${Math.round(seconds * 1000)} ms`);
+  function renderRates() {
+    for (const row of $("tenants").tBodies[0].rows) {
+      const rate = state.rates[row.cells[0].textContent];
+      row.cells[2].textContent = rate === undefined ? "–" : rate.toFixed(1);
+    }
+  }
+  function chart() {
+    const canvas = $("chart");
+    const ctx = canvas.getContext("2d");
+    ctx.clearRect(0, 0, canvas.width, canvas.height);
+    const top = Math.max(1, ...state.history);
+    ctx.strokeStyle = "#1f6feb"; ctx.lineWidth = 2; ctx.beginPath();
+    state.history.forEach((v, i) => {
+      const x = (i / 89) * canvas.width, y = canvas.height - (v / top) * (canvas.height - 16);
+      if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+    });
+    ctx.stroke();
+    ctx.fillStyle = "#1b1f24"; ctx.font = "12px system-ui";
+    ctx.fillText(`${(state.detail || "all tenants")}: ${top.toFixed(1)} req/s peak`, 6, 12);
+  }
+})();

@@ -1,0 +1,96 @@
+//! The web console (`/`): "Try it" for a tenant's key, "Operate" for the
+//! admin token. Its assets are embedded in the binary and served with a
+//! strict Content-Security-Policy (no inline script, same-origin requests
+//! only); it talks to the gateway through `/v1/me`, the handlers and the
+//! admin API, and refreshes its live view from `/admin/v1/stats`.
+
+use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName, HeaderValue};
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use serde_json::json;
+
+use super::response::{self, Body};
+use super::routes::{App, bearer};
+
+const INDEX: &str = include_str!("../../console/index.html");
+const SCRIPT: &str = include_str!("../../console/console.js");
+const STYLE: &str = include_str!("../../console/console.css");
+
+/// The console's Content-Security-Policy: its own script and style only,
+/// images from blobs (the chosen photo, a returned image), no framing.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
+     img-src 'self' blob: data:; media-src 'self' blob: mediastream:; connect-src 'self'; \
+     base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// The asset at `path` (`""` is the page), if the console has one.
+pub fn asset(path: &str) -> Option<Response<Body>> {
+    let (content_type, body) = match path {
+        "" => ("text/html; charset=utf-8", INDEX),
+        "console/console.js" => ("text/javascript; charset=utf-8", SCRIPT),
+        "console/console.css" => ("text/css; charset=utf-8", STYLE),
+        _ => return None,
+    };
+    let mut response = Response::new(response::full(body));
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(HeaderName::from_static("content-security-policy"), HeaderValue::from_static(CONTENT_SECURITY_POLICY));
+    headers.insert(HeaderName::from_static("x-content-type-options"), HeaderValue::from_static("nosniff"));
+    headers.insert(HeaderName::from_static("x-frame-options"), HeaderValue::from_static("DENY"));
+    headers.insert(HeaderName::from_static("referrer-policy"), HeaderValue::from_static("no-referrer"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    Some(response)
+}
+
+impl App {
+    /// `GET /v1/me`: the key's tenant and its handlers with their active
+    /// versions (what "Try it" offers).
+    pub(super) fn me(&self, req: &Request<Incoming>) -> Response<Body> {
+        let live = self.control.live();
+        let Some(tenant) = live.authenticate(bearer(req)) else {
+            let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
+            refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return refusal;
+        };
+        let mut handlers: Vec<_> = live
+            .tenants
+            .get(tenant)
+            .map(|entry| entry.handlers.iter().map(|(name, h)| json!({ "name": name, "version": h.version })).collect())
+            .unwrap_or_default();
+        handlers.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+        response::json(StatusCode::OK, &json!({ "tenant": tenant, "handlers": handlers }))
+    }
+
+    /// `GET /admin/v1/stats`: per tenant, requests by status, latency
+    /// quantiles (bucket bounds), queue depth and device time; per model,
+    /// the batch-size histogram and device busy time. The console's live view.
+    pub(super) fn stats(&self) -> Response<Body> {
+        let requests = self.metrics.by_tenant();
+        let live = self.control.live();
+        let mut tenants = serde_json::Map::new();
+        for name in live.tenants.keys() {
+            let summary = requests.get(name).cloned().unwrap_or_default();
+            let queue_depth: usize = self.models.iter().map(|m| m.tenant_queue_depth(name)).sum();
+            let device_seconds: f64 = self.models.iter().filter_map(|m| m.metrics().tenant_busy_seconds.get(name).copied()).sum();
+            tenants.insert(
+                name.clone(),
+                json!({
+                    "requests": summary.requests,
+                    "by_status": summary.by_status,
+                    "p50_seconds": summary.quantile(0.5),
+                    "p99_seconds": summary.quantile(0.99),
+                    "queue_depth": queue_depth,
+                    "device_seconds": device_seconds,
+                }),
+            );
+        }
+        let models: Vec<_> = self
+            .models
+            .iter()
+            .map(|m| {
+                let s = m.metrics();
+                json!({ "name": m.spec().name, "queue_depth": s.queue_depth, "batch_sizes": s.batch_sizes, "busy_seconds": s.busy_seconds })
+            })
+            .collect();
+        response::json(StatusCode::OK, &json!({ "tenants": tenants, "models": models }))
+    }
+}
