@@ -23,4 +23,5 @@ if [ -z "${FACEGATE_ADMIN_TOKEN:-}" ]; then
   export FACEGATE_ADMIN_TOKEN
   echo "admin API token in $token_file; for the CLI: export FACEGATE_ADMIN_TOKEN=\$(cat $token_file)"
 fi
+echo "console: http://127.0.0.1:8080/ (Try it with the demo key in $FACEGATE_DATA/demo.key; Operate with the admin token)"
 exec target/release/facegate serve "$@"
