@@ -70,27 +70,16 @@ impl Face {
 
     /// Every coordinate divided by `scale` (canvas → original pixels).
     pub fn unscaled(&self, scale: f32) -> Face {
-        Face {
-            bbox: self.bbox.map(|v| v / scale),
-            score: self.score,
-            landmarks: self.landmarks.map(|[x, y]| [x / scale, y / scale]),
-        }
+        Face { bbox: self.bbox.map(|v| v / scale), score: self.score, landmarks: self.landmarks.map(|[x, y]| [x / scale, y / scale]) }
     }
 
     /// Every coordinate clamped to `[0, width] × [0, height]`.
     pub fn clamped(&self, width: f32, height: f32) -> Face {
         let [x1, y1, x2, y2] = self.bbox;
         Face {
-            bbox: [
-                x1.clamp(0.0, width),
-                y1.clamp(0.0, height),
-                x2.clamp(0.0, width),
-                y2.clamp(0.0, height),
-            ],
+            bbox: [x1.clamp(0.0, width), y1.clamp(0.0, height), x2.clamp(0.0, width), y2.clamp(0.0, height)],
             score: self.score,
-            landmarks: self
-                .landmarks
-                .map(|[x, y]| [x.clamp(0.0, width), y.clamp(0.0, height)]),
+            landmarks: self.landmarks.map(|[x, y]| [x.clamp(0.0, width), y.clamp(0.0, height)]),
         }
     }
 }
@@ -126,32 +115,17 @@ pub struct Outputs<'a> {
 impl<'a> Outputs<'a> {
     /// Checks the tensors `infer` returned for an `input_height ×
     /// input_width` input.
-    pub fn new(
-        tensors: &'a [Tensor],
-        input_height: u32,
-        input_width: u32,
-    ) -> Result<Self, DecodeError> {
+    pub fn new(tensors: &'a [Tensor], input_height: u32, input_width: u32) -> Result<Self, DecodeError> {
         if tensors.len() != 4 {
-            return Err(DecodeError(format!(
-                "expected 4 tensors, got {}",
-                tensors.len()
-            )));
+            return Err(DecodeError(format!("expected 4 tensors, got {}", tensors.len())));
         }
-        let (height, width) = (
-            (input_height / STRIDE) as usize,
-            (input_width / STRIDE) as usize,
-        );
+        let (height, width) = ((input_height / STRIDE) as usize, (input_width / STRIDE) as usize);
         let mut planes: [&[u8]; 4] = [&[]; 4];
         for (i, (tensor, channels)) in tensors.iter().zip(CHANNELS).enumerate() {
             check_tensor(i, tensor, [channels, height, width])?;
             planes[i] = &tensor.data;
         }
-        Ok(Self {
-            planes,
-            height,
-            width,
-            input: (input_height, input_width),
-        })
+        Ok(Self { planes, height, width, input: (input_height, input_width) })
     }
 
     /// Value of output `tensor`, channel `channel`, cell `cell` (`row * w + col`).
@@ -165,16 +139,10 @@ impl<'a> Outputs<'a> {
 fn check_tensor(index: usize, tensor: &Tensor, dims: [usize; 3]) -> Result<(), DecodeError> {
     let shape: Vec<usize> = tensor.shape.iter().map(|&d| d as usize).collect();
     if tensor.element != ElementType::F32 || shape != dims {
-        return Err(DecodeError(format!(
-            "output {index}: expected f32 {dims:?}, got {:?} {shape:?}",
-            tensor.element
-        )));
+        return Err(DecodeError(format!("output {index}: expected f32 {dims:?}, got {:?} {shape:?}", tensor.element)));
     }
     if tensor.data.len() != dims.iter().product::<usize>() * 4 {
-        return Err(DecodeError(format!(
-            "output {index}: {} data bytes for {dims:?}",
-            tensor.data.len()
-        )));
+        return Err(DecodeError(format!("output {index}: {} data bytes for {dims:?}", tensor.data.len())));
     }
     Ok(())
 }
@@ -206,11 +174,7 @@ fn decode_cell(outputs: &Outputs<'_>, cell: usize) -> Face {
         let x = outputs.at(3, 2 * j + 1, cell) * sw + x1;
         [x, y]
     });
-    Face {
-        bbox: [x1, y1, (x1 + sw).min(input_w), (y1 + sh).min(input_h)],
-        score: outputs.at(0, 0, cell),
-        landmarks,
-    }
+    Face { bbox: [x1, y1, (x1 + sw).min(input_w), (y1 + sh).min(input_h)], score: outputs.at(0, 0, cell), landmarks }
 }
 
 /// Sorts faces by score, highest first (stable for ties).
@@ -235,13 +199,7 @@ pub fn nms(mut faces: Vec<Face>, iou_threshold: f32) -> Vec<Face> {
 /// Decode, NMS, then map to an original image of `width × height` that was
 /// letterboxed with `scale` (faces divided by it and clamped to the image).
 /// Sorted by score, highest first.
-pub fn postprocess(
-    outputs: &Outputs<'_>,
-    threshold: f32,
-    iou_threshold: f32,
-    scale: f32,
-    (width, height): (u32, u32),
-) -> Vec<Face> {
+pub fn postprocess(outputs: &Outputs<'_>, threshold: f32, iou_threshold: f32, scale: f32, (width, height): (u32, u32)) -> Vec<Face> {
     nms(decode(outputs, threshold), iou_threshold)
         .into_iter()
         .map(|face| face.unscaled(scale).clamped(width as f32, height as f32))
@@ -301,11 +259,7 @@ mod tests {
     }
 
     fn face(bbox: [f32; 4], score: f32) -> Face {
-        Face {
-            bbox,
-            score,
-            landmarks: [[0.0; 2]; 5],
-        }
+        Face { bbox, score, landmarks: [[0.0; 2]; 5] }
     }
 
     #[test]
@@ -344,10 +298,7 @@ mod tests {
         assert!(Outputs::new(&tensors[..3], 32, 32).is_err());
         tensors[3].data.pop();
         let error = Outputs::new(&tensors, 32, 32).expect_err("must fail");
-        assert_eq!(
-            (DecodeError::status(&error), error.code()),
-            (500, "bad_model_output")
-        );
+        assert_eq!((DecodeError::status(&error), error.code()), (500, "bad_model_output"));
     }
 
     #[test]
@@ -394,11 +345,6 @@ mod tests {
         assert_eq!(faces.len(), 2);
         assert_eq!(faces[0].bbox, [12.0, 12.0, 28.0, 28.0]);
         assert_eq!(faces[1].bbox, [0.0, 50.0, 16.0, 50.0]); // clamped to the image
-        assert!(
-            faces[1]
-                .landmarks
-                .iter()
-                .all(|&[x, y]| x <= 64.0 && y <= 50.0)
-        );
+        assert!(faces[1].landmarks.iter().all(|&[x, y]| x <= 64.0 && y <= 50.0));
     }
 }

@@ -39,22 +39,13 @@ pub struct Region {
 
 /// The face's box grown by `margin` × its size on every side, rounded
 /// outwards and clipped to the image; `None` if nothing is left.
-pub fn face_region(
-    face: &Face,
-    margin: f32,
-    (image_width, image_height): (u32, u32),
-) -> Option<Region> {
+pub fn face_region(face: &Face, margin: f32, (image_width, image_height): (u32, u32)) -> Option<Region> {
     let (mx, my) = (face.width() * margin, face.height() * margin);
     let x1 = (face.bbox[0] - mx).floor().max(0.0) as u32;
     let y1 = (face.bbox[1] - my).floor().max(0.0) as u32;
     let x2 = ((face.bbox[2] + mx).ceil().max(0.0) as u32).min(image_width);
     let y2 = ((face.bbox[3] + my).ceil().max(0.0) as u32).min(image_height);
-    (x2 > x1 && y2 > y1).then(|| Region {
-        x: x1,
-        y: y1,
-        width: x2 - x1,
-        height: y2 - y1,
-    })
+    (x2 > x1 && y2 > y1).then(|| Region { x: x1, y: y1, width: x2 - x1, height: y2 - y1 })
 }
 
 /// Blurs each face's region (grown by `margin`) in place, strongly enough
@@ -84,11 +75,7 @@ pub fn crop(image: &RgbImage, region: Region) -> RgbImage {
 /// Each face cropped (grown by `margin`), in the order given; faces with
 /// nothing left after clipping are skipped.
 pub fn crop_faces(image: &RgbImage, faces: &[Face], margin: f32) -> Vec<(Region, RgbImage)> {
-    faces
-        .iter()
-        .filter_map(|face| face_region(face, margin, image.dimensions()))
-        .map(|region| (region, crop(image, region)))
-        .collect()
+    faces.iter().filter_map(|face| face_region(face, margin, image.dimensions())).map(|region| (region, crop(image, region))).collect()
 }
 
 #[cfg(test)]
@@ -96,39 +83,16 @@ mod tests {
     use super::*;
 
     fn face(bbox: [f32; 4]) -> Face {
-        Face {
-            bbox,
-            score: 0.9,
-            landmarks: [[0.0; 2]; 5],
-        }
+        Face { bbox, score: 0.9, landmarks: [[0.0; 2]; 5] }
     }
 
     #[test]
     fn regions_grow_round_outwards_and_clip() {
         let region = face_region(&face([10.2, 20.7, 30.1, 40.0]), 0.0, (100, 100));
-        assert_eq!(
-            region,
-            Some(Region {
-                x: 10,
-                y: 20,
-                width: 21,
-                height: 20
-            })
-        );
+        assert_eq!(region, Some(Region { x: 10, y: 20, width: 21, height: 20 }));
         let grown = face_region(&face([10.0, 10.0, 30.0, 30.0]), 0.5, (35, 100));
-        assert_eq!(
-            grown,
-            Some(Region {
-                x: 0,
-                y: 0,
-                width: 35,
-                height: 40
-            })
-        );
-        assert_eq!(
-            face_region(&face([50.0, 50.0, 50.0, 60.0]), 0.0, (100, 100)),
-            None
-        );
+        assert_eq!(grown, Some(Region { x: 0, y: 0, width: 35, height: 40 }));
+        assert_eq!(face_region(&face([50.0, 50.0, 50.0, 60.0]), 0.0, (100, 100)), None);
     }
 
     #[test]
@@ -142,23 +106,13 @@ mod tests {
         assert_eq!(image.get_pixel(0, 0), original.get_pixel(0, 0));
         assert_eq!(image.get_pixel(40, 40), original.get_pixel(40, 40));
         let centre = image.get_pixel(24, 24).0[0];
-        assert!(
-            (64..=192).contains(&centre),
-            "checkerboard should average out, got {centre}"
-        );
+        assert!((64..=192).contains(&centre), "checkerboard should average out, got {centre}");
     }
 
     #[test]
     fn crops_have_the_region_size() {
         let image = RgbImage::from_fn(50, 40, |x, y| ::image::Rgb([x as u8, y as u8, 0]));
-        let crops = crop_faces(
-            &image,
-            &[
-                face([10.0, 5.0, 20.0, 25.0]),
-                face([60.0, 60.0, 70.0, 70.0]),
-            ],
-            0.0,
-        );
+        let crops = crop_faces(&image, &[face([10.0, 5.0, 20.0, 25.0]), face([60.0, 60.0, 70.0, 70.0])], 0.0);
         assert_eq!(crops.len(), 1);
         let (region, crop) = &crops[0];
         assert_eq!((crop.width(), crop.height()), (region.width, region.height));

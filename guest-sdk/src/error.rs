@@ -40,11 +40,7 @@ pub enum Error {
 impl Error {
     /// A handler-defined error with its own status and code.
     pub fn custom(status: u16, code: &'static str, message: impl Into<String>) -> Self {
-        Self::Custom {
-            status,
-            code,
-            message: message.into(),
-        }
+        Self::Custom { status, code, message: message.into() }
     }
 
     /// The HTTP status this error answers with.
@@ -158,32 +154,12 @@ mod tests {
     #[test]
     fn infer_errors_map_to_the_contracted_statuses() {
         let cases = [
-            (
-                face_detect::Error::InvalidInput("x".into()),
-                400,
-                "invalid_input",
-            ),
-            (
-                face_detect::Error::UnknownModel("x".into()),
-                500,
-                "unknown_model",
-            ),
+            (face_detect::Error::InvalidInput("x".into()), 400, "invalid_input"),
+            (face_detect::Error::UnknownModel("x".into()), 500, "unknown_model"),
             (face_detect::Error::Overloaded, 503, "overloaded"),
-            (
-                face_detect::Error::DeadlineExceeded,
-                504,
-                "deadline_exceeded",
-            ),
-            (
-                face_detect::Error::QuotaExceeded("x".into()),
-                429,
-                "quota_exceeded",
-            ),
-            (
-                face_detect::Error::Backend("x".into()),
-                500,
-                "backend_error",
-            ),
+            (face_detect::Error::DeadlineExceeded, 504, "deadline_exceeded"),
+            (face_detect::Error::QuotaExceeded("x".into()), 429, "quota_exceeded"),
+            (face_detect::Error::Backend("x".into()), 500, "backend_error"),
         ];
         for (wit, status, code) in cases {
             let error = Error::from(wit);
@@ -194,18 +170,9 @@ mod tests {
     #[test]
     fn overloaded_carries_retry_after_and_405_carries_allow() {
         let overloaded = Error::from(face_detect::Error::Overloaded);
-        assert_eq!(
-            overloaded.headers(),
-            vec![("retry-after".to_string(), "1".to_string())]
-        );
-        let method = Error::from(HttpError::MethodNotAllowed {
-            method: "GET".into(),
-            allowed: vec!["POST".into()],
-        });
+        assert_eq!(overloaded.headers(), vec![("retry-after".to_string(), "1".to_string())]);
+        let method = Error::from(HttpError::MethodNotAllowed { method: "GET".into(), allowed: vec!["POST".into()] });
         assert_eq!(method.status(), 405);
-        assert_eq!(
-            method.headers(),
-            vec![("allow".to_string(), "POST".to_string())]
-        );
+        assert_eq!(method.headers(), vec![("allow".to_string(), "POST".to_string())]);
     }
 }

@@ -11,9 +11,7 @@ pub mod multipart;
 pub mod query;
 
 use serde::Serialize;
-use wasi::http::types::{
-    Fields, IncomingBody, IncomingRequest, Method, OutgoingBody, OutgoingResponse, ResponseOutparam,
-};
+use wasi::http::types::{Fields, IncomingBody, IncomingRequest, Method, OutgoingBody, OutgoingResponse, ResponseOutparam};
 use wasi::io::streams::StreamError;
 
 pub use self::query::Query;
@@ -84,10 +82,7 @@ pub enum HttpError {
 impl HttpError {
     /// An [`HttpError::InvalidParameter`] for `name`.
     pub fn invalid_parameter(name: &str, message: &str) -> Self {
-        Self::InvalidParameter {
-            name: name.to_string(),
-            message: message.to_string(),
-        }
+        Self::InvalidParameter { name: name.to_string(), message: message.to_string() }
     }
 
     /// The HTTP status this error answers with.
@@ -125,22 +120,9 @@ pub struct Request {
 
 impl Request {
     /// A request from its parts (how [`serve`] builds it; handy in tests).
-    pub fn new(
-        method: &str,
-        path_with_query: &str,
-        headers: Vec<(String, Vec<u8>)>,
-        body: Vec<u8>,
-    ) -> Self {
-        let (path, query) = path_with_query
-            .split_once('?')
-            .unwrap_or((path_with_query, ""));
-        Self {
-            method: method.to_ascii_uppercase(),
-            path: path.to_string(),
-            query: Query::parse(query),
-            headers,
-            body,
-        }
+    pub fn new(method: &str, path_with_query: &str, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Self {
+        let (path, query) = path_with_query.split_once('?').unwrap_or((path_with_query, ""));
+        Self { method: method.to_ascii_uppercase(), path: path.to_string(), query: Query::parse(query), headers, body }
     }
 
     /// The method, upper case (`POST`).
@@ -160,10 +142,7 @@ impl Request {
 
     /// The first header of that name (case-insensitive), if it is UTF-8.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).and_then(|(_, v)| std::str::from_utf8(v).ok())
     }
 
     /// All headers, as received.
@@ -189,9 +168,8 @@ impl Request {
         }
         let bytes = match self.content_type() {
             Some(ct) if ct.mime == "multipart/form-data" => {
-                let boundary = ct.param("boundary").ok_or_else(|| {
-                    HttpError::InvalidMultipart("the Content-Type has no boundary".into())
-                })?;
+                let boundary =
+                    ct.param("boundary").ok_or_else(|| HttpError::InvalidMultipart("the Content-Type has no boundary".into()))?;
                 multipart::field(&self.body, boundary, IMAGE_FIELD)?
             }
             _ => &self.body,
@@ -216,18 +194,12 @@ impl ContentType {
     /// Parses `type/subtype; key=value; key="quoted value"`.
     pub fn parse(value: &str) -> Self {
         let (mime, params) = value.split_once(';').unwrap_or((value, ""));
-        Self {
-            mime: mime.trim().to_ascii_lowercase(),
-            params: parse_params(params),
-        }
+        Self { mime: mime.trim().to_ascii_lowercase(), params: parse_params(params) }
     }
 
     /// The value of a parameter (key case-insensitive).
     pub fn param(&self, key: &str) -> Option<&str> {
-        self.params
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(key))
-            .map(|(_, v)| v.as_str())
+        self.params.iter().find(|(k, _)| k.eq_ignore_ascii_case(key)).map(|(_, v)| v.as_str())
     }
 }
 
@@ -282,22 +254,14 @@ pub struct Response {
 impl Response {
     /// A response with a body of the given media type.
     pub fn bytes(status: u16, content_type: &str, body: Vec<u8>) -> Self {
-        Self {
-            status,
-            headers: vec![("content-type".into(), content_type.into())],
-            body,
-        }
+        Self { status, headers: vec![("content-type".into(), content_type.into())], body }
     }
 
     /// A JSON response.
     pub fn json<T: Serialize + ?Sized>(status: u16, value: &T) -> Self {
         match serde_json::to_vec(value) {
             Ok(body) => Self::bytes(status, "application/json", body),
-            Err(e) => Self::error(&Error::custom(
-                500,
-                "internal",
-                format!("cannot serialise: {e}"),
-            )),
+            Err(e) => Self::error(&Error::custom(500, "internal", format!("cannot serialise: {e}"))),
         }
     }
 
@@ -307,11 +271,7 @@ impl Response {
         let body = serde_json::json!({
             "error": { "code": error.code(), "message": error.to_string() }
         });
-        let mut response = Self::bytes(
-            error.status(),
-            "application/json",
-            body.to_string().into_bytes(),
-        );
+        let mut response = Self::bytes(error.status(), "application/json", body.to_string().into_bytes());
         response.headers.extend(error.headers());
         response
     }
@@ -324,33 +284,20 @@ impl Response {
 
     /// The first header of that name (case-insensitive).
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     /// Sends the response through `wasi:http` (inside a component only).
     pub fn send(self, out: ResponseOutparam) {
-        let mut fields: Vec<(String, Vec<u8>)> = self
-            .headers
-            .into_iter()
-            .map(|(n, v)| (n, v.into_bytes()))
-            .collect();
-        fields.push((
-            "content-length".into(),
-            self.body.len().to_string().into_bytes(),
-        ));
+        let mut fields: Vec<(String, Vec<u8>)> = self.headers.into_iter().map(|(n, v)| (n, v.into_bytes())).collect();
+        fields.push(("content-length".into(), self.body.len().to_string().into_bytes()));
         let headers = Fields::from_list(&fields).unwrap_or_else(|e| {
             eprintln!("facegate-guest-sdk: invalid response header ({e:?}); sending none");
             Fields::new()
         });
         let response = OutgoingResponse::new(headers);
         if response.set_status_code(self.status).is_err() {
-            eprintln!(
-                "facegate-guest-sdk: invalid status {}; sending 200",
-                self.status
-            );
+            eprintln!("facegate-guest-sdk: invalid status {}; sending 200", self.status);
         }
         let body = response.body();
         ResponseOutparam::set(out, Ok(response));
@@ -366,13 +313,9 @@ impl Response {
 }
 
 fn write_body(body: OutgoingBody, bytes: &[u8]) -> Result<(), String> {
-    let stream = body
-        .write()
-        .map_err(|()| "the body stream was already taken".to_string())?;
+    let stream = body.write().map_err(|()| "the body stream was already taken".to_string())?;
     for chunk in bytes.chunks(WRITE_CHUNK) {
-        stream
-            .blocking_write_and_flush(chunk)
-            .map_err(|e| format!("{e:?}"))?;
+        stream.blocking_write_and_flush(chunk).map_err(|e| format!("{e:?}"))?;
     }
     drop(stream); // the stream must be gone before the body is finished
     OutgoingBody::finish(body, None).map_err(|e| format!("{e:?}"))
@@ -420,10 +363,7 @@ pub fn check_method(method: &str, allowed: &[&str]) -> Result<(), HttpError> {
     if allowed.iter().any(|m| m.eq_ignore_ascii_case(method)) {
         return Ok(());
     }
-    Err(HttpError::MethodNotAllowed {
-        method: method.to_string(),
-        allowed: allowed.iter().map(|m| m.to_string()).collect(),
-    })
+    Err(HttpError::MethodNotAllowed { method: method.to_string(), allowed: allowed.iter().map(|m| m.to_string()).collect() })
 }
 
 /// The `Content-Length` header's value, if present and a number.
@@ -444,18 +384,10 @@ fn check_length(announced: Option<usize>, limit: usize) -> Result<(), HttpError>
 }
 
 /// Reads the whole body, failing as soon as it passes `limit` bytes.
-fn read_body(
-    request: &IncomingRequest,
-    expected: usize,
-    limit: usize,
-) -> Result<Vec<u8>, HttpError> {
+fn read_body(request: &IncomingRequest, expected: usize, limit: usize) -> Result<Vec<u8>, HttpError> {
     let failed = |what: &str| HttpError::BodyRead(what.to_string());
-    let body = request
-        .consume()
-        .map_err(|()| failed("the body was already consumed"))?;
-    let stream = body
-        .stream()
-        .map_err(|()| failed("the body stream was already taken"))?;
+    let body = request.consume().map_err(|()| failed("the body was already consumed"))?;
+    let stream = body.stream().map_err(|()| failed("the body stream was already taken"))?;
     let mut bytes = Vec::with_capacity(expected.min(limit));
     loop {
         match stream.blocking_read(READ_CHUNK) {
@@ -477,9 +409,7 @@ mod tests {
     use super::*;
 
     fn request(content_type: Option<&str>, body: &[u8]) -> Request {
-        let headers = content_type
-            .map(|ct| vec![("Content-Type".to_string(), ct.as_bytes().to_vec())])
-            .unwrap_or_default();
+        let headers = content_type.map(|ct| vec![("Content-Type".to_string(), ct.as_bytes().to_vec())]).unwrap_or_default();
         Request::new("post", "/detect?threshold=0.6", headers, body.to_vec())
     }
 
@@ -494,10 +424,7 @@ mod tests {
 
     #[test]
     fn empty_bodies_and_empty_fields_are_empty_body() {
-        assert_eq!(
-            request(None, b"").image_bytes().expect_err("must fail"),
-            HttpError::EmptyBody
-        );
+        assert_eq!(request(None, b"").image_bytes().expect_err("must fail"), HttpError::EmptyBody);
         let body = b"--b\r\nContent-Disposition: form-data; name=\"image\"\r\n\r\n\r\n--b--";
         let r = request(Some("multipart/form-data; boundary=b"), body);
         assert_eq!(r.image_bytes().expect_err("must fail").code(), "empty_body");
@@ -509,16 +436,12 @@ mod tests {
         let r = request(Some("Multipart/Form-Data; boundary=\"xyz\""), body);
         assert_eq!(r.image_bytes().expect("field"), b"PNG!");
         let no_boundary = request(Some("multipart/form-data"), body);
-        assert_eq!(
-            no_boundary.image_bytes().expect_err("must fail").code(),
-            "invalid_multipart"
-        );
+        assert_eq!(no_boundary.image_bytes().expect_err("must fail").code(), "invalid_multipart");
     }
 
     #[test]
     fn content_type_params_handle_quotes() {
-        let ct =
-            ContentType::parse("multipart/form-data; Boundary=\"a;b \\\"c\\\"\"; charset=utf-8");
+        let ct = ContentType::parse("multipart/form-data; Boundary=\"a;b \\\"c\\\"\"; charset=utf-8");
         assert_eq!(ct.mime, "multipart/form-data");
         assert_eq!(ct.param("boundary"), Some("a;b \"c\""));
         assert_eq!(ct.param("charset"), Some("utf-8"));
@@ -530,10 +453,7 @@ mod tests {
         assert!(check_method("POST", &["POST"]).is_ok());
         let error = check_method("GET", &["POST"]).expect_err("must fail");
         assert_eq!((error.status(), error.code()), (405, "method_not_allowed"));
-        assert_eq!(
-            check_length(Some(11), 10),
-            Err(HttpError::BodyTooLarge { limit: 10 })
-        );
+        assert_eq!(check_length(Some(11), 10), Err(HttpError::BodyTooLarge { limit: 10 }));
         assert!(check_length(Some(10), 10).is_ok() && check_length(None, 10).is_ok());
         let headers = vec![("Content-Length".to_string(), b" 42 ".to_vec())];
         assert_eq!(content_length(&headers), Some(42));
@@ -541,21 +461,13 @@ mod tests {
 
     #[test]
     fn error_responses_are_json_with_status_and_headers() {
-        let error = Error::from(HttpError::MethodNotAllowed {
-            method: "GET".into(),
-            allowed: vec!["POST".into()],
-        });
+        let error = Error::from(HttpError::MethodNotAllowed { method: "GET".into(), allowed: vec!["POST".into()] });
         let response = Response::error(&error);
         assert_eq!(response.status, 405);
         assert_eq!(response.header("allow"), Some("POST"));
         assert_eq!(response.header("content-type"), Some("application/json"));
         let json: serde_json::Value = serde_json::from_slice(&response.body).expect("json");
         assert_eq!(json["error"]["code"], "method_not_allowed");
-        assert!(
-            json["error"]["message"]
-                .as_str()
-                .expect("text")
-                .contains("GET")
-        );
+        assert!(json["error"]["message"].as_str().expect("text").contains("GET"));
     }
 }

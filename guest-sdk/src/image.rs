@@ -48,11 +48,7 @@ pub struct ImageLimits {
 
 impl Default for ImageLimits {
     fn default() -> Self {
-        Self {
-            max_side: DEFAULT_MAX_SIDE,
-            max_pixels: DEFAULT_MAX_PIXELS,
-            max_alloc: DEFAULT_MAX_ALLOC,
-        }
+        Self { max_side: DEFAULT_MAX_SIDE, max_pixels: DEFAULT_MAX_PIXELS, max_alloc: DEFAULT_MAX_ALLOC }
     }
 }
 
@@ -154,9 +150,7 @@ pub fn sniff_format(bytes: &[u8]) -> Result<ImageFormat, ImageError> {
         Ok(image::ImageFormat::Jpeg) => Ok(ImageFormat::Jpeg),
         Ok(image::ImageFormat::Png) => Ok(ImageFormat::Png),
         Ok(image::ImageFormat::WebP) => Ok(ImageFormat::WebP),
-        Ok(other) => Err(ImageError::Unsupported(format!(
-            "{other:?} is not supported"
-        ))),
+        Ok(other) => Err(ImageError::Unsupported(format!("{other:?} is not supported"))),
         Err(_) => Err(ImageError::Unsupported("unrecognised leading bytes".into())),
     }
 }
@@ -169,11 +163,7 @@ pub fn probe(bytes: &[u8], limits: &ImageLimits) -> Result<ImageInfo, ImageError
     let decoder = open_decoder(bytes, format, limits)?;
     let (width, height) = decoder.dimensions();
     check_dimensions(width, height, limits)?;
-    Ok(ImageInfo {
-        format,
-        width,
-        height,
-    })
+    Ok(ImageInfo { format, width, height })
 }
 
 /// Decodes a JPEG, PNG or WebP image into RGB, applying its EXIF
@@ -189,12 +179,9 @@ pub fn decode(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, ImageError
     let (width, height) = decoder.dimensions();
     check_dimensions(width, height, limits)?;
     check_alloc(decoder.total_bytes(), width, height, limits)?;
-    decoder
-        .set_limits(decoder_limits(limits))
-        .map_err(|e| map_image_error(e, Some((width, height))))?;
+    decoder.set_limits(decoder_limits(limits)).map_err(|e| map_image_error(e, Some((width, height))))?;
     let orientation = decoder.orientation().unwrap_or(Orientation::NoTransforms);
-    let mut image = DynamicImage::from_decoder(decoder)
-        .map_err(|e| map_image_error(e, Some((width, height))))?;
+    let mut image = DynamicImage::from_decoder(decoder).map_err(|e| map_image_error(e, Some((width, height))))?;
     image.apply_orientation(orientation);
     Ok(image.into_rgb8())
 }
@@ -202,11 +189,7 @@ pub fn decode(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, ImageError
 /// Opens a decoder and reads the header only. No dimension limit yet (so
 /// that ours, with its typed error, applies), but an allocation limit for
 /// whatever the header parsing itself reserves.
-fn open_decoder<'a>(
-    bytes: &'a [u8],
-    format: ImageFormat,
-    limits: &ImageLimits,
-) -> Result<impl ImageDecoder + 'a, ImageError> {
+fn open_decoder<'a>(bytes: &'a [u8], format: ImageFormat, limits: &ImageLimits) -> Result<impl ImageDecoder + 'a, ImageError> {
     let mut reader = ImageReader::with_format(Cursor::new(bytes), format.to_image_crate());
     let mut header_limits = image::Limits::no_limits();
     header_limits.max_alloc = Some(limits.max_alloc);
@@ -291,15 +274,9 @@ fn decoder_limits(limits: &ImageLimits) -> image::Limits {
 }
 
 fn check_dimensions(width: u32, height: u32, limits: &ImageLimits) -> Result<(), ImageError> {
-    let too_large = |limit: String| ImageError::TooLarge {
-        width,
-        height,
-        limit,
-    };
+    let too_large = |limit: String| ImageError::TooLarge { width, height, limit };
     if width == 0 || height == 0 {
-        return Err(ImageError::Invalid(format!(
-            "the header says {width}×{height} pixels"
-        )));
+        return Err(ImageError::Invalid(format!("the header says {width}×{height} pixels")));
     }
     if width > limits.max_side || height > limits.max_side {
         return Err(too_large(format!("{} pixels per side", limits.max_side)));
@@ -310,18 +287,9 @@ fn check_dimensions(width: u32, height: u32, limits: &ImageLimits) -> Result<(),
     Ok(())
 }
 
-fn check_alloc(
-    bytes: u64,
-    width: u32,
-    height: u32,
-    limits: &ImageLimits,
-) -> Result<(), ImageError> {
+fn check_alloc(bytes: u64, width: u32, height: u32, limits: &ImageLimits) -> Result<(), ImageError> {
     if bytes > limits.max_alloc {
-        return Err(ImageError::TooLarge {
-            width,
-            height,
-            limit: format!("{} bytes decoded ({bytes} needed)", limits.max_alloc),
-        });
+        return Err(ImageError::TooLarge { width, height, limit: format!("{} bytes decoded ({bytes} needed)", limits.max_alloc) });
     }
     Ok(())
 }
@@ -332,11 +300,7 @@ fn map_image_error(error: image::ImageError, dims: Option<(u32, u32)>) -> ImageE
         E::Unsupported(e) => ImageError::Unsupported(e.to_string()),
         E::Limits(e) => {
             let (width, height) = dims.unwrap_or((0, 0));
-            ImageError::TooLarge {
-                width,
-                height,
-                limit: e.to_string(),
-            }
+            ImageError::TooLarge { width, height, limit: e.to_string() }
         }
         E::Decoding(e) => ImageError::Invalid(e.to_string()),
         E::IoError(e) => ImageError::Invalid(e.to_string()),
@@ -367,11 +331,7 @@ pub struct Letterbox {
 impl Letterbox {
     /// The canvas as the `[side, side, 3]` `u8` tensor `infer` takes.
     pub fn into_tensor(self) -> Tensor {
-        Tensor {
-            shape: vec![self.side, self.side, 3],
-            element: ElementType::U8,
-            data: self.pixels,
-        }
+        Tensor { shape: vec![self.side, self.side, 3], element: ElementType::U8, data: self.pixels }
     }
 
     /// Maps a canvas point back to original-image pixels.
@@ -402,53 +362,26 @@ pub fn letterbox(image: &RgbImage, side: u32) -> Result<Letterbox, ImageError> {
     } else {
         resize_into(image, &mut pixels, side, width, height)?;
     }
-    Ok(Letterbox {
-        pixels,
-        side,
-        scale,
-        width,
-        height,
-    })
+    Ok(Letterbox { pixels, side, scale, width, height })
 }
 
 /// Copies an image that needs no scaling to the canvas's top-left.
 fn copy_rows(image: &RgbImage, canvas: &mut [u8], side: u32) {
     let row = image.width() as usize * 3;
     let stride = side as usize * 3;
-    for (src, dst) in image
-        .as_raw()
-        .chunks_exact(row)
-        .zip(canvas.chunks_exact_mut(stride))
-    {
+    for (src, dst) in image.as_raw().chunks_exact(row).zip(canvas.chunks_exact_mut(stride)) {
         dst[..row].copy_from_slice(src);
     }
 }
 
 /// Resizes `image` into the top-left `width × height` of the canvas.
-fn resize_into(
-    image: &RgbImage,
-    canvas: &mut [u8],
-    side: u32,
-    width: u32,
-    height: u32,
-) -> Result<(), ImageError> {
+fn resize_into(image: &RgbImage, canvas: &mut [u8], side: u32, width: u32, height: u32) -> Result<(), ImageError> {
     let internal = |e: &dyn std::fmt::Display| ImageError::Invalid(format!("resize: {e}"));
-    let src = fr::images::ImageRef::new(
-        image.width(),
-        image.height(),
-        image.as_raw(),
-        fr::PixelType::U8x3,
-    )
-    .map_err(|e| internal(&e))?;
-    let mut dst = fr::images::Image::from_slice_u8(side, side, canvas, fr::PixelType::U8x3)
-        .map_err(|e| internal(&e))?;
-    let mut view = fr::images::CroppedImageMut::new(&mut dst, 0, 0, width, height)
-        .map_err(|e| internal(&e))?;
-    let options =
-        fr::ResizeOptions::new().resize_alg(fr::ResizeAlg::Convolution(fr::FilterType::Bilinear));
-    fr::Resizer::new()
-        .resize(&src, &mut view, &options)
-        .map_err(|e| internal(&e))
+    let src = fr::images::ImageRef::new(image.width(), image.height(), image.as_raw(), fr::PixelType::U8x3).map_err(|e| internal(&e))?;
+    let mut dst = fr::images::Image::from_slice_u8(side, side, canvas, fr::PixelType::U8x3).map_err(|e| internal(&e))?;
+    let mut view = fr::images::CroppedImageMut::new(&mut dst, 0, 0, width, height).map_err(|e| internal(&e))?;
+    let options = fr::ResizeOptions::new().resize_alg(fr::ResizeAlg::Convolution(fr::FilterType::Bilinear));
+    fr::Resizer::new().resize(&src, &mut view, &options).map_err(|e| internal(&e))
 }
 
 /// Encodes `image` as a baseline JPEG of the given quality (1–100).
@@ -465,16 +398,12 @@ mod tests {
     use super::*;
 
     fn gradient(width: u32, height: u32) -> RgbImage {
-        RgbImage::from_fn(width, height, |x, y| {
-            image::Rgb([(x % 256) as u8, (y % 256) as u8, 128])
-        })
+        RgbImage::from_fn(width, height, |x, y| image::Rgb([(x % 256) as u8, (y % 256) as u8, 128]))
     }
 
     fn encode_png(image: &RgbImage) -> Vec<u8> {
         let mut out = Vec::new();
-        image
-            .write_to(&mut Cursor::new(&mut out), image::ImageFormat::Png)
-            .expect("encode png");
+        image.write_to(&mut Cursor::new(&mut out), image::ImageFormat::Png).expect("encode png");
         out
     }
 
@@ -484,11 +413,7 @@ mod tests {
         for &b in bytes {
             crc ^= u32::from(b);
             for _ in 0..8 {
-                crc = if crc & 1 == 1 {
-                    (crc >> 1) ^ 0xedb8_8320
-                } else {
-                    crc >> 1
-                };
+                crc = if crc & 1 == 1 { (crc >> 1) ^ 0xedb8_8320 } else { crc >> 1 };
             }
         }
         !crc
@@ -516,10 +441,7 @@ mod tests {
     /// A real JPEG whose SOF0 header is patched to claim `width × height`.
     fn jpeg_claiming(width: u16, height: u16) -> Vec<u8> {
         let mut jpeg = encode_jpeg(&gradient(16, 16), 90).expect("encode");
-        let sof = jpeg
-            .windows(2)
-            .position(|w| w == [0xff, 0xc0])
-            .expect("SOF0");
+        let sof = jpeg.windows(2).position(|w| w == [0xff, 0xc0]).expect("SOF0");
         jpeg[sof + 5..sof + 7].copy_from_slice(&height.to_be_bytes());
         jpeg[sof + 7..sof + 9].copy_from_slice(&width.to_be_bytes());
         jpeg
@@ -530,17 +452,13 @@ mod tests {
         let image = gradient(40, 30);
         let png = decode(&encode_png(&image), &ImageLimits::default()).expect("png");
         assert_eq!(png, image);
-        let jpeg = decode(
-            &encode_jpeg(&image, 90).expect("jpeg"),
-            &ImageLimits::default(),
-        );
+        let jpeg = decode(&encode_jpeg(&image, 90).expect("jpeg"), &ImageLimits::default());
         assert_eq!(jpeg.expect("decode jpeg").dimensions(), (40, 30));
     }
 
     #[test]
     fn huge_png_header_is_refused_before_decoding() {
-        let error =
-            decode(&png_claiming(30000, 30000), &ImageLimits::default()).expect_err("must fail");
+        let error = decode(&png_claiming(30000, 30000), &ImageLimits::default()).expect_err("must fail");
         assert_eq!(error.status(), 413);
         assert_eq!(error.code(), "image_too_large");
         assert!(error.to_string().contains("30000×30000"), "{error}");
@@ -548,49 +466,22 @@ mod tests {
 
     #[test]
     fn huge_jpeg_header_is_refused_before_decoding() {
-        let error =
-            decode(&jpeg_claiming(30000, 30000), &ImageLimits::default()).expect_err("must fail");
-        assert!(
-            matches!(
-                error,
-                ImageError::TooLarge {
-                    width: 30000,
-                    height: 30000,
-                    ..
-                }
-            ),
-            "{error}"
-        );
+        let error = decode(&jpeg_claiming(30000, 30000), &ImageLimits::default()).expect_err("must fail");
+        assert!(matches!(error, ImageError::TooLarge { width: 30000, height: 30000, .. }), "{error}");
     }
 
     #[test]
     fn pixel_count_limit_applies_below_the_side_limit() {
-        let limits = ImageLimits {
-            max_pixels: 1000,
-            ..ImageLimits::default()
-        };
+        let limits = ImageLimits { max_pixels: 1000, ..ImageLimits::default() };
         let error = probe(&encode_png(&gradient(40, 30)), &limits).expect_err("must fail");
-        assert!(matches!(
-            error,
-            ImageError::TooLarge {
-                width: 40,
-                height: 30,
-                ..
-            }
-        ));
+        assert!(matches!(error, ImageError::TooLarge { width: 40, height: 30, .. }));
         let info = probe(&encode_png(&gradient(20, 30)), &limits).expect("fits");
-        assert_eq!(
-            (info.format, info.width, info.height),
-            (ImageFormat::Png, 20, 30)
-        );
+        assert_eq!((info.format, info.width, info.height), (ImageFormat::Png, 20, 30));
     }
 
     #[test]
     fn alloc_limit_is_checked_from_the_header() {
-        let limits = ImageLimits {
-            max_alloc: 100,
-            ..ImageLimits::default()
-        };
+        let limits = ImageLimits { max_alloc: 100, ..ImageLimits::default() };
         let error = decode(&encode_png(&gradient(40, 30)), &limits).expect_err("must fail");
         assert_eq!(error.code(), "image_too_large");
     }
@@ -599,8 +490,7 @@ mod tests {
     fn non_images_are_unsupported_and_truncated_images_invalid() {
         let error = decode(b"hello, world", &ImageLimits::default()).expect_err("must fail");
         assert_eq!((error.status(), error.code()), (415, "unsupported_image"));
-        let gif =
-            decode(b"GIF89a\x01\x00\x01\x00", &ImageLimits::default()).expect_err("must fail");
+        let gif = decode(b"GIF89a\x01\x00\x01\x00", &ImageLimits::default()).expect_err("must fail");
         assert_eq!(gif.code(), "unsupported_image");
         let png = encode_png(&gradient(64, 64));
         let error = decode(&png[..png.len() / 2], &ImageLimits::default()).expect_err("must fail");
@@ -630,10 +520,7 @@ mod tests {
         assert_eq!(px(63, 63), [0, 0, 0]);
         assert_eq!(boxed.to_source(64.0, 32.0), (100.0, 50.0));
         let tensor = boxed.into_tensor();
-        assert_eq!(
-            (tensor.shape, tensor.data.len()),
-            (vec![64, 64, 3], 64 * 64 * 3)
-        );
+        assert_eq!((tensor.shape, tensor.data.len()), (vec![64, 64, 3], 64 * 64 * 3));
     }
 
     #[test]
@@ -648,14 +535,8 @@ mod tests {
     #[test]
     fn letterbox_rejects_sides_that_are_not_multiples_of_32() {
         let image = gradient(8, 8);
-        assert_eq!(
-            letterbox(&image, 100).expect_err("must fail"),
-            ImageError::InvalidSide(100)
-        );
-        assert_eq!(
-            letterbox(&image, 0).expect_err("must fail"),
-            ImageError::InvalidSide(0)
-        );
+        assert_eq!(letterbox(&image, 100).expect_err("must fail"), ImageError::InvalidSide(100));
+        assert_eq!(letterbox(&image, 0).expect_err("must fail"), ImageError::InvalidSide(0));
     }
 
     #[test]

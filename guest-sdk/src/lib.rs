@@ -48,9 +48,7 @@ pub mod pipeline;
 
 pub use error::{Error, InferError};
 pub use http::{Handler, Request, Response};
-pub use pipeline::{
-    DetectOptions, Detection, FaceReport, Timings, detect, detect_faces, detect_image, infer_centerface,
-};
+pub use pipeline::{DetectOptions, Detection, FaceReport, Timings, detect, detect_faces, detect_image, infer_centerface};
 
 /// The `wasi` crate this SDK is built on (the `wasi:http` types and the
 /// `export!` macros), for handlers that need more than [`http`] offers.
@@ -64,9 +62,7 @@ pub use serde_json;
 /// `infer` and `models` are host calls: they work only inside a component
 /// running on a facegate host (natively they panic).
 pub mod face_detect {
-    pub use crate::bindings::facegate::face_detect::face_detect::{
-        ElementType, Error, ModelInfo, Tensor, TensorSpec, infer, models,
-    };
+    pub use crate::bindings::facegate::face_detect::face_detect::{ElementType, Error, ModelInfo, Tensor, TensorSpec, infer, models};
 }
 
 /// Exports a [`Handler`] as the component's `wasi:http/incoming-handler`.
@@ -77,10 +73,7 @@ pub mod face_detect {
 macro_rules! export_handler {
     ($handler:ident) => {
         impl $crate::wasi::exports::http::incoming_handler::Guest for $handler {
-            fn handle(
-                request: $crate::wasi::http::types::IncomingRequest,
-                response_out: $crate::wasi::http::types::ResponseOutparam,
-            ) {
+            fn handle(request: $crate::wasi::http::types::IncomingRequest, response_out: $crate::wasi::http::types::ResponseOutparam) {
                 $crate::http::serve::<$handler>(request, response_out)
             }
         }

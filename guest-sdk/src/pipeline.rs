@@ -55,24 +55,13 @@ impl DetectOptions {
     pub fn from_query(query: &Query) -> Result<Self, HttpError> {
         let defaults = Self::default();
         Ok(Self {
-            threshold: query.parse_or(
-                "threshold",
-                defaults.threshold,
-                "a number with 0 < threshold ≤ 1",
-                |t: f32| t > 0.0 && t <= 1.0,
-            )?,
-            max_faces: query.parse_or(
-                "max_faces",
-                defaults.max_faces,
-                "an integer from 1 to 1000",
-                |n: usize| (1..=MAX_FACES_LIMIT).contains(&n),
-            )?,
-            size: query.parse_or(
-                "size",
-                defaults.size,
-                "a multiple of 32 from 128 to 1536",
-                |s: u32| (MIN_SIZE..=MAX_SIZE).contains(&s) && s.is_multiple_of(SIDE_MULTIPLE),
-            )?,
+            threshold: query
+                .parse_or("threshold", defaults.threshold, "a number with 0 < threshold ≤ 1", |t: f32| t > 0.0 && t <= 1.0)?,
+            max_faces: query
+                .parse_or("max_faces", defaults.max_faces, "an integer from 1 to 1000", |n: usize| (1..=MAX_FACES_LIMIT).contains(&n))?,
+            size: query.parse_or("size", defaults.size, "a multiple of 32 from 128 to 1536", |s: u32| {
+                (MIN_SIZE..=MAX_SIZE).contains(&s) && s.is_multiple_of(SIDE_MULTIPLE)
+            })?,
             ..defaults
         })
     }
@@ -214,14 +203,7 @@ pub fn detect(bytes: &[u8], options: &DetectOptions) -> Result<Detection, Error>
     let image = image::decode(bytes, &options.limits)?;
     let decode_ms = elapsed_ms(start);
     let (faces, timings) = detect_image(&image, options)?;
-    Ok(Detection {
-        image,
-        faces,
-        timings: Timings {
-            decode_ms,
-            ..timings
-        },
-    })
+    Ok(Detection { image, faces, timings: Timings { decode_ms, ..timings } })
 }
 
 /// Finds the faces in the image in `bytes`, decoding only what the
@@ -239,24 +221,13 @@ pub fn detect_faces(bytes: &[u8], options: &DetectOptions) -> Result<FaceReport,
             face.scale(fx, fy);
         }
     }
-    Ok(FaceReport {
-        width: scaled.width,
-        height: scaled.height,
-        faces,
-        timings: Timings {
-            decode_ms,
-            ..timings
-        },
-    })
+    Ok(FaceReport { width: scaled.width, height: scaled.height, faces, timings: Timings { decode_ms, ..timings } })
 }
 
 /// Letterboxes `image`, runs CenterFace on the host and decodes its
 /// outputs: faces in image pixels, best first, at most `max_faces`.
 /// `decode_ms` of the timings is left at 0.
-pub fn detect_image(
-    image: &RgbImage,
-    options: &DetectOptions,
-) -> Result<(Vec<Face>, Timings), Error> {
+pub fn detect_image(image: &RgbImage, options: &DetectOptions) -> Result<(Vec<Face>, Timings), Error> {
     let mut timings = Timings::default();
     let start = Instant::now();
     let letterbox = image::letterbox(image, options.size)?;
@@ -269,13 +240,7 @@ pub fn detect_image(
 
     let start = Instant::now();
     let outputs = Outputs::new(&outputs, side, side)?;
-    let mut faces = centerface::postprocess(
-        &outputs,
-        options.threshold,
-        options.nms_iou,
-        scale,
-        image.dimensions(),
-    );
+    let mut faces = centerface::postprocess(&outputs, options.threshold, options.nms_iou, scale, image.dimensions());
     faces.truncate(options.max_faces);
     timings.postprocess_ms = elapsed_ms(start);
     Ok((faces, timings))
@@ -294,17 +259,9 @@ mod tests {
     fn options_default_and_parse() {
         let options = DetectOptions::from_query(&Query::parse("")).expect("defaults");
         assert_eq!(options, DetectOptions::default());
-        assert_eq!(
-            (options.threshold, options.max_faces, options.size),
-            (0.5, 100, 640)
-        );
-        let options =
-            DetectOptions::from_query(&Query::parse("threshold=1&max_faces=1000&size=128"))
-                .expect("ok");
-        assert_eq!(
-            (options.threshold, options.max_faces, options.size),
-            (1.0, 1000, 128)
-        );
+        assert_eq!((options.threshold, options.max_faces, options.size), (0.5, 100, 640));
+        let options = DetectOptions::from_query(&Query::parse("threshold=1&max_faces=1000&size=128")).expect("ok");
+        assert_eq!((options.threshold, options.max_faces, options.size), (1.0, 1000, 128));
     }
 
     #[test]
@@ -323,10 +280,7 @@ mod tests {
         ] {
             let error = DetectOptions::from_query(&Query::parse(query)).expect_err("must fail");
             assert_eq!(error.code(), "invalid_parameter", "{query}");
-            assert!(
-                matches!(&error, HttpError::InvalidParameter { name: n, .. } if n == name),
-                "{query}: {error}"
-            );
+            assert!(matches!(&error, HttpError::InvalidParameter { name: n, .. } if n == name), "{query}: {error}");
         }
     }
 
@@ -334,24 +288,12 @@ mod tests {
     fn detection_json_has_the_contracted_shape() {
         let detection = Detection {
             image: RgbImage::new(512, 600),
-            faces: vec![Face {
-                bbox: [173.34, 122.81, 355.56, 338.44],
-                score: 0.869_74,
-                landmarks: [[200.04, 201.96]; 5],
-            }],
-            timings: Timings {
-                decode_ms: 1.234,
-                preprocess_ms: 2.0,
-                infer_ms: 80.5,
-                postprocess_ms: 0.011,
-            },
+            faces: vec![Face { bbox: [173.34, 122.81, 355.56, 338.44], score: 0.869_74, landmarks: [[200.04, 201.96]; 5] }],
+            timings: Timings { decode_ms: 1.234, preprocess_ms: 2.0, infer_ms: 80.5, postprocess_ms: 0.011 },
         };
         let response = detection.json_response();
         assert_eq!(response.status, 200);
-        assert_eq!(
-            response.header("server-timing"),
-            Some("decode;dur=1.23, preprocess;dur=2.00, infer;dur=80.50, postprocess;dur=0.01")
-        );
+        assert_eq!(response.header("server-timing"), Some("decode;dur=1.23, preprocess;dur=2.00, infer;dur=80.50, postprocess;dur=0.01"));
         let json: serde_json::Value = serde_json::from_slice(&response.body).expect("json");
         let expected = serde_json::json!({
             "model": "centerface",

@@ -208,13 +208,7 @@ impl Batcher {
             return Err(InferError::ShuttingDown);
         }
         let (tx, rx) = oneshot::channel();
-        let entry = Entry {
-            tenant: request.tenant,
-            input: request.input,
-            deadline: request.deadline,
-            enqueued: Instant::now(),
-            reply: tx,
-        };
+        let entry = Entry { tenant: request.tenant, input: request.input, deadline: request.deadline, enqueued: Instant::now(), reply: tx };
         if let Err(refused) = self.shared.lock().push(entry) {
             self.shared.metrics.record_overloaded();
             return Err(refused.0);
@@ -305,9 +299,7 @@ fn wait_for_batch(shared: &Shared, sizer: &BatchSizer) -> Option<(Vec<Entry>, us
         let now = Instant::now();
         state = match state.readiness(now, limit) {
             Readiness::Empty => shared.wake.wait(state).unwrap_or_else(|p| p.into_inner()),
-            Readiness::WaitUntil(due) => {
-                shared.wake.wait_timeout(state, due - now).unwrap_or_else(|p| p.into_inner()).0
-            }
+            Readiness::WaitUntil(due) => shared.wake.wait_timeout(state, due - now).unwrap_or_else(|p| p.into_inner()).0,
             Readiness::Ready => {
                 let waiting = state.front_shape_count();
                 let formed = state.next_batch(now, limit);

@@ -49,19 +49,11 @@ impl ModelSpec {
     }
 
     fn validate_dim(&self, axis: usize, want: usize, got: usize) -> Result<(), InferError> {
-        let ok = if want == 0 {
-            got > 0 && got <= self.max_side && got.is_multiple_of(self.dim_multiple.max(1))
-        } else {
-            got == want
-        };
+        let ok = if want == 0 { got > 0 && got <= self.max_side && got.is_multiple_of(self.dim_multiple.max(1)) } else { got == want };
         if ok {
             return Ok(());
         }
-        let rule = if want == 0 {
-            format!("a multiple of {} in 1..={}", self.dim_multiple, self.max_side)
-        } else {
-            format!("{want}")
-        };
+        let rule = if want == 0 { format!("a multiple of {} in 1..={}", self.dim_multiple, self.max_side) } else { format!("{want}") };
         Err(InferError::InvalidInput(format!("dimension {axis} is {got}, must be {rule}")))
     }
 }

@@ -251,8 +251,11 @@ impl State {
             }
         }
         let tenant = Arc::clone(&entry.tenant);
-        let queue = self.tenants.entry(Arc::clone(&tenant)).or_insert_with(|| {
-            TenantQueue { items: VecDeque::new(), deficit: 0, credited: false, passed: None }
+        let queue = self.tenants.entry(Arc::clone(&tenant)).or_insert_with(|| TenantQueue {
+            items: VecDeque::new(),
+            deficit: 0,
+            credited: false,
+            passed: None,
         });
         if queue.items.is_empty() {
             self.ring.push_back(tenant);
@@ -485,13 +488,7 @@ mod tests {
         push_shaped(state, tenant, &REF, n, now)
     }
 
-    fn push_shaped(
-        state: &mut State,
-        tenant: &str,
-        shape: &[usize],
-        n: usize,
-        now: Instant,
-    ) -> Vec<oneshot::Receiver<Reply>> {
+    fn push_shaped(state: &mut State, tenant: &str, shape: &[usize], n: usize, now: Instant) -> Vec<oneshot::Receiver<Reply>> {
         (0..n)
             .map(|_| {
                 let (entry, rx) = call(tenant, shape, now);

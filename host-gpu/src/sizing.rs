@@ -44,9 +44,8 @@ pub const MARGIN: f64 = 0.02;
 /// estimate for its upper bound. With few probes the variance itself is
 /// uncertain (3 probes on a noisy CPU can agree by chance), so the bound
 /// widens until more probes are in.
-const T_QUANTILES: [f64; 18] = [
-    12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11, 2.10,
-];
+const T_QUANTILES: [f64; 18] =
+    [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11, 2.10];
 /// Once settled, a probe of another size starts once in this many batches.
 pub const PROBE_EVERY: u64 = 128;
 /// While another size is unmeasured or promising, a probe starts once in
@@ -239,9 +238,7 @@ struct Ladder {
 
 impl Ladder {
     fn new(max_batch: usize, start_large: bool) -> Self {
-        let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |n| n.checked_mul(2))
-            .take_while(|&n| n < max_batch)
-            .collect();
+        let mut sizes: Vec<usize> = std::iter::successors(Some(1usize), |n| n.checked_mul(2)).take_while(|&n| n < max_batch).collect();
         sizes.push(max_batch);
         let (ratios, misses) = (vec![Average::default(); sizes.len()], vec![0; sizes.len()]);
         let chosen = if start_large { sizes.len() - 1 } else { 0 };
@@ -274,11 +271,7 @@ impl Ladder {
             return None;
         }
         let urgent: Vec<usize> = self.others().filter(|&i| self.needs_probes(i)).collect();
-        let (candidates, every) = if urgent.is_empty() {
-            (self.others().collect(), PROBE_EVERY)
-        } else {
-            (urgent, EXPLORE_EVERY)
-        };
+        let (candidates, every) = if urgent.is_empty() { (self.others().collect(), PROBE_EVERY) } else { (urgent, EXPLORE_EVERY) };
         if candidates.is_empty() || self.batches % every != every - 1 {
             return None;
         }
@@ -388,9 +381,7 @@ impl Ladder {
 
     /// The cheapest size in reach that confidently beats the chosen one.
     fn better(&self) -> Option<usize> {
-        self.others()
-            .filter(|&i| self.reachable(i) && self.beats(i))
-            .min_by(|&a, &b| self.ratios[a].value.total_cmp(&self.ratios[b].value))
+        self.others().filter(|&i| self.reachable(i) && self.beats(i)).min_by(|&a, &b| self.ratios[a].value.total_cmp(&self.ratios[b].value))
     }
 
     /// Makes `index` the chosen size; every ratio is re-based onto it, the
@@ -540,9 +531,7 @@ mod tests {
         // Small images on a CPU: 4 % cheaper per sample with each doubling,
         // 12 % from 1 to 8, under ±10 % noise.
         let mut noise = noise(11, 0.1);
-        let mut cost = move |n: usize| {
-            4.0 * n as f64 * 0.96f64.powf((n as f64).log2()) * noise()
-        };
+        let mut cost = move |n: usize| 4.0 * n as f64 * 0.96f64.powf((n as f64).log2()) * noise();
         let mut sizer = BatchSizer::new(8, Sizing::Adaptive, false);
         let sizes = drive(&mut sizer, 1000, &mut cost);
         // Batches stay large. Whether 8 or 4 is past the noise: its 4 %
@@ -560,7 +549,12 @@ mod tests {
         // Timings there vary by ±25 % while wasm guests share the cores.
         let mut noise = noise(3, 0.25);
         let mut cost = move |n: usize| {
-            let per_image = match n { 1 => 65.5, 2 => 70.6, 4 => 75.5, _ => 74.8 };
+            let per_image = match n {
+                1 => 65.5,
+                2 => 70.6,
+                4 => 75.5,
+                _ => 74.8,
+            };
             per_image * n as f64 * noise()
         };
         let mut sizer = BatchSizer::new(8, Sizing::Adaptive, true);
@@ -572,7 +566,12 @@ mod tests {
     #[test]
     fn an_interior_optimum_is_found() {
         // Cheapest per sample at 4: overheads amortise up to 4, then caches thrash.
-        let per_sample = |n: usize| match n { 1 => 10.0, 2 => 7.0, 4 => 5.0, _ => 6.0 };
+        let per_sample = |n: usize| match n {
+            1 => 10.0,
+            2 => 7.0,
+            4 => 5.0,
+            _ => 6.0,
+        };
         let mut sizer = BatchSizer::new(8, Sizing::Adaptive, false);
         drive(&mut sizer, 400, |n| per_sample(n) * n as f64);
         assert_eq!(sizer.chosen(SHAPE), 4);

@@ -90,12 +90,8 @@ impl Tensor {
 
     /// Decodes the elements of an f32 tensor (`None` for other element types).
     pub fn to_f32_vec(&self) -> Option<Vec<f32>> {
-        (self.element == ElementType::F32).then(|| {
-            self.data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect()
-        })
+        (self.element == ElementType::F32)
+            .then(|| self.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
     }
 
     /// Takes the tensor apart into shape, element type and bytes.

@@ -130,7 +130,11 @@ fn parse_seconds(text: &str) -> Result<f64, String> {
 
 /// Runs the suites asked for and prints their tables.
 pub async fn run(config: BenchConfig) -> anyhow::Result<()> {
-    let images = config.images.iter().map(|p| std::fs::read(p).with_context(|| format!("reading {}", p.display())).map(Bytes::from)).collect::<anyhow::Result<Vec<_>>>()?;
+    let images = config
+        .images
+        .iter()
+        .map(|p| std::fs::read(p).with_context(|| format!("reading {}", p.display())).map(Bytes::from))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let tensors = images.iter().map(|b| preprocess(b, config.side)).collect::<anyhow::Result<Vec<_>>>()?;
     let duration = Duration::from_secs_f64(config.seconds);
     let suite = config.suite.as_str();
@@ -158,8 +162,7 @@ fn preprocess(bytes: &[u8], side: u32) -> anyhow::Result<Tensor> {
 }
 
 async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Tensor], duration: Duration) -> anyhow::Result<()> {
-    let batch_sizes: Vec<usize> =
-        if config.suite == "issue2" { vec![config.serve.engine.max_batch] } else { vec![1, config.batch_on] };
+    let batch_sizes: Vec<usize> = if config.suite == "issue2" { vec![config.serve.engine.max_batch] } else { vec![1, config.batch_on] };
     let mut setups = Vec::new();
     for &max_batch in &batch_sizes {
         let mut engine = config.serve.engine.clone();
@@ -191,7 +194,10 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
             let (learned, waited) = learn(addr, models, images, c, config.side, learn_max).await;
             if !waited.is_zero() {
                 let outcome = if learned { "learned" } else { "still learning" };
-                println!("  max_batch={max_batch} at concurrency {c}: batch sizes {outcome} after {:.0} s more warm-up", waited.as_secs_f64());
+                println!(
+                    "  max_batch={max_batch} at concurrency {c}: batch sizes {outcome} after {:.0} s more warm-up",
+                    waited.as_secs_f64()
+                );
             }
         }
         let mut tallies: Vec<(Tally, Tally)> = setups.iter().map(|_| Default::default()).collect();

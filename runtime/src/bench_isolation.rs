@@ -73,7 +73,11 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
     let evil = keys.get("evil").context("no evil tenant")?.clone();
     let rounds = config.rounds.max(1);
     let round = duration / rounds;
-    println!("\n== isolation: neighbour demo/detect at concurrency {NEIGHBOUR_CONCURRENCY} alone vs beside {} attacker clients; {rounds} interleaved rounds of {:.1} s ==", config.attackers, round.as_secs_f64());
+    println!(
+        "\n== isolation: neighbour demo/detect at concurrency {NEIGHBOUR_CONCURRENCY} alone vs beside {} attacker clients; {rounds} interleaved rounds of {:.1} s ==",
+        config.attackers,
+        round.as_secs_f64()
+    );
     println!("{:<24} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}", "attack", "alone r/s", "beside r/s", "tput", "p99 alone", "p99 bes.", "p99");
     measure_gateway(&demo, &models, images, NEIGHBOUR_CONCURRENCY, Duration::from_secs_f64(config.warmup), config.side).await;
     for (name, attack) in ATTACKS.iter().filter(|(name, _)| config.only.as_deref().is_none_or(|only| name.contains(only))) {
@@ -127,11 +131,19 @@ fn seed_with_attacker(seed_dir: &Path, hostile: &Path) -> anyhow::Result<std::pa
         }
     }
     std::fs::create_dir_all(seed.join("evil"))?;
-    std::fs::copy(hostile, seed.join("evil/attack.wasm")).with_context(|| format!("{} (run deploy/scripts/build-guests.sh)", hostile.display()))?;
+    std::fs::copy(hostile, seed.join("evil/attack.wasm"))
+        .with_context(|| format!("{} (run deploy/scripts/build-guests.sh)", hostile.display()))?;
     Ok(seed)
 }
 
-fn start_attack(attack: Attack, addr: SocketAddr, key: &str, component: &Bytes, clients: usize, stop: &Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<()>> {
+fn start_attack(
+    attack: Attack,
+    addr: SocketAddr,
+    key: &str,
+    component: &Bytes,
+    clients: usize,
+    stop: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
     (0..clients)
         .map(|_| {
             let (stop, key, component) = (Arc::clone(stop), key.to_owned(), component.clone());
@@ -151,7 +163,9 @@ async fn query_loop(addr: SocketAddr, key: &str, query: &str, stop: &AtomicBool)
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let url = format!("http://{addr}/v1/evil/attack?{query}");
     while !stop.load(Ordering::SeqCst) {
-        let Ok(req) = hyper::Request::get(&url).header(hyper::header::AUTHORIZATION, format!("Bearer {key}")).body(Full::default()) else { return };
+        let Ok(req) = hyper::Request::get(&url).header(hyper::header::AUTHORIZATION, format!("Bearer {key}")).body(Full::default()) else {
+            return;
+        };
         match client.request(req).await {
             Ok(resp) => {
                 let _ = resp.into_body().collect().await;
@@ -165,7 +179,9 @@ async fn query_loop(addr: SocketAddr, key: &str, query: &str, stop: &AtomicBool)
 /// Opens uploads of a declared 1 MB and sends a byte every 100 ms until the
 /// gateway gives up on them, then opens the next.
 async fn slow_body_loop(addr: SocketAddr, key: &str, stop: &AtomicBool) {
-    let head = format!("POST /v1/evil/attack?attack=snoop HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {key}\r\nContent-Length: 1000000\r\n\r\n");
+    let head = format!(
+        "POST /v1/evil/attack?attack=snoop HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {key}\r\nContent-Length: 1000000\r\n\r\n"
+    );
     while !stop.load(Ordering::SeqCst) {
         let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
             tokio::time::sleep(Duration::from_millis(10)).await;

@@ -78,7 +78,9 @@ pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> 
             native / wasm
         );
     }
-    println!("(wasm pre: decode + letterbox in detect; full-size: the same in crop, which decodes the whole image; wasm/nat: native CPU time ÷ wasm pre, the same SDK code; 1 = as fast as native)");
+    println!(
+        "(wasm pre: decode + letterbox in detect; full-size: the same in crop, which decodes the whole image; wasm/nat: native CPU time ÷ wasm pre, the same SDK code; 1 = as fast as native)"
+    );
     Ok(())
 }
 
@@ -99,7 +101,9 @@ fn samples(images: &[std::path::PathBuf]) -> anyhow::Result<Vec<Sample>> {
     let city = fixture("city.jpg")?;
     out.push(Sample { name: "12 MP JPEG (4032 wide)", bytes: jpeg(&with_grain(&resized(&city, 4032)), 90)? });
     let astronaut = fixture("astronaut.png")?;
-    out.push(Sample { name: "1080p PNG (1920×1080)", bytes: png(&image::imageops::resize(&astronaut, 1920, 1080, FilterType::Triangle))? });
+    out.push(Sample {
+        name: "1080p PNG (1920×1080)", bytes: png(&image::imageops::resize(&astronaut, 1920, 1080, FilterType::Triangle))?
+    });
     let grace = fixture("grace_hopper.jpg")?;
     out.push(Sample { name: "webcam JPEG (640×480)", bytes: jpeg(&image::imageops::resize(&grace, 640, 480, FilterType::Triangle), 85)? });
     Ok(out)
@@ -139,7 +143,14 @@ fn png(image: &RgbImage) -> anyhow::Result<Vec<u8>> {
 
 /// Posts `bytes` to `demo/<handler>` `iterations` times (after one
 /// warm-up) and takes the median of each step.
-async fn through_gateway(addr: SocketAddr, key: &str, handler: &str, bytes: &[u8], side: u32, iterations: usize) -> anyhow::Result<GatewaySteps> {
+async fn through_gateway(
+    addr: SocketAddr,
+    key: &str,
+    handler: &str,
+    bytes: &[u8],
+    side: u32,
+    iterations: usize,
+) -> anyhow::Result<GatewaySteps> {
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let url = format!("http://{addr}/v1/demo/{handler}?size={side}");
     let body = Bytes::copy_from_slice(bytes);

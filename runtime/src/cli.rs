@@ -157,9 +157,15 @@ pub async fn run(command: crate::config::Command) -> anyhow::Result<i32> {
             (client, Method::PATCH, format!("tenants/{name}"), body.into(), "application/json")
         }
         C::Tenant(TenantCommand::List { client }) => (client, Method::GET, "tenants".to_owned(), Bytes::new(), "application/json"),
-        C::Tenant(TenantCommand::Delete { name, client }) => (client, Method::DELETE, format!("tenants/{name}"), Bytes::new(), "application/json"),
-        C::Key(KeyCommand::Create { tenant, client }) => (client, Method::POST, format!("tenants/{tenant}/keys"), Bytes::new(), "application/json"),
-        C::Key(KeyCommand::List { tenant, client }) => (client, Method::GET, format!("tenants/{tenant}/keys"), Bytes::new(), "application/json"),
+        C::Tenant(TenantCommand::Delete { name, client }) => {
+            (client, Method::DELETE, format!("tenants/{name}"), Bytes::new(), "application/json")
+        }
+        C::Key(KeyCommand::Create { tenant, client }) => {
+            (client, Method::POST, format!("tenants/{tenant}/keys"), Bytes::new(), "application/json")
+        }
+        C::Key(KeyCommand::List { tenant, client }) => {
+            (client, Method::GET, format!("tenants/{tenant}/keys"), Bytes::new(), "application/json")
+        }
         C::Key(KeyCommand::Revoke { tenant, key_id, client }) => {
             (client, Method::DELETE, format!("tenants/{tenant}/keys/{key_id}"), Bytes::new(), "application/json")
         }

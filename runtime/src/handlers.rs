@@ -38,9 +38,8 @@ impl Handler {
         version: i64,
         outgoing_http: bool,
     ) -> Result<Self, String> {
-        let pre = linker
-            .instantiate_pre(component)
-            .map_err(|e| format!("the component's imports do not match what facegate provides: {e:#}"))?;
+        let pre =
+            linker.instantiate_pre(component).map_err(|e| format!("the component's imports do not match what facegate provides: {e:#}"))?;
         let pre = ProxyPre::new(pre).map_err(|e| format!("the component's wasi:http/incoming-handler export does not match: {e:#}"))?;
         let imports_outgoing_http = component
             .component_type()

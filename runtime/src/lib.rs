@@ -41,8 +41,8 @@ use facegate_host_gpu::backend::onnx::{Device, ImageModelConfig, OnnxBackend, in
 use facegate_host_gpu::{Batcher, BatcherConfig, Models};
 use tokio::net::TcpListener;
 
-use crate::config::{DeviceSpec, EngineConfig, MIN_ADMIN_TOKEN_LEN, ServeConfig};
 use crate::compile::CompilePool;
+use crate::config::{DeviceSpec, EngineConfig, MIN_ADMIN_TOKEN_LEN, ServeConfig};
 use crate::control::{ControlPlane, ControlSettings};
 use crate::engine::{EngineLimits, EpochTicker};
 use crate::http::{App, Plane};

@@ -152,7 +152,9 @@ impl ConnectionMetrics {
     }
 
     fn render(&self, out: &mut String) {
-        out.push_str("# HELP facegate_connections_open Client connections open now, all listeners.\n# TYPE facegate_connections_open gauge\n");
+        out.push_str(
+            "# HELP facegate_connections_open Client connections open now, all listeners.\n# TYPE facegate_connections_open gauge\n",
+        );
         let _ = writeln!(out, "facegate_connections_open {}", self.open.load(Ordering::Relaxed));
         out.push_str("# HELP facegate_connections_closed_total Client connections closed by a limit, by reason.\n");
         out.push_str("# TYPE facegate_connections_closed_total counter\n");
@@ -250,9 +252,30 @@ pub fn render(http: &HttpMetrics, hits: &LimitHits, models: &Models, instances_i
     family(&mut out, "facegate_batch_size", "histogram", "Samples per device batch.", &snapshots, batch_sizes);
     family(&mut out, "facegate_queue_wait_seconds", "histogram", "Time calls waited for a device.", &snapshots, queue_wait);
     family(&mut out, "facegate_device_busy_seconds_total", "counter", "Time each device spent running batches.", &snapshots, busy);
-    family(&mut out, "facegate_tenant_device_seconds_total", "counter", "Device time charged to each tenant: each batch's time split between its samples by their pixels.", &snapshots, tenant_busy);
-    family(&mut out, "facegate_batch_limit", "gauge", "Batch size each device chose for the input shape of its latest batch (learned per shape).", &snapshots, limits);
-    family(&mut out, "facegate_batch_sizing_learning", "gauge", "1 while a device is still learning the batch size for the input shape of its latest batch (probing often).", &snapshots, learning);
+    family(
+        &mut out,
+        "facegate_tenant_device_seconds_total",
+        "counter",
+        "Device time charged to each tenant: each batch's time split between its samples by their pixels.",
+        &snapshots,
+        tenant_busy,
+    );
+    family(
+        &mut out,
+        "facegate_batch_limit",
+        "gauge",
+        "Batch size each device chose for the input shape of its latest batch (learned per shape).",
+        &snapshots,
+        limits,
+    );
+    family(
+        &mut out,
+        "facegate_batch_sizing_learning",
+        "gauge",
+        "1 while a device is still learning the batch size for the input shape of its latest batch (probing often).",
+        &snapshots,
+        learning,
+    );
     family(&mut out, "facegate_queue_depth", "gauge", "Calls waiting now.", &snapshots, depth);
     family(&mut out, "facegate_inferences_total", "counter", "Inference calls by outcome.", &snapshots, outcomes);
     out

@@ -10,9 +10,9 @@ use http_body_util::Full;
 use wasmtime::component::Linker;
 use wasmtime::component::ResourceTableError;
 use wasmtime::{Engine, Store, Trap, UpdateDeadline};
-use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 use wasmtime_wasi_http::p2::bindings::http::types::{ErrorCode, Scheme};
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
+use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 
 use crate::face_detect::{self, FaceDetectCtx};
 use crate::handlers::Handler;
@@ -68,7 +68,6 @@ pub struct Sandbox {
     models: Models,
     hits: Arc<LimitHits>,
 }
-
 
 /// Deadline marker error, so a timeout is told apart from other traps.
 #[derive(Debug, thiserror::Error)]
@@ -251,7 +250,8 @@ fn host_limit(err: &wasmtime::Error) -> Option<String> {
     if err.chain().any(|e| matches!(e.downcast_ref::<ResourceTableError>(), Some(ResourceTableError::Full))) {
         return Some("too many host resources held at once (headers, bodies, streams, pollables)".to_owned());
     }
-    if err.chain().any(|e| matches!(e.downcast_ref::<FieldMapError>(), Some(FieldMapError::TotalSizeTooBig | FieldMapError::TooManyFields))) {
+    if err.chain().any(|e| matches!(e.downcast_ref::<FieldMapError>(), Some(FieldMapError::TotalSizeTooBig | FieldMapError::TooManyFields)))
+    {
         return Some("a header map over its size limit".to_owned());
     }
     // wasmtime-wasi's message for a `wasi:random` request over its cap.

@@ -64,14 +64,8 @@ pub fn field<'a>(body: &'a [u8], boundary: &str, name: &str) -> Result<&'a [u8],
 /// follows its closing delimiter.
 fn parse_part<'a>(rest: &'a [u8], delimiter: &[u8]) -> Result<(Part<'a>, &'a [u8]), HttpError> {
     let (headers, content) = split_headers(rest)?;
-    let end =
-        find(content, delimiter).ok_or_else(|| invalid("a part does not end with the boundary"))?;
-    let mut part = Part {
-        name: None,
-        filename: None,
-        content_type: None,
-        body: &content[..end],
-    };
+    let end = find(content, delimiter).ok_or_else(|| invalid("a part does not end with the boundary"))?;
+    let mut part = Part { name: None, filename: None, content_type: None, body: &content[..end] };
     read_headers(headers, &mut part)?;
     Ok((part, &content[end + delimiter.len()..]))
 }
@@ -83,11 +77,7 @@ fn split_headers(rest: &[u8]) -> Result<(&[u8], &[u8]), HttpError> {
     }
     let window = &rest[..rest.len().min(MAX_PART_HEADER_BYTES + 4)];
     let end = find(window, b"\r\n\r\n").ok_or_else(|| {
-        let why = if window.len() < rest.len() {
-            "are too long"
-        } else {
-            "do not end"
-        };
+        let why = if window.len() < rest.len() { "are too long" } else { "do not end" };
         invalid(&format!("a part's headers {why}"))
     })?;
     Ok((&rest[..end], &rest[end + 4..]))
@@ -95,12 +85,9 @@ fn split_headers(rest: &[u8]) -> Result<(&[u8], &[u8]), HttpError> {
 
 /// Fills `name`, `filename` and `content_type` from a part's header lines.
 fn read_headers(headers: &[u8], part: &mut Part<'_>) -> Result<(), HttpError> {
-    let text =
-        std::str::from_utf8(headers).map_err(|_| invalid("a part's headers are not UTF-8"))?;
+    let text = std::str::from_utf8(headers).map_err(|_| invalid("a part's headers are not UTF-8"))?;
     for line in text.split("\r\n").filter(|l| !l.is_empty()) {
-        let (name, value) = line
-            .split_once(':')
-            .ok_or_else(|| invalid("a part's header has no colon"))?;
+        let (name, value) = line.split_once(':').ok_or_else(|| invalid("a part's header has no colon"))?;
         if name.trim().eq_ignore_ascii_case("content-disposition") {
             let (kind, params) = value.split_once(';').unwrap_or((value, ""));
             if !kind.trim().eq_ignore_ascii_case("form-data") {
@@ -122,22 +109,13 @@ fn read_headers(headers: &[u8], part: &mut Part<'_>) -> Result<(), HttpError> {
 
 /// After a delimiter: optional transport padding (spaces, tabs), then CRLF.
 fn skip_to_line_end(rest: &[u8]) -> Result<&[u8], HttpError> {
-    let padding = rest
-        .iter()
-        .take_while(|&&b| b == b' ' || b == b'\t')
-        .count();
-    rest[padding..]
-        .strip_prefix(b"\r\n")
-        .ok_or_else(|| invalid("a boundary line does not end in CRLF"))
+    let padding = rest.iter().take_while(|&&b| b == b' ' || b == b'\t').count();
+    rest[padding..].strip_prefix(b"\r\n").ok_or_else(|| invalid("a boundary line does not end in CRLF"))
 }
 
 fn check_boundary(boundary: &str) -> Result<(), HttpError> {
     let allowed = |c: char| c.is_ascii_alphanumeric() || "'()+_,-./:=? ".contains(c);
-    if boundary.is_empty()
-        || boundary.len() > 70
-        || !boundary.chars().all(allowed)
-        || boundary.ends_with(' ')
-    {
+    if boundary.is_empty() || boundary.len() > 70 || !boundary.chars().all(allowed) || boundary.ends_with(' ') {
         return Err(invalid("the boundary is not 1-70 allowed characters"));
     }
     Ok(())
@@ -177,12 +155,8 @@ mod tests {
         let mut body = b"preamble to ignore\r\n".to_vec();
         for (name, filename, content) in parts {
             body.extend_from_slice(format!("--{B}\r\n").as_bytes());
-            let file = filename
-                .map(|f| format!("; filename=\"{f}\""))
-                .unwrap_or_default();
-            body.extend_from_slice(
-                format!("Content-Disposition: form-data; name=\"{name}\"{file}\r\n").as_bytes(),
-            );
+            let file = filename.map(|f| format!("; filename=\"{f}\"")).unwrap_or_default();
+            body.extend_from_slice(format!("Content-Disposition: form-data; name=\"{name}\"{file}\r\n").as_bytes());
             if filename.is_some() {
                 body.extend_from_slice(b"Content-Type: image/jpeg\r\n");
             }
@@ -197,10 +171,7 @@ mod tests {
     #[test]
     fn finds_the_image_field_among_others() {
         let image: &[u8] = b"\xff\xd8binary\r\n--not-the-boundary\r\n\xff\xd9";
-        let body = form(&[
-            ("threshold", None, b"0.7"),
-            ("image", Some("me.jpg"), image),
-        ]);
+        let body = form(&[("threshold", None, b"0.7"), ("image", Some("me.jpg"), image)]);
         let parts = parse(&body, B).expect("parses");
         assert_eq!(parts.len(), 2);
         assert_eq!(parts[0].name.as_deref(), Some("threshold"));
@@ -212,8 +183,7 @@ mod tests {
 
     #[test]
     fn body_may_start_with_the_delimiter_and_parts_may_be_empty() {
-        let body =
-            format!("--{B}\r\nContent-Disposition: form-data; name=image\r\n\r\n\r\n--{B}--");
+        let body = format!("--{B}\r\nContent-Disposition: form-data; name=image\r\n\r\n\r\n--{B}--");
         assert_eq!(field(body.as_bytes(), B, "image").expect("field"), b"");
     }
 
@@ -227,16 +197,10 @@ mod tests {
 
     #[test]
     fn malformed_bodies_are_rejected() {
-        let unterminated =
-            format!("--{B}\r\nContent-Disposition: form-data; name=\"image\"\r\n\r\nabc");
+        let unterminated = format!("--{B}\r\nContent-Disposition: form-data; name=\"image\"\r\n\r\nabc");
         let no_headers_end = format!("--{B}\r\nContent-Disposition: form-data; name=\"image\"");
         let not_form_data = format!("--{B}\r\nContent-Disposition: attachment\r\n\r\nx\r\n--{B}--");
-        for body in [
-            "no boundary here".to_string(),
-            unterminated,
-            no_headers_end,
-            not_form_data,
-        ] {
+        for body in ["no boundary here".to_string(), unterminated, no_headers_end, not_form_data] {
             let error = parse(body.as_bytes(), B).expect_err("must fail");
             assert_eq!(error.code(), "invalid_multipart", "{body:?}");
         }

@@ -33,17 +33,10 @@ impl Query {
 
     /// The value of `name`; an error if it is given more than once.
     pub fn get(&self, name: &str) -> Result<Option<&str>, HttpError> {
-        let mut values = self
-            .pairs
-            .iter()
-            .filter(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str());
+        let mut values = self.pairs.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_str());
         let first = values.next();
         if values.next().is_some() {
-            return Err(HttpError::invalid_parameter(
-                name,
-                "is given more than once",
-            ));
+            return Err(HttpError::invalid_parameter(name, "is given more than once"));
         }
         Ok(first)
     }
@@ -51,22 +44,13 @@ impl Query {
     /// The value of `name` parsed as `T` and checked by `valid`, or
     /// `default` when absent. `expected` says in words what is valid, for
     /// the error message (e.g. `"a number with 0 < threshold ≤ 1"`).
-    pub fn parse_or<T: FromStr + Copy>(
-        &self,
-        name: &str,
-        default: T,
-        expected: &str,
-        valid: impl Fn(T) -> bool,
-    ) -> Result<T, HttpError> {
+    pub fn parse_or<T: FromStr + Copy>(&self, name: &str, default: T, expected: &str, valid: impl Fn(T) -> bool) -> Result<T, HttpError> {
         let Some(raw) = self.get(name)? else {
             return Ok(default);
         };
         match raw.trim().parse::<T>() {
             Ok(value) if valid(value) => Ok(value),
-            _ => Err(HttpError::invalid_parameter(
-                name,
-                &format!("must be {expected}, got {raw:?}"),
-            )),
+            _ => Err(HttpError::invalid_parameter(name, &format!("must be {expected}, got {raw:?}"))),
         }
     }
 }
@@ -114,15 +98,10 @@ mod tests {
     fn typed_values_are_validated_and_name_the_parameter() {
         let q = Query::parse("threshold=1.5&max_faces=10&bad=abc");
         let in_range = |t: f32| t > 0.0 && t <= 1.0;
-        let error = q
-            .parse_or("threshold", 0.5, "in (0, 1]", in_range)
-            .expect_err("must fail");
+        let error = q.parse_or("threshold", 0.5, "in (0, 1]", in_range).expect_err("must fail");
         assert_eq!((error.status(), error.code()), (400, "invalid_parameter"));
         assert!(error.to_string().contains("threshold"), "{error}");
-        assert_eq!(
-            q.parse_or("max_faces", 100u32, "1..=1000", |n| (1..=1000).contains(&n)),
-            Ok(10)
-        );
+        assert_eq!(q.parse_or("max_faces", 100u32, "1..=1000", |n| (1..=1000).contains(&n)), Ok(10));
         assert_eq!(q.parse_or("absent", 0.5f32, "any", |_| true), Ok(0.5));
         assert!(q.parse_or("bad", 1u32, "a number", |_| true).is_err());
     }

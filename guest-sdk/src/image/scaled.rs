@@ -10,10 +10,7 @@ use image::metadata::Orientation;
 use image::{DynamicImage, GrayImage};
 use jpeg_decoder::PixelFormat;
 
-use super::{
-    ImageError, ImageFormat, ImageLimits, RgbImage, check_dimensions, check_header, decode,
-    letterbox_geometry, sniff_format,
-};
+use super::{ImageError, ImageFormat, ImageLimits, RgbImage, check_dimensions, check_header, decode, letterbox_geometry, sniff_format};
 
 /// An image decoded for a letterbox, perhaps at a reduced scale.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,10 +26,7 @@ pub struct ScaledImage {
 impl ScaledImage {
     /// Original pixels per decoded pixel, along x and along y (1 when decoded full size).
     pub fn factors(&self) -> (f32, f32) {
-        (
-            self.width as f32 / self.image.width() as f32,
-            self.height as f32 / self.image.height() as f32,
-        )
+        (self.width as f32 / self.image.width() as f32, self.height as f32 / self.image.height() as f32)
     }
 
     /// Whether the image was decoded below its full size.
@@ -46,11 +40,7 @@ impl ScaledImage {
 /// docs); anything else, or a JPEG that needs its full size, as [`decode`]
 /// does. The same limits and errors as [`decode`] apply, to the original's
 /// dimensions.
-pub fn decode_for_letterbox(
-    bytes: &[u8],
-    limits: &ImageLimits,
-    side: u32,
-) -> Result<ScaledImage, ImageError> {
+pub fn decode_for_letterbox(bytes: &[u8], limits: &ImageLimits, side: u32) -> Result<ScaledImage, ImageError> {
     if sniff_format(bytes)? == ImageFormat::Jpeg {
         check_header(bytes, ImageFormat::Jpeg, limits)?;
         if let Some(scaled) = decode_jpeg_reduced(bytes, limits, side)? {
@@ -59,20 +49,12 @@ pub fn decode_for_letterbox(
     }
     let image = decode(bytes, limits)?;
     let (width, height) = image.dimensions();
-    Ok(ScaledImage {
-        image,
-        width,
-        height,
-    })
+    Ok(ScaledImage { image, width, height })
 }
 
 /// The reduced decode, or `None` when the JPEG is not at least twice the
 /// letterbox's size or has a pixel format left to the full decoder.
-fn decode_jpeg_reduced(
-    bytes: &[u8],
-    limits: &ImageLimits,
-    side: u32,
-) -> Result<Option<ScaledImage>, ImageError> {
+fn decode_jpeg_reduced(bytes: &[u8], limits: &ImageLimits, side: u32) -> Result<Option<ScaledImage>, ImageError> {
     let mut decoder = jpeg_decoder::Decoder::new(bytes);
     decoder.set_max_decoding_buffer_size(usize::try_from(limits.max_alloc).unwrap_or(usize::MAX));
     decoder.read_info().map_err(jpeg_error)?;
@@ -89,9 +71,7 @@ fn decode_jpeg_reduced(
         return Ok(None);
     }
     let to_u16 = |v: u32| u16::try_from(v).unwrap_or(u16::MAX);
-    let (w, h) = decoder
-        .scale(to_u16(want_w), to_u16(want_h))
-        .map_err(jpeg_error)?;
+    let (w, h) = decoder.scale(to_u16(want_w), to_u16(want_h)).map_err(jpeg_error)?;
     let pixels = decoder.decode().map_err(jpeg_error)?;
     let (w, h) = (u32::from(w), u32::from(h));
     let image = match info.pixel_format {
@@ -99,29 +79,18 @@ fn decode_jpeg_reduced(
         _ => RgbImage::from_raw(w, h, pixels),
     }
     .ok_or_else(|| ImageError::Invalid("the JPEG decoder returned too few pixels".into()))?;
-    let orientation = decoder
-        .exif_data()
-        .and_then(Orientation::from_exif_chunk)
-        .unwrap_or(Orientation::NoTransforms);
+    let orientation = decoder.exif_data().and_then(Orientation::from_exif_chunk).unwrap_or(Orientation::NoTransforms);
     let mut image = DynamicImage::ImageRgb8(image);
     image.apply_orientation(orientation);
-    let turned = matches!(
-        orientation,
-        Orientation::Rotate90 | Orientation::Rotate270 | Orientation::Rotate90FlipH | Orientation::Rotate270FlipH
-    );
+    let turned =
+        matches!(orientation, Orientation::Rotate90 | Orientation::Rotate270 | Orientation::Rotate90FlipH | Orientation::Rotate270FlipH);
     let (width, height) = if turned { (height, width) } else { (width, height) };
-    Ok(Some(ScaledImage {
-        image: image.into_rgb8(),
-        width,
-        height,
-    }))
+    Ok(Some(ScaledImage { image: image.into_rgb8(), width, height }))
 }
 
 fn jpeg_error(error: jpeg_decoder::Error) -> ImageError {
     match error {
-        jpeg_decoder::Error::Unsupported(feature) => {
-            ImageError::Unsupported(format!("JPEG feature {feature:?}"))
-        }
+        jpeg_decoder::Error::Unsupported(feature) => ImageError::Unsupported(format!("JPEG feature {feature:?}")),
         other => ImageError::Invalid(other.to_string()),
     }
 }
@@ -187,9 +156,7 @@ mod tests {
         assert!(!scaled.is_reduced(), "1000 px for a 640 letterbox: halving would not cover it");
         assert_eq!(scaled.image, decode(&small, &ImageLimits::default()).expect("full"));
         let mut png = Vec::new();
-        photo_like(2000, 1500)
-            .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
-            .expect("png");
+        photo_like(2000, 1500).write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png).expect("png");
         let scaled = decode_for_letterbox(&png, &ImageLimits::default(), 640).expect("png");
         assert_eq!((scaled.image.dimensions(), scaled.width), ((2000, 1500), 2000));
     }

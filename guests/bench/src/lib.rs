@@ -21,20 +21,13 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        detect: false,
-        iterations: 10,
-        size: 640,
-        images: Vec::new(),
-    };
+    let mut args = Args { detect: false, iterations: 10, size: 640, images: Vec::new() };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
         match arg.as_str() {
             "--detect" => args.detect = true,
-            "--iterations" => {
-                args.iterations = value("--iterations")?.parse().map_err(|e| format!("{e}"))?
-            }
+            "--iterations" => args.iterations = value("--iterations")?.parse().map_err(|e| format!("{e}"))?,
             "--size" => args.size = value("--size")?.parse().map_err(|e| format!("{e}"))?,
             _ => args.images.push(arg),
         }
@@ -63,24 +56,17 @@ fn bench_one(path: &str, args: &Args) -> Result<(), String> {
     let limits = ImageLimits::default();
     let image = decode(&bytes, &limits).map_err(|e| e.to_string())?;
     let decode_ms = median_ms(args.iterations, || {
-        decode(&bytes, &limits)
-            .map(drop)
-            .unwrap_or_else(|e| panic!("{e}"));
+        decode(&bytes, &limits).map(drop).unwrap_or_else(|e| panic!("{e}"));
     });
     let letterbox_ms = median_ms(args.iterations, || {
-        letterbox(&image, args.size)
-            .map(drop)
-            .unwrap_or_else(|e| panic!("{e}"));
+        letterbox(&image, args.size).map(drop).unwrap_or_else(|e| panic!("{e}"));
     });
     let mut out = json!({
         "image": path, "width": image.width(), "height": image.height(), "size": args.size,
         "iterations": args.iterations, "decode_ms": decode_ms, "letterbox_ms": letterbox_ms,
     });
     if args.detect {
-        let options = DetectOptions {
-            size: args.size,
-            ..DetectOptions::default()
-        };
+        let options = DetectOptions { size: args.size, ..DetectOptions::default() };
         let detection = detect(&bytes, &options).map_err(|e| e.to_string())?;
         out["detection"] = detection.to_json();
     }
@@ -93,11 +79,7 @@ struct Bench;
 
 impl facegate_guest_sdk::wasi::exports::cli::run::Guest for Bench {
     fn run() -> Result<(), ()> {
-        let result = parse_args().and_then(|args| {
-            args.images
-                .iter()
-                .try_for_each(|path| bench_one(path, &args))
-        });
+        let result = parse_args().and_then(|args| args.images.iter().try_for_each(|path| bench_one(path, &args)));
         result.map_err(|e| eprintln!("bench: {e}"))
     }
 }

@@ -11,9 +11,7 @@ use std::time::Instant;
 
 use facegate_guest_sdk::effects::{OutputOptions, blur_faces};
 use facegate_guest_sdk::image::encode_jpeg;
-use facegate_guest_sdk::{
-    DetectOptions, Error, Handler, Request, Response, detect, export_handler,
-};
+use facegate_guest_sdk::{DetectOptions, Error, Handler, Request, Response, detect, export_handler};
 
 /// The handler (POST only, bodies up to 16 MiB).
 struct Blur;
@@ -28,11 +26,7 @@ impl Handler for Blur {
         let start = Instant::now();
         blur_faces(&mut detection.image, &detection.faces, margin);
         let jpeg = encode_jpeg(&detection.image, quality)?;
-        let timing = format!(
-            "{}, blur_encode;dur={:.2}",
-            detection.timings.server_timing(),
-            start.elapsed().as_secs_f64() * 1000.0
-        );
+        let timing = format!("{}, blur_encode;dur={:.2}", detection.timings.server_timing(), start.elapsed().as_secs_f64() * 1000.0);
         Ok(Response::bytes(200, "image/jpeg", jpeg)
             .with_header("x-faces", detection.faces.len().to_string())
             .with_header("server-timing", timing))

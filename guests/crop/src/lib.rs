@@ -14,9 +14,7 @@ use base64::engine::general_purpose::STANDARD;
 use facegate_guest_sdk::effects::{OutputOptions, crop, face_region};
 use facegate_guest_sdk::image::encode_jpeg;
 use facegate_guest_sdk::serde_json::json;
-use facegate_guest_sdk::{
-    DetectOptions, Error, Handler, Request, Response, detect, export_handler,
-};
+use facegate_guest_sdk::{DetectOptions, Error, Handler, Request, Response, detect, export_handler};
 
 /// The handler (POST only, bodies up to 16 MiB).
 struct Crop;
@@ -43,11 +41,7 @@ impl Handler for Crop {
                 });
             }
         }
-        let timing = format!(
-            "{}, crop_encode;dur={:.2}",
-            detection.timings.server_timing(),
-            start.elapsed().as_secs_f64() * 1000.0
-        );
+        let timing = format!("{}, crop_encode;dur={:.2}", detection.timings.server_timing(), start.elapsed().as_secs_f64() * 1000.0);
         Ok(Response::json(200, &body).with_header("server-timing", timing))
     }
 }

@@ -7,9 +7,7 @@
 //! `{"model","image":{"width","height"},"faces":[{"box","score","landmarks"}],"timings_ms"}`
 //! with a `Server-Timing` header.
 
-use facegate_guest_sdk::{
-    DetectOptions, Error, Handler, Request, Response, detect_faces, export_handler,
-};
+use facegate_guest_sdk::{DetectOptions, Error, Handler, Request, Response, detect_faces, export_handler};
 
 /// The handler (POST only, bodies up to 16 MiB).
 struct Detect;

@@ -51,8 +51,7 @@ const MIB: usize = 1 << 20;
 struct Hostile;
 
 impl Handler for Hostile {
-    const METHODS: &'static [&'static str] =
-        &["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"];
+    const METHODS: &'static [&'static str] = &["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"];
 
     fn handle(request: Request) -> Result<Response, Error> {
         let query = request.query();
@@ -72,11 +71,7 @@ impl Handler for Hostile {
             "stderr" => Ok(Response::json(200, &json!({ "written": flood_stderr() }))),
             "sleep" => sleep(),
             "big-tensor" => big_tensors(query.get("side")?, query.get("n")?),
-            other => Err(HttpError::invalid_parameter(
-                "attack",
-                &format!("must be one of {ATTACKS}, got {other:?}"),
-            )
-            .into()),
+            other => Err(HttpError::invalid_parameter("attack", &format!("must be one of {ATTACKS}, got {other:?}")).into()),
         }
     }
 }
@@ -140,11 +135,7 @@ fn outcome<T, E: std::fmt::Display>(result: Result<T, E>, ok: impl FnOnce(T) -> 
 
 /// A `u8` tensor of `len` zero bytes.
 fn u8_tensor(shape: &[u32], len: usize) -> Tensor {
-    Tensor {
-        shape: shape.to_vec(),
-        element: ElementType::U8,
-        data: vec![0; len],
-    }
+    Tensor { shape: shape.to_vec(), element: ElementType::U8, data: vec![0; len] }
 }
 
 /// A valid CenterFace input: `[32, 32, 3]` u8.
@@ -158,20 +149,8 @@ fn cases() -> Vec<(&'static str, &'static str, Tensor)> {
     vec![
         ("short_data", MODEL, u8_tensor(&[640, 640, 3], 10)),
         ("empty_shape", MODEL, u8_tensor(&[], 0)),
-        (
-            "overflowing_shape",
-            MODEL,
-            u8_tensor(&[u32::MAX, u32::MAX, 3], 3),
-        ),
-        (
-            "wrong_element",
-            MODEL,
-            Tensor {
-                shape: vec![640, 640, 3],
-                element: ElementType::F32,
-                data: vec![0; 640 * 640 * 3 * 4],
-            },
-        ),
+        ("overflowing_shape", MODEL, u8_tensor(&[u32::MAX, u32::MAX, 3], 3)),
+        ("wrong_element", MODEL, Tensor { shape: vec![640, 640, 3], element: ElementType::F32, data: vec![0; 640 * 640 * 3 * 4] }),
         ("bad_side", MODEL, u8_tensor(&[100, 100, 3], 100 * 100 * 3)),
         ("unknown_model", "nope", small_image()),
         ("valid", MODEL, small_image()),
@@ -197,10 +176,7 @@ fn bad_tensors(only: Option<&str>) -> Result<Response, Error> {
             match face_detect::infer(model, &input) {
                 Ok(outputs) => {
                     result["ok"] = true.into();
-                    result["outputs"] = outputs
-                        .iter()
-                        .map(|t| json!({ "shape": t.shape, "bytes": t.data.len() }))
-                        .collect();
+                    result["outputs"] = outputs.iter().map(|t| json!({ "shape": t.shape, "bytes": t.data.len() })).collect();
                 }
                 Err(e) => {
                     result["ok"] = false.into();
@@ -331,10 +307,7 @@ fn sleep() -> ! {
 /// `n` `infer` calls with a `side`×`side` zero image; each outcome reported.
 fn big_tensors(side: Option<&str>, n: Option<&str>) -> Result<Response, Error> {
     let parse = |name: &str, value: Option<&str>, default: u32| -> Result<u32, Error> {
-        value.map_or(Ok(default), |v| {
-            v.parse()
-                .map_err(|_| HttpError::invalid_parameter(name, "must be a number").into())
-        })
+        value.map_or(Ok(default), |v| v.parse().map_err(|_| HttpError::invalid_parameter(name, "must be a number").into()))
     };
     let (side, n) = (parse("side", side, 640)?, parse("n", n, 1)?);
     let len = side as usize * side as usize * 3;

@@ -46,15 +46,7 @@ impl FakeBackend {
             max_side: 1 << 26,
             max_batch,
         };
-        Self {
-            spec,
-            fixed,
-            per_sample,
-            per_million: Duration::ZERO,
-            crowding: 0.0,
-            fail_batches: Vec::new(),
-            batches_run: Arc::default(),
-        }
+        Self { spec, fixed, per_sample, per_million: Duration::ZERO, crowding: 0.0, fail_batches: Vec::new(), batches_run: Arc::default() }
     }
 
     /// Makes each sample cost `per_million` more for each million elements
@@ -77,9 +69,7 @@ impl FakeBackend {
     fn cost(&self, inputs: &[&Tensor]) -> Duration {
         let n = inputs.len() as f64;
         let elements: usize = inputs.iter().map(|t| t.shape().iter().product::<usize>()).sum();
-        self.fixed
-            + self.per_sample.mul_f64(n * (1.0 + self.crowding * (n - 1.0)))
-            + self.per_million.mul_f64(elements as f64 / 1e6)
+        self.fixed + self.per_sample.mul_f64(n * (1.0 + self.crowding * (n - 1.0))) + self.per_million.mul_f64(elements as f64 / 1e6)
     }
 
     /// Makes the batches with these zero-based indices fail.

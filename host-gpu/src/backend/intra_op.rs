@@ -95,7 +95,7 @@ mod tests {
 
     fn own_cpu_time() -> Duration {
         let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
-        Duration::new(t.tv_sec.unsigned_abs(), u32::try_from(t.tv_nsec).unwrap())
+        Duration::new(t.tv_sec.unsigned_abs(), u32::try_from(t.tv_nsec).expect("nanoseconds below 1e9"))
     }
 
     /// A pool thread that computes for 60 ms and then sleeps 60 ms (as an

@@ -108,8 +108,7 @@ static ORT_ENV: OnceLock<Result<Environment, String>> = OnceLock::new();
 pub fn init_onnx_runtime(library: &Path) -> Result<(), BackendError> {
     ORT_ENV
         .get_or_init(|| {
-            let builder = ort::init_from(library)
-                .map_err(|e| format!("cannot load ONNX Runtime from {}: {e}", library.display()))?;
+            let builder = ort::init_from(library).map_err(|e| format!("cannot load ONNX Runtime from {}: {e}", library.display()))?;
             builder.with_name("facegate").build().map_err(|e| format!("cannot start ONNX Runtime: {e}"))
         })
         .as_ref()
@@ -141,9 +140,8 @@ impl OnnxBackend {
     /// Opens a session for `config` on `device`. [`init_onnx_runtime`] must have succeeded.
     pub fn new(config: ImageModelConfig, device: &Device) -> Result<Self, BackendError> {
         let intra_op = matches!(device, Device::Cpu { .. }).then(IntraOpThreads::default);
-        let session = build_session(&config, device, intra_op.clone()).map_err(|e| {
-            BackendError(format!("cannot load model {} from {}: {e}", config.name, config.path.display()))
-        })?;
+        let session = build_session(&config, device, intra_op.clone())
+            .map_err(|e| BackendError(format!("cannot load model {} from {}: {e}", config.name, config.path.display())))?;
         let spec = config.spec();
         Ok(Self { config, spec, session, intra_op, scratch: Vec::new() })
     }
@@ -206,11 +204,8 @@ fn with_tensorrt(
         .with_profile_opt_shapes(opt)
         .with_profile_max_shapes(max);
     if let Some(dir) = cache_dir {
-        trt = trt
-            .with_engine_cache(true)
-            .with_engine_cache_path(dir.display())
-            .with_timing_cache(true)
-            .with_timing_cache_path(dir.display());
+        trt =
+            trt.with_engine_cache(true).with_engine_cache_path(dir.display()).with_timing_cache(true).with_timing_cache_path(dir.display());
     }
     let cuda = ort::ep::CUDA::default().with_device_id(device_id).build();
     Ok(builder.with_execution_providers([trt.build().error_on_failure(), cuda])?)
@@ -247,10 +242,7 @@ impl Backend for OnnxBackend {
         self.fill_input(inputs, h, w);
         let shape = [inputs.len(), 3, h, w];
         let input = TensorRef::from_array_view((shape, &self.scratch[..])).map_err(BackendError::from_display)?;
-        let outputs = self
-            .session
-            .run(ort::inputs![self.config.input_name.as_str() => input])
-            .map_err(BackendError::from_display)?;
+        let outputs = self.session.run(ort::inputs![self.config.input_name.as_str() => input]).map_err(BackendError::from_display)?;
         let mut per_sample: Vec<Vec<Tensor>> = (0..inputs.len()).map(|_| Vec::new()).collect();
         for (name, _) in &self.config.outputs {
             let output = outputs.get(name.as_str()).ok_or_else(|| BackendError(format!("model has no output {name}")))?;
@@ -268,11 +260,7 @@ impl Backend for OnnxBackend {
 fn tensorrt_profile(config: &ImageModelConfig) -> [String; 3] {
     let shape = |batch: usize, side: usize| format!("{}:{batch}x3x{side}x{side}", config.input_name);
     let opt_side = 640usize.clamp(config.dim_multiple, config.max_side);
-    [
-        shape(1, config.dim_multiple),
-        shape(config.max_batch.max(1), opt_side),
-        shape(config.max_batch.max(1), config.max_side),
-    ]
+    [shape(1, config.dim_multiple), shape(config.max_batch.max(1), opt_side), shape(config.max_batch.max(1), config.max_side)]
 }
 
 /// Converts one u8 HWC image into planar (CHW) floats, normalising per channel.

@@ -13,9 +13,7 @@ use facegate_host_gpu::{Batcher, BatcherConfig, ElementType, InferError, InferRe
 const MS: Duration = Duration::from_millis(1);
 
 fn fake_pool(devices: usize, max_batch: usize, fixed: Duration, per_sample: Duration) -> Batcher {
-    let backends = (0..devices)
-        .map(|_| Box::new(FakeBackend::new("fake", max_batch, fixed, per_sample)) as Box<dyn Backend>)
-        .collect();
+    let backends = (0..devices).map(|_| Box::new(FakeBackend::new("fake", max_batch, fixed, per_sample)) as Box<dyn Backend>).collect();
     let config = BatcherConfig { max_batch, tenant_capacity: 256, ..BatcherConfig::default() };
     Batcher::start(backends, &config).unwrap()
 }
@@ -109,9 +107,19 @@ async fn a_failing_batch_fails_only_its_own_calls() {
     let config = BatcherConfig { max_batch: 4, sizing: Sizing::Fixed, ..Default::default() };
     let batcher = Batcher::start(vec![Box::new(backend)], &config).unwrap();
     // Batch 0: one call that occupies the device while the next four queue up.
-    let first = { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 1)).await }) };
-    while batches.load(Ordering::SeqCst) == 0 { tokio::time::sleep(MS).await; }
-    let doomed: Vec<_> = (0..4).map(|_| { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 2)).await }) }).collect();
+    let first = {
+        let b = batcher.clone();
+        tokio::spawn(async move { b.infer(request("t", 1)).await })
+    };
+    while batches.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(MS).await;
+    }
+    let doomed: Vec<_> = (0..4)
+        .map(|_| {
+            let b = batcher.clone();
+            tokio::spawn(async move { b.infer(request("t", 2)).await })
+        })
+        .collect();
     assert!(first.await.unwrap().is_ok());
     for call in doomed {
         let err = call.await.unwrap().unwrap_err();
@@ -131,9 +139,19 @@ async fn a_full_queue_answers_overloaded() {
     let config = BatcherConfig { max_batch: 1, queue_capacity: 4, tenant_capacity: 4, ..Default::default() };
     let batcher = Batcher::start(vec![Box::new(backend)], &config).unwrap();
     // The device is busy (for 200 ms) before the 10 callers come.
-    let busy = { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 100)).await }) };
-    while batches.load(Ordering::SeqCst) == 0 { tokio::time::sleep(MS).await; }
-    let calls: Vec<_> = (0..10u8).map(|i| { let b = batcher.clone(); tokio::spawn(async move { (i, b.infer(request("t", i)).await) }) }).collect();
+    let busy = {
+        let b = batcher.clone();
+        tokio::spawn(async move { b.infer(request("t", 100)).await })
+    };
+    while batches.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(MS).await;
+    }
+    let calls: Vec<_> = (0..10u8)
+        .map(|i| {
+            let b = batcher.clone();
+            tokio::spawn(async move { (i, b.infer(request("t", i)).await) })
+        })
+        .collect();
     let (mut admitted, mut overloaded) = (Vec::new(), 0);
     for call in calls {
         match call.await.unwrap() {
@@ -157,8 +175,13 @@ async fn expired_calls_are_answered_deadline_exceeded() {
     let backend = FakeBackend::new("fake", 1, 100 * MS, Duration::ZERO);
     let batches = backend.batch_counter();
     let batcher = Batcher::start(vec![Box::new(backend)], &BatcherConfig { max_batch: 1, ..Default::default() }).unwrap();
-    let busy = { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("t", 0)).await }) };
-    while batches.load(Ordering::SeqCst) == 0 { tokio::time::sleep(MS).await; }
+    let busy = {
+        let b = batcher.clone();
+        tokio::spawn(async move { b.infer(request("t", 0)).await })
+    };
+    while batches.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(MS).await;
+    }
     let mut short = request("t", 0);
     short.deadline = Instant::now() + 20 * MS;
     assert_eq!(batcher.infer(short).await, Err(InferError::DeadlineExceeded));
@@ -310,13 +333,23 @@ async fn a_removed_tenant_is_answered_and_forgotten() {
     let batches = backend.batch_counter();
     let batcher = Batcher::start(vec![Box::new(backend)], &BatcherConfig { max_batch: 1, ..Default::default() }).expect("batcher starts");
     batcher.set_tenant_weight("gone", 4);
-    let busy = { let b = batcher.clone(); tokio::spawn(async move { b.infer(request("stay", 0)).await }) };
-    while batches.load(Ordering::SeqCst) == 0 { tokio::time::sleep(MS).await; }
+    let busy = {
+        let b = batcher.clone();
+        tokio::spawn(async move { b.infer(request("stay", 0)).await })
+    };
+    while batches.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(MS).await;
+    }
     let queued: Vec<_> = ["gone", "gone", "gone", "stay"]
         .into_iter()
-        .map(|tenant| { let b = batcher.clone(); tokio::spawn(async move { b.infer(request(tenant, 1)).await }) })
+        .map(|tenant| {
+            let b = batcher.clone();
+            tokio::spawn(async move { b.infer(request(tenant, 1)).await })
+        })
         .collect();
-    while batcher.queue_depth() < 4 { tokio::time::sleep(MS).await; }
+    while batcher.queue_depth() < 4 {
+        tokio::time::sleep(MS).await;
+    }
 
     assert_eq!(batcher.remove_tenant("gone"), 3);
     assert_eq!((batcher.tenant_queue_depth("gone"), batcher.queue_depth()), (0, 1));

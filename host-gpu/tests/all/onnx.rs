@@ -16,9 +16,7 @@ pub fn artifacts() -> (PathBuf, PathBuf) {
     let home = std::env::var_os("FACEGATE_HOME")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.facegate"));
-    let lib = std::env::var_os("ORT_DYLIB_PATH")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| home.join("lib/libonnxruntime.so"));
+    let lib = std::env::var_os("ORT_DYLIB_PATH").map(PathBuf::from).unwrap_or_else(|| home.join("lib/libonnxruntime.so"));
     let model = home.join("models/centerface.onnx");
     assert!(lib.exists() && model.exists(), "{} or {} missing: run deploy/setup.sh", lib.display(), model.display());
     (lib, model)
@@ -46,10 +44,7 @@ fn max_abs_diff(outputs: &[Tensor], reference: &[f32]) -> f32 {
 }
 
 fn reference_output() -> Vec<f32> {
-    fixture("centerface_output_192x160.f32")
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
+    fixture("centerface_output_192x160.f32").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
 #[test]

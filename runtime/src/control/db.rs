@@ -245,9 +245,8 @@ impl Db {
     /// A tenant's keys, newest first.
     pub fn keys(&self, tenant: &str) -> StoreResult<Vec<KeyRow>> {
         self.tenant(tenant)?;
-        let mut stmt = self
-            .conn
-            .prepare("SELECT id, created_at, revoked_at FROM api_keys WHERE tenant = ?1 ORDER BY created_at DESC, id")?;
+        let mut stmt =
+            self.conn.prepare("SELECT id, created_at, revoked_at FROM api_keys WHERE tenant = ?1 ORDER BY created_at DESC, id")?;
         let rows = stmt.query_map([tenant], |r| Ok(KeyRow { id: r.get(0)?, created_at: r.get(1)?, revoked_at: r.get(2)? }))?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
@@ -347,7 +346,8 @@ impl Db {
             "SELECT h.tenant, h.name, h.active_version, v.component_sha256 FROM handlers h
              JOIN versions v ON v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version",
         )?;
-        let rows = stmt.query_map([], |r| Ok(ActiveHandler { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, sha256: r.get(3)? }))?;
+        let rows =
+            stmt.query_map([], |r| Ok(ActiveHandler { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, sha256: r.get(3)? }))?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
@@ -376,9 +376,8 @@ impl Db {
     /// Every component hash a version refers to: `(tenant/handler@version, sha256)`.
     pub fn all_versions(&self) -> StoreResult<Vec<(String, String)>> {
         let mut stmt = self.conn.prepare("SELECT tenant, handler, version, component_sha256 FROM versions")?;
-        let rows = stmt.query_map([], |r| {
-            Ok((format!("{}/{}@{}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?), r.get(3)?))
-        })?;
+        let rows = stmt
+            .query_map([], |r| Ok((format!("{}/{}@{}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?), r.get(3)?)))?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
@@ -396,7 +395,9 @@ impl Db {
             "SELECT h.tenant, h.name, h.active_version FROM handlers h WHERE h.active_version IS NOT NULL AND NOT EXISTS
              (SELECT 1 FROM versions v WHERE v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version)",
         )?;
-        let missing = stmt.query_map([], |r| Ok(format!("{}/{} is active at missing version {}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?)))?;
+        let missing = stmt.query_map([], |r| {
+            Ok(format!("{}/{} is active at missing version {}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+        })?;
         for problem in missing {
             problems.push(problem?);
         }

@@ -112,7 +112,10 @@ impl TenantLimits {
             (l.max_concurrency >= 1, "max_concurrency must be at least 1".to_owned()),
             (l.rps == 0.0 || (l.rps.is_finite() && l.rps >= MIN_RPS), format!("rps must be 0 (unlimited) or at least {MIN_RPS}")),
             (l.burst >= 1, "burst must be at least 1".to_owned()),
-            (l.max_body_bytes >= 1 && l.max_body_bytes <= self.max_body_bytes, format!("max_body_bytes must be 1..={}", self.max_body_bytes)),
+            (
+                l.max_body_bytes >= 1 && l.max_body_bytes <= self.max_body_bytes,
+                format!("max_body_bytes must be 1..={}", self.max_body_bytes),
+            ),
             (l.max_infer_calls <= 1024, "max_infer_calls must be at most 1024".to_owned()),
             (l.weight >= 1 && l.weight <= 1000, "weight must be 1..=1000".to_owned()),
         ];

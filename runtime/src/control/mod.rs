@@ -238,7 +238,9 @@ impl ControlPlane {
         let ControlSettings { defaults, max_instances, compile, weights } = settings;
         create_private_dir(data_dir)?;
         if let Err(e) = validate_defaults(&defaults, max_instances) {
-            anyhow::bail!("the tenants' default limits (--tenant-*, --memory-limit-mib, --max-body-bytes, --request-timeout-ms flags) are invalid: {e}");
+            anyhow::bail!(
+                "the tenants' default limits (--tenant-*, --memory-limit-mib, --max-body-bytes, --request-timeout-ms flags) are invalid: {e}"
+            );
         }
         let blobs = Blobs::open(data_dir)?;
         let leftovers = blobs.clear_tmp()?;
@@ -288,7 +290,13 @@ impl ControlPlane {
 
     fn tenant_info(&self, db: &Db, row: db::TenantRow) -> StoreResult<TenantInfo> {
         let handlers = db.handlers(&row.name)?.into_iter().map(|(name, active_version)| HandlerInfo { name, active_version }).collect();
-        Ok(TenantInfo { limits: self.defaults.with(&row.overrides), name: row.name, overrides: row.overrides, handlers, created_at: row.created_at })
+        Ok(TenantInfo {
+            limits: self.defaults.with(&row.overrides),
+            name: row.name,
+            overrides: row.overrides,
+            handlers,
+            created_at: row.created_at,
+        })
     }
 
     /// Creates a tenant.
@@ -321,11 +329,13 @@ impl ControlPlane {
         self.defaults.validate(overrides).map_err(StoreError::Invalid)?;
         let concurrency = self.defaults.with(overrides).max_concurrency;
         if concurrency > self.max_instances {
-            return Err(StoreError::Invalid(format!("max_concurrency must be at most {} (the gateway's instance slots)", self.max_instances)));
+            return Err(StoreError::Invalid(format!(
+                "max_concurrency must be at most {} (the gateway's instance slots)",
+                self.max_instances
+            )));
         }
         Ok(())
     }
-
 
     /// Refuses to withdraw outgoing HTTP while an active version imports it.
     fn refuse_if_outgoing_http_needed(&self, tenant: &str) -> StoreResult<()> {

@@ -39,8 +39,8 @@ impl Upload {
     /// Compiles, validates, links and stores the upload (files only).
     pub fn prepare(self) -> StoreResult<Prepared> {
         let engine = self.sandbox.engine();
-        let component = Component::new(engine, &self.bytes)
-            .map_err(|e| StoreError::Invalid(format!("the component does not compile: {e:#}")))?;
+        let component =
+            Component::new(engine, &self.bytes).map_err(|e| StoreError::Invalid(format!("the component does not compile: {e:#}")))?;
         validate::check_imports(engine, &component, &self.tenant, self.outgoing_http).map_err(StoreError::Invalid)?;
         validate::check_exports(engine, &component).map_err(StoreError::Invalid)?;
         // Link before storing anything: a component that cannot run is refused.

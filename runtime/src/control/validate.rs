@@ -27,11 +27,11 @@ pub const INCOMING_HANDLER: &str = "wasi:http/incoming-handler@0.2";
 pub fn check_header(bytes: &[u8]) -> Result<(), String> {
     match bytes {
         [] => Err("the upload is empty".to_owned()),
-        [0, b'a', b's', b'm', 1, 0, 0, 0, ..] => Err(
-            "this is a core WebAssembly module, not a component: build the handler for wasm32-wasip2 \
+        [0, b'a', b's', b'm', 1, 0, 0, 0, ..] => {
+            Err("this is a core WebAssembly module, not a component: build the handler for wasm32-wasip2 \
              (or wrap the module with `wasm-tools component new`)"
-                .to_owned(),
-        ),
+                .to_owned())
+        }
         [0, b'a', b's', b'm', 0x0d, 0, 1, 0, ..] => Ok(()),
         [0, b'a', b's', b'm', ..] => Err("unsupported WebAssembly binary version (expected a component, layer 1)".to_owned()),
         _ => Err("not a WebAssembly binary (no \\0asm header)".to_owned()),

@@ -56,10 +56,7 @@ impl HasData for FaceDetect {
 }
 
 /// Adds `facegate:face-detect/face-detect` to a linker; `get` projects the store's view.
-pub fn add_to_linker<T: Send + 'static>(
-    linker: &mut Linker<T>,
-    get: fn(&mut T) -> FaceDetectView<'_>,
-) -> wasmtime::Result<()> {
+pub fn add_to_linker<T: Send + 'static>(linker: &mut Linker<T>, get: fn(&mut T) -> FaceDetectView<'_>) -> wasmtime::Result<()> {
     wit::add_to_linker::<T, FaceDetect>(linker, get)
 }
 
@@ -89,8 +86,7 @@ impl wit::Host for FaceDetectView<'_> {
 
 fn to_host_tensor(t: wit::Tensor) -> Result<facegate_host_gpu::Tensor, wit::Error> {
     let shape = t.shape.into_iter().map(|d| d as usize).collect();
-    facegate_host_gpu::Tensor::new(shape, element_from_wit(t.element), t.data)
-        .map_err(|e| wit::Error::InvalidInput(e.to_string()))
+    facegate_host_gpu::Tensor::new(shape, element_from_wit(t.element), t.data).map_err(|e| wit::Error::InvalidInput(e.to_string()))
 }
 
 fn to_wit_tensor(t: facegate_host_gpu::Tensor) -> wit::Tensor {

@@ -16,11 +16,11 @@ use serde_json::{Value, json};
 
 use super::response::{self, Body};
 use super::routes::{App, bearer, buffer_body};
+use crate::compile::CompileError;
+use crate::control::ControlPlane;
 use crate::control::db::StoreError;
 use crate::control::keys;
 use crate::control::limits::LimitOverrides;
-use crate::compile::CompileError;
-use crate::control::ControlPlane;
 
 /// Longest an admin upload may take to arrive.
 const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);

@@ -455,7 +455,10 @@ mod tests {
         assert!(matches!(activity.check(&profile, t0 + Duration::from_secs(10)), Verdict::Expired(CloseReason::HeadTimeout)));
         let in_flight = activity.begin();
         let later = t0 + Duration::from_secs(100);
-        assert!(matches!(activity.check(&profile, later), Verdict::CheckAt(at) if at == later + Duration::from_secs(30)), "in flight: never idle");
+        assert!(
+            matches!(activity.check(&profile, later), Verdict::CheckAt(at) if at == later + Duration::from_secs(30)),
+            "in flight: never idle"
+        );
         drop(in_flight);
         let answered = activity.epoch + Duration::from_millis(activity.last_io_ms.load(Ordering::Relaxed));
         assert!(matches!(activity.check(&profile, answered), Verdict::CheckAt(at) if at == answered + Duration::from_secs(30)));

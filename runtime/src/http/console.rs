@@ -4,8 +4,8 @@
 //! only); it talks to the gateway through `/v1/me`, the handlers and the
 //! admin API, and refreshes its live view from `/admin/v1/stats`.
 
-use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName, HeaderValue};
 use hyper::body::Incoming;
+use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 use serde_json::json;
 

@@ -141,7 +141,10 @@ fn method_not_allowed() -> Response<Body> {
 impl App {
     fn health(&self) -> Response<Body> {
         let models: Vec<_> = self.models.iter().map(|b| b.spec().name.clone()).collect();
-        response::json(StatusCode::OK, &serde_json::json!({ "status": "ok", "handlers": self.control.live().handler_count(), "models": models }))
+        response::json(
+            StatusCode::OK,
+            &serde_json::json!({ "status": "ok", "handlers": self.control.live().handler_count(), "models": models }),
+        )
     }
 
     fn prometheus(&self) -> Response<Body> {
@@ -182,7 +185,11 @@ impl App {
         };
         let found = (key_tenant == tenant).then(|| live.handler(tenant, name)).flatten();
         let Some((gate, handler)) = found.map(|(g, h)| (Arc::clone(g), Arc::clone(h))) else {
-            return response::before_body(response::error(StatusCode::NOT_FOUND, "unknown_handler", format!("no handler {name:?} for tenant {tenant:?}")));
+            return response::before_body(response::error(
+                StatusCode::NOT_FOUND,
+                "unknown_handler",
+                format!("no handler {name:?} for tenant {tenant:?}"),
+            ));
         };
         drop(live);
         // The handler never sees the tenant's key.
@@ -202,14 +209,24 @@ impl App {
             self.hits().hit(tenant, Limit::Rate);
             // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
             let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
-            return response::before_body(response::retry_later(StatusCode::TOO_MANY_REQUESTS, "rate_limited", "the tenant's request rate is exceeded", seconds));
+            return response::before_body(response::retry_later(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                "the tenant's request rate is exceeded",
+                seconds,
+            ));
         }
         // The tenant's slot is taken before the body is read (a slow upload
         // holds one of the tenant's own slots); the slots live as long as
         // the guest (they move into the guest's task).
         let Some(tenant_slot) = gate.concurrency.try_acquire() else {
             self.hits().hit(tenant, Limit::Concurrency);
-            return response::before_body(response::retry_later(StatusCode::TOO_MANY_REQUESTS, "concurrency_limited", "the tenant has too many requests in flight", 1));
+            return response::before_body(response::retry_later(
+                StatusCode::TOO_MANY_REQUESTS,
+                "concurrency_limited",
+                "the tenant has too many requests in flight",
+                1,
+            ));
         };
         let req = match buffer_body(req, limits.max_body_bytes, limits.timeout()).await {
             Ok(req) => req,
@@ -274,7 +291,11 @@ pub(super) fn bearer(req: &Request<Incoming>) -> Option<&str> {
 /// Reads the whole body under a size limit and a read timeout (the shorter
 /// of [`BODY_READ_TIMEOUT`] and `timeout`: a slow upload holds a slot).
 /// A refusal names the limit it comes from, if any, for the counters.
-pub(super) async fn buffer_body(req: Request<Incoming>, limit: usize, timeout: Duration) -> Result<Request<Full<Bytes>>, (Option<Limit>, Response<Body>)> {
+pub(super) async fn buffer_body(
+    req: Request<Incoming>,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Request<Full<Bytes>>, (Option<Limit>, Response<Body>)> {
     let too_large = || {
         let refusal = response::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes"));
         (Some(Limit::BodySize), response::before_body(refusal))
@@ -316,9 +337,7 @@ fn sandbox_error(err: &SandboxError) -> Response<Body> {
         SandboxError::Timeout(_) => response::error(StatusCode::GATEWAY_TIMEOUT, "handler_timeout", err),
         SandboxError::Trap(_) | SandboxError::MemoryLimit(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "handler_trapped", err),
         SandboxError::ResourceLimit(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "resource_limit", err),
-        SandboxError::NoResponse | SandboxError::Guest(_) => {
-            response::error(StatusCode::INTERNAL_SERVER_ERROR, "handler_failed", err)
-        }
+        SandboxError::NoResponse | SandboxError::Guest(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "handler_failed", err),
         SandboxError::Internal(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error"),
     }
 }

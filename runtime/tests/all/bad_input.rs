@@ -95,8 +95,11 @@ fn raw_post(head: impl AsRef<[u8]>, body: &[u8]) -> (u16, Value) {
     let mut stream = std::net::TcpStream::connect(crate::harness::gateway().addr).unwrap();
     stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
     // The key goes right after the request line: auth is checked before the body.
-    let head = String::from_utf8_lossy(head.as_ref())
-        .replacen("\r\n", &format!("\r\nAuthorization: Bearer {}\r\n", crate::harness::key("demo")), 1);
+    let head = String::from_utf8_lossy(head.as_ref()).replacen(
+        "\r\n",
+        &format!("\r\nAuthorization: Bearer {}\r\n", crate::harness::key("demo")),
+        1,
+    );
     stream.write_all(head.as_bytes()).unwrap();
     stream.write_all(body).unwrap();
     let mut response = Vec::new();
@@ -109,10 +112,7 @@ fn raw_post(head: impl AsRef<[u8]>, body: &[u8]) -> (u16, Value) {
 
 #[test]
 fn declared_body_over_the_limit_is_refused_before_reading_it() {
-    let head = format!(
-        "POST /v1/demo/detect HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
-        MAX_BODY_BYTES + 1
-    );
+    let head = format!("POST /v1/demo/detect HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: {}\r\n\r\n", MAX_BODY_BYTES + 1);
     let (status, json) = raw_post(&head, &[]);
     assert_eq!((status, json["error"]["code"].as_str()), (413, Some("body_too_large")), "{json}");
 }
@@ -174,7 +174,8 @@ fn wrong_method() {
 
 #[test]
 fn invalid_query_parameters_are_named() {
-    for (query, name) in [("threshold=2", "threshold"), ("threshold=abc", "threshold"), ("max_faces=0", "max_faces"), ("size=100", "size")] {
+    for (query, name) in [("threshold=2", "threshold"), ("threshold=abc", "threshold"), ("max_faces=0", "max_faces"), ("size=100", "size")]
+    {
         let message = assert_error(&format!("/v1/demo/detect?{query}"), image("grace_hopper.jpg"), 400, "invalid_parameter");
         assert!(message.contains(name), "{query}: {message}");
     }

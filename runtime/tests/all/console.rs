@@ -104,14 +104,20 @@ impl Browser {
             if !value.is_null() && value != json!(false) {
                 return value;
             }
-            assert!(started.elapsed() < WAIT, "timed out waiting for {expression}; status: {}", self.script("return document.querySelector('[role=status]:not(:empty)')?.textContent ?? '';"));
+            assert!(
+                started.elapsed() < WAIT,
+                "timed out waiting for {expression}; status: {}",
+                self.script("return document.querySelector('[role=status]:not(:empty)')?.textContent ?? '';")
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
 
     /// Saves a PNG screenshot as `target/screenshots/<name>.png`.
     fn screenshot(&self, name: &str) -> PathBuf {
-        let png = base64::engine::general_purpose::STANDARD.decode(self.call(reqwest::Method::GET, "screenshot", None).as_str().unwrap()).unwrap();
+        let png = base64::engine::general_purpose::STANDARD
+            .decode(self.call(reqwest::Method::GET, "screenshot", None).as_str().unwrap())
+            .unwrap();
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).parent().unwrap().join("screenshots");
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join(format!("{name}.png"));
@@ -150,7 +156,10 @@ fn try_it_draws_the_faces_and_explains_errors() {
     browser.attach("#image", &fixture("city.jpg"));
     browser.click("#run");
     let drawn = browser.wait_for("window.facegateConsole.runs >= 1 && document.getElementById('canvas').dataset.faces");
-    let expected = client().post(url("/v1/demo/detect")).body(image("city.jpg")).send().unwrap().json::<Value>().unwrap()["faces"].as_array().unwrap().len();
+    let expected = client().post(url("/v1/demo/detect")).body(image("city.jpg")).send().unwrap().json::<Value>().unwrap()["faces"]
+        .as_array()
+        .unwrap()
+        .len();
     assert!(expected > 1);
     assert_eq!(drawn, json!(expected.to_string()), "boxes drawn on the canvas");
     assert_eq!(browser.script("return document.querySelectorAll('#faces li').length;"), json!(expected));
@@ -161,7 +170,9 @@ fn try_it_draws_the_faces_and_explains_errors() {
     browser.attach("#image", &guest("detect"));
     browser.click("#run");
     browser.wait_for("window.facegateConsole.lastError === 'unsupported_image'");
-    assert!(browser.script("return document.getElementById('try-status').textContent;").as_str().unwrap().starts_with("415 unsupported_image"));
+    assert!(
+        browser.script("return document.getElementById('try-status').textContent;").as_str().unwrap().starts_with("415 unsupported_image")
+    );
 
     // A wrong key.
     browser.type_into("#key", "fg_wrong");
@@ -198,7 +209,8 @@ fn operate_creates_a_tenant_deploys_and_rolls_back() {
         browser.wait_for(&format!("window.facegateConsole.versions.detect?.active === {version}"));
     }
     browser.script("[...document.querySelectorAll('#handlers button')].find(b => b.textContent === 'Roll back detect').click();");
-    browser.wait_for("window.facegateConsole.versions.detect?.active === 1 && window.facegateConsole.versions.detect.versions.length === 2");
+    browser
+        .wait_for("window.facegateConsole.versions.detect?.active === 1 && window.facegateConsole.versions.detect.versions.length === 2");
     let versions: Value = client_with_key(new_key.as_str().unwrap()).get(url("/v1/me")).send().unwrap().json().unwrap();
     assert_eq!(versions["handlers"], json!([{ "name": "detect", "version": 1 }]));
 

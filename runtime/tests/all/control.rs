@@ -381,7 +381,11 @@ fn tenant_state_follows_limit_changes_and_deletion() {
     assert!(!metrics().contains(device_series), "its device time is forgotten");
     let key = tenant_with_key("follow", json!({}));
     let (status, body) = admin_json(admin(Method::GET, "tenants/follow"));
-    assert_eq!((status, body["limits"]["weight"].as_u64(), body["limits"]["max_concurrency"].as_u64()), (200, Some(1), Some(gateway_default_concurrency())), "{body}");
+    assert_eq!(
+        (status, body["limits"]["weight"].as_u64(), body["limits"]["max_concurrency"].as_u64()),
+        (200, Some(1), Some(gateway_default_concurrency())),
+        "{body}"
+    );
     assert_eq!(body["handlers"], json!([]), "no handler of the old tenant: {body}");
     assert_eq!(client_with_key(&key).get(url("/v1/follow/attack?attack=panic")).send().unwrap().status(), 404);
 }

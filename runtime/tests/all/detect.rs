@@ -35,10 +35,7 @@ fn references() -> &'static Value {
 fn reference(name: &str) -> (Vec<Reference>, u64, u64) {
     let found = &references()["images"][name];
     let faces = found["faces"].as_array().unwrap_or_else(|| panic!("no reference for {name}"));
-    let faces = faces
-        .iter()
-        .map(|f| Reference { bounds: four(&f["box"]), score: f["score"].as_f64().unwrap() })
-        .collect();
+    let faces = faces.iter().map(|f| Reference { bounds: four(&f["box"]), score: f["score"].as_f64().unwrap() }).collect();
     (faces, found["width"].as_u64().unwrap(), found["height"].as_u64().unwrap())
 }
 
@@ -76,7 +73,8 @@ fn assert_matches_reference(name: &str) {
     let found = boxes(&body);
     assert_eq!(found.len(), reference.len(), "{name}: found {found:?}");
     for want in &reference {
-        let (best, i) = found.iter().enumerate().map(|(i, got)| (iou(&want.bounds, got), i)).fold((0.0, 0), |a, b| if b.0 > a.0 { b } else { a });
+        let (best, i) =
+            found.iter().enumerate().map(|(i, got)| (iou(&want.bounds, got), i)).fold((0.0, 0), |a, b| if b.0 > a.0 { b } else { a });
         assert!(best >= MIN_IOU, "{name}: reference box {:?} best IoU {best:.3} among {found:?}", want.bounds);
         let score = faces[i]["score"].as_f64().unwrap();
         assert!(

@@ -6,8 +6,8 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -292,7 +292,8 @@ fn slow_uploads_do_not_pin_instance_slots() {
     assert!(metrics.lines().any(|l| l == "facegate_instances_in_use 0"), "uploads hold no instance slot:\n{metrics}");
     let photo = image("grace_hopper.jpg");
     for _ in 0..3 {
-        let status = client_with_key(&demo).post(format!("http://{addr}/v1/demo/detect")).body(photo.clone()).send().unwrap().status().as_u16();
+        let status =
+            client_with_key(&demo).post(format!("http://{addr}/v1/demo/detect")).body(photo.clone()).send().unwrap().status().as_u16();
         assert_eq!(status, 200);
     }
     // The uploads are still open (their tenant's slots are theirs to waste).

@@ -1,6 +1,8 @@
 //! facegate's integration tests: the real gateway (HTTP, wasmtime, the
 //! example handlers, the CenterFace model on ONNX Runtime) on an ephemeral port.
 
+#![allow(clippy::unwrap_used, reason = "test helpers fail loudly: a failed unwrap is a failed test")]
+
 mod bad_input;
 mod connections;
 mod console;
