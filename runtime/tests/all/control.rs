@@ -43,6 +43,12 @@ fn the_admin_api_needs_the_admin_token() {
     assert_eq!(status, 200, "{body}");
     let names: Vec<&str> = body["tenants"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
     assert!(names.contains(&"demo") && names.contains(&"evil"), "{names:?}");
+    // The console's live view: tenants' traffic is for the operator only.
+    let stats = url("/admin/v1/stats");
+    assert_eq!(anonymous().get(&stats).bearer_auth(key("demo")).send().unwrap().status(), 401);
+    let (status, body) = admin_json(anonymous().get(&stats).bearer_auth(ADMIN_TOKEN));
+    assert_eq!(status, 200, "{body}");
+    assert!(body["tenants"]["demo"]["requests"].is_u64() && body["models"][0]["name"] == "centerface", "{body}");
 }
 
 #[test]
