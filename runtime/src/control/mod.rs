@@ -5,205 +5,41 @@
 //! flight keep the `Arc<Handler>` they started with (hot swap), new requests
 //! see the new one, and the inference engines are never touched.
 
+mod api;
 pub mod blobs;
+mod components;
 pub mod db;
 pub mod keys;
 pub mod limits;
+mod live;
+mod seed;
 mod upload;
 pub mod validate;
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use anyhow::Context;
-use serde::Serialize;
-use sha2::{Digest, Sha256};
-use wasmtime::Engine;
-use wasmtime::component::Component;
-
 use self::blobs::Blobs;
-use self::db::{ActiveHandler, Db, KeyRow, StoreError, StoreResult, VersionRow};
+use anyhow::Context;
+
+use self::db::{ActiveHandler, Db, KeyRow, StoreError, StoreResult};
 use self::keys::NewKey;
-use self::limits::{ConcurrencyGate, LimitOverrides, TenantLimits, TokenBucket};
+use self::limits::{LimitOverrides, TenantLimits};
+use self::live::{ActiveKey, new_gate};
 use self::upload::Upload;
 use crate::compile::{CompileError, CompilePool};
 use crate::handlers::{Handler, valid_name};
 use crate::sandbox::Sandbox;
 use facegate_host_gpu::Models;
 
+pub use self::api::{Activated, CheckReport, CreatedKey, Deployed, HandlerInfo, SeededKey, TenantInfo, VersionsInfo};
+pub use self::components::engine_id;
+pub use self::live::{Live, TenantEntry, TenantGate};
+pub use self::seed::write_secret;
+
 /// File name of the database inside the data directory.
 pub const DB_FILE: &str = "facegate.db";
-/// `meta` key recording the seeding: `started`, then `done`.
-const SEED_MARK: &str = "seed";
-const SEED_DONE: &str = "done";
-
-/// A key created by [`ControlPlane::seed`].
-#[derive(Debug, Clone)]
-pub struct SeededKey {
-    /// Its tenant.
-    pub tenant: String,
-    /// The key (also in `path`).
-    pub key: String,
-    /// The file it was written to (mode 0600).
-    pub path: PathBuf,
-}
-
-/// A tenant's admission state: limits, rate bucket, concurrency slots.
-/// Kept across snapshots while the limits do not change.
-pub struct TenantGate {
-    /// Effective limits.
-    pub limits: TenantLimits,
-    /// Requests-per-second bucket.
-    pub rate: Arc<TokenBucket>,
-    /// Concurrent-request slots.
-    pub concurrency: Arc<ConcurrencyGate>,
-}
-
-/// One tenant in the live snapshot.
-pub struct TenantEntry {
-    /// Admission state.
-    pub gate: Arc<TenantGate>,
-    /// Active handler versions by name.
-    pub handlers: HashMap<String, Arc<Handler>>,
-}
-
-struct ActiveKey {
-    tenant: String,
-    secret_sha256: [u8; 32],
-}
-
-/// What the data plane serves: an immutable snapshot, swapped on change.
-#[derive(Default)]
-pub struct Live {
-    /// Tenants by name.
-    pub tenants: HashMap<String, TenantEntry>,
-    keys: HashMap<String, ActiveKey>,
-}
-
-/// Compared against when a key id is unknown, so both paths hash once.
-const DUMMY_SECRET: [u8; 32] = [0; 32];
-
-impl Live {
-    /// The tenant a bearer key belongs to; `None` if missing, malformed,
-    /// unknown or revoked. Never looks at the tenant in the request path,
-    /// so its timing says nothing about which tenants exist.
-    pub fn authenticate(&self, bearer: Option<&str>) -> Option<&str> {
-        let (id, secret) = bearer.and_then(keys::parse).unwrap_or(("", ""));
-        match self.keys.get(id) {
-            Some(key) => keys::secret_matches(secret, &key.secret_sha256).then_some(key.tenant.as_str()),
-            None => {
-                let _ = keys::secret_matches(secret, &DUMMY_SECRET);
-                None
-            }
-        }
-    }
-
-    /// A tenant's active handler with the tenant's gate.
-    pub fn handler(&self, tenant: &str, name: &str) -> Option<(&Arc<TenantGate>, &Arc<Handler>)> {
-        let entry = self.tenants.get(tenant)?;
-        Some((&entry.gate, entry.handlers.get(name)?))
-    }
-
-    /// Handlers served, all tenants.
-    pub fn handler_count(&self) -> usize {
-        self.tenants.values().map(|t| t.handlers.len()).sum()
-    }
-}
-
-/// A tenant as the admin API shows it.
-#[derive(Debug, Serialize)]
-pub struct TenantInfo {
-    /// Name.
-    pub name: String,
-    /// Effective limits.
-    pub limits: TenantLimits,
-    /// What it overrides.
-    pub overrides: LimitOverrides,
-    /// Handlers and their active versions.
-    pub handlers: Vec<HandlerInfo>,
-    /// Unix seconds.
-    pub created_at: i64,
-}
-
-/// A handler and its active version.
-#[derive(Debug, Serialize)]
-pub struct HandlerInfo {
-    /// Name.
-    pub name: String,
-    /// Active version, if any.
-    pub active_version: Option<i64>,
-}
-
-/// A handler's versions.
-#[derive(Debug, Serialize)]
-pub struct VersionsInfo {
-    /// Tenant.
-    pub tenant: String,
-    /// Handler.
-    pub handler: String,
-    /// Active version.
-    pub active_version: Option<i64>,
-    /// All versions, oldest first.
-    pub versions: Vec<VersionRow>,
-}
-
-/// Result of an upload.
-#[derive(Debug, Serialize)]
-pub struct Deployed {
-    /// Tenant.
-    pub tenant: String,
-    /// Handler.
-    pub handler: String,
-    /// The new version.
-    pub version: i64,
-    /// SHA-256 of the component.
-    pub sha256: String,
-    /// Bytes.
-    pub size: usize,
-    /// Active version after the upload.
-    pub active_version: Option<i64>,
-}
-
-/// Result of an activation or rollback.
-#[derive(Debug, Serialize)]
-pub struct Activated {
-    /// Tenant.
-    pub tenant: String,
-    /// Handler.
-    pub handler: String,
-    /// Now active.
-    pub active_version: i64,
-    /// Active before.
-    pub previous_version: Option<i64>,
-}
-
-/// A new API key, shown once.
-#[derive(Debug, Serialize)]
-pub struct CreatedKey {
-    /// Tenant.
-    pub tenant: String,
-    /// Public id (to list and revoke).
-    pub id: String,
-    /// The key itself; not stored, not shown again.
-    pub key: String,
-    /// Unix seconds.
-    pub created_at: i64,
-}
-
-/// Outcome of [`check_store`].
-#[derive(Debug, Serialize)]
-pub struct CheckReport {
-    /// No problem found.
-    pub ok: bool,
-    /// Each problem found.
-    pub problems: Vec<String>,
-    /// Handler versions checked.
-    pub versions: usize,
-    /// Files of interrupted writes in `tmp/` (never served; removed at start).
-    pub temp_files: usize,
-}
 
 /// How the control plane is set up.
 pub struct ControlSettings {
@@ -466,74 +302,6 @@ impl ControlPlane {
         Ok(Activated { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version: version, previous_version })
     }
 
-    /// Seeds an empty store from `<dir>/<tenant>/<handler>.wasm`: each tenant
-    /// gets default limits, version 1 of each handler, and one API key
-    /// written to `<data-dir>/<tenant>.key` (mode 0600). Seeding resumes
-    /// where it stopped if it was interrupted; a store that was seeded, or
-    /// that had tenants before, is left alone. Returns the keys created.
-    pub fn seed(&self, dir: &Path) -> anyhow::Result<Vec<SeededKey>> {
-        {
-            let db = self.db();
-            match db.meta(SEED_MARK)?.as_deref() {
-                Some(SEED_DONE) => return Ok(Vec::new()),
-                Some(_) => {}
-                None if !db.is_empty()? => return Ok(Vec::new()),
-                None => db.set_meta(SEED_MARK, "started")?,
-            }
-        }
-        let mut tenants: Vec<_> = std::fs::read_dir(dir)
-            .with_context(|| format!("cannot read seed directory {}", dir.display()))?
-            .filter_map(Result::ok)
-            .filter(|e| e.path().is_dir())
-            .map(|e| e.path())
-            .collect();
-        tenants.sort();
-        let mut created = Vec::new();
-        for tenant_dir in tenants {
-            let name = tenant_dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-            let Ok(tenant) = valid_name(name) else {
-                tracing::warn!(dir = %tenant_dir.display(), "not a tenant name; not seeded");
-                continue;
-            };
-            created.extend(self.seed_tenant(&tenant, &tenant_dir)?);
-        }
-        self.db().set_meta(SEED_MARK, SEED_DONE)?;
-        Ok(created)
-    }
-
-    fn seed_tenant(&self, tenant: &str, dir: &Path) -> anyhow::Result<Option<SeededKey>> {
-        if !self.live().tenants.contains_key(tenant) {
-            self.create_tenant(tenant, &LimitOverrides::default())?;
-        }
-        let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(Result::ok).map(|e| e.path()).collect();
-        files.sort();
-        for file in files.iter().filter(|p| p.extension().is_some_and(|e| e == "wasm")) {
-            let handler = file.file_stem().and_then(|n| n.to_str()).unwrap_or_default();
-            if valid_name(handler).is_err() {
-                tracing::warn!(file = %file.display(), "not a handler name; not seeded");
-                continue;
-            }
-            if self.live().handler(tenant, handler).is_some() {
-                continue;
-            }
-            let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-            self.deploy(tenant, handler, &bytes, true).with_context(|| format!("seeding {}", file.display()))?;
-        }
-        let path = self.data_dir.join(format!("{tenant}.key"));
-        let saved = std::fs::read_to_string(&path).unwrap_or_default();
-        if self.live().authenticate(Some(saved.trim())) == Some(tenant) {
-            return Ok(None);
-        }
-        // A key whose file was never written (a crash in between) is useless: revoke it.
-        for stale in self.keys(tenant)?.into_iter().filter(|k| k.revoked_at.is_none()) {
-            self.revoke_key(tenant, &stale.id)?;
-        }
-        let key = self.create_key(tenant)?;
-        write_secret(&path, &key.key)?;
-        tracing::info!(tenant, key_id = %key.id, path = %path.display(), "seeded tenant; API key written");
-        Ok(Some(SeededKey { tenant: tenant.to_owned(), key: key.key, path }))
-    }
-
     /// Builds a new snapshot from the database and swaps it in. Handlers
     /// already loaded at the same version are reused, as are tenant gates
     /// whose limits did not change.
@@ -589,38 +357,6 @@ impl ControlPlane {
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         Ok(())
     }
-
-    fn load_handler(&self, db: &Db, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
-        let component = self.load_component(db, &active.sha256)?;
-        validate::check_imports(self.sandbox.engine(), &component, &active.tenant, outgoing_http).map_err(StoreError::Conflict)?;
-        Handler::link(self.sandbox.linker(outgoing_http), &component, &active.tenant, &active.handler, active.version, outgoing_http)
-            .map_err(|e| StoreError::Internal(anyhow::anyhow!(e)))
-    }
-
-    /// The compiled component: its cached artifact when present and intact,
-    /// else compiled again from the verified component bytes (and cached).
-    fn load_component(&self, db: &Db, sha256: &str) -> StoreResult<Component> {
-        let engine = self.sandbox.engine();
-        if let Some(artifact_sha) = db.artifact(sha256, &self.engine_id)? {
-            let path = self.blobs.artifact_path(sha256, &self.engine_id);
-            match self.blobs.read_verified(&path, &artifact_sha) {
-                Ok(bytes) => match deserialize(engine, &bytes) {
-                    Ok(component) => return Ok(component),
-                    Err(e) => tracing::warn!(error = %e, "precompiled artifact unusable; compiling again"),
-                },
-                Err(e) => tracing::warn!(error = %e, "precompiled artifact missing or corrupt; compiling again"),
-            }
-        }
-        let bytes = self.blobs.read_verified(&self.blobs.component_path(sha256), sha256)?;
-        let component = Component::new(engine, &bytes).map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
-        self.cache_artifact(db, sha256, &component)?;
-        Ok(component)
-    }
-
-    fn cache_artifact(&self, db: &Db, sha256: &str, component: &Component) -> StoreResult<()> {
-        let artifact_sha = upload::write_artifact(&self.blobs, &self.engine_id, sha256, component)?;
-        db.put_artifact(sha256, &self.engine_id, &artifact_sha)
-    }
 }
 
 /// The server's defaults must themselves be a valid tenant's limits.
@@ -630,48 +366,6 @@ fn validate_defaults(defaults: &TenantLimits, max_instances: u32) -> Result<(), 
         return Err(format!("--tenant-max-concurrency ({}) exceeds --max-instances ({max_instances})", defaults.max_concurrency));
     }
     Ok(())
-}
-
-/// A gate for `limits`. An existing tenant keeps its bucket and slots,
-/// resized in place: a limit change neither refills the bucket nor lets the
-/// tenant run its old and new concurrency at once.
-fn new_gate(limits: TenantLimits, old: Option<&TenantGate>) -> TenantGate {
-    let Some(old) = old else {
-        let rate = Arc::new(TokenBucket::new(limits.rps, limits.burst));
-        let concurrency = Arc::new(ConcurrencyGate::new(limits.max_concurrency));
-        return TenantGate { rate, concurrency, limits };
-    };
-    old.rate.reconfigure(limits.rps, limits.burst);
-    old.concurrency.resize(limits.max_concurrency);
-    TenantGate { rate: Arc::clone(&old.rate), concurrency: Arc::clone(&old.concurrency), limits }
-}
-
-/// Loads a precompiled artifact.
-#[allow(unsafe_code, reason = "wasmtime requires it to load precompiled code")]
-fn deserialize(engine: &Engine, bytes: &[u8]) -> wasmtime::Result<Component> {
-    // SAFETY: the bytes come from `Component::serialize` of an engine with
-    // the same compatibility hash (it names the file), were written
-    // atomically by this process, and their SHA-256 matches the one recorded
-    // in the database; wasmtime re-checks version and settings in the header.
-    unsafe { Component::deserialize(engine, bytes) }
-}
-
-/// A short, stable identity of the engine's code-generation settings and
-/// version: precompiled artifacts are keyed by it, so changing either
-/// recompiles instead of loading stale code.
-pub fn engine_id(engine: &Engine) -> String {
-    struct Sha(Sha256);
-    impl Hasher for Sha {
-        fn write(&mut self, bytes: &[u8]) {
-            self.0.update(bytes);
-        }
-        fn finish(&self) -> u64 {
-            0
-        }
-    }
-    let mut hasher = Sha(Sha256::new());
-    engine.precompile_compatibility_hash().hash(&mut hasher);
-    keys::hex(&hasher.0.finalize()[..8])
 }
 
 /// Checks a store without running it: SQLite integrity, references, and
@@ -702,24 +396,9 @@ fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
     builder.create(dir).with_context(|| format!("cannot create data directory {}", dir.display()))
 }
 
-/// Writes a secret to a new file readable by its owner only.
-pub fn write_secret(path: &Path, secret: &str) -> anyhow::Result<()> {
-    use std::io::Write;
-    let _ = std::fs::remove_file(path);
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create_new(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-    let mut file = options.open(path).with_context(|| format!("cannot write {}", path.display()))?;
-    writeln!(file, "{secret}")?;
-    file.sync_all()?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{EngineLimits, build};
 
     #[test]
     fn server_defaults_that_no_tenant_could_have_are_refused() {
@@ -729,16 +408,5 @@ mod tests {
         assert!(error.contains("--tenant-max-concurrency"), "{error}");
         let slow = TenantLimits { rps: 0.0001, ..config.default_limits() };
         assert!(validate_defaults(&slow, config.max_instances).unwrap_err().contains("rps"));
-    }
-
-    #[test]
-    fn artifacts_are_keyed_by_the_engine_configuration() {
-        let limits = EngineLimits { max_instances: 2, memory_limit: 16 << 20 };
-        let a = engine_id(&build(limits).unwrap());
-        assert_eq!(a, engine_id(&build(limits).unwrap()), "stable for the same configuration");
-        assert_eq!(a.len(), 16);
-        let mut other = wasmtime::Config::new();
-        other.wasm_component_model(true);
-        assert_ne!(a, engine_id(&Engine::new(&other).unwrap()), "another configuration, another key");
     }
 }
