@@ -591,8 +591,8 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     fn bench_config(args: &[&str]) -> BenchConfig {
-        let cli = crate::config::Cli::try_parse_from(["facegate", "bench"].iter().chain(args)).unwrap();
-        let crate::config::Command::Bench(config) = cli.command else { panic!("not bench") };
+        let cli = crate::cli::Cli::try_parse_from(["facegate", "bench"].iter().chain(args)).unwrap();
+        let crate::cli::Command::Bench(config) = cli.command else { panic!("not bench") };
         config
     }
 

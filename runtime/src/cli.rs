@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
-use clap::{Args, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode};
 use hyper_util::client::legacy::Client;
@@ -144,9 +144,43 @@ pub struct CheckArgs {
     pub json: bool,
 }
 
+/// facegate: a serverless gateway for face detection.
+#[derive(Debug, Parser)]
+#[command(name = "facegate", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve tenants' handlers over HTTP.
+    Serve(crate::config::ServeConfig),
+    /// Measure throughput and latency: the gateway over HTTP vs the raw engine.
+    Bench(crate::bench::BenchConfig),
+    /// Manage tenants (admin API).
+    #[command(subcommand)]
+    Tenant(TenantCommand),
+    /// Manage a tenant's API keys (admin API).
+    #[command(subcommand)]
+    Key(KeyCommand),
+    /// Upload a handler component as a new version and activate it (admin API).
+    Deploy(DeployArgs),
+    /// List a handler's versions (admin API).
+    Versions(HandlerArgs),
+    /// Activate one version of a handler (admin API).
+    Activate(ActivateArgs),
+    /// Activate the version before the active one (admin API).
+    Rollback(HandlerArgs),
+    /// Check a store's integrity offline (database, references, component hashes).
+    Check(CheckArgs),
+}
+
 /// Runs one client command; returns the process exit code.
-pub async fn run(command: crate::config::Command) -> anyhow::Result<i32> {
-    use crate::config::Command as C;
+pub async fn run(command: Command) -> anyhow::Result<i32> {
+    use Command as C;
     let (client, method, path, body, content_type) = match &command {
         C::Tenant(TenantCommand::Create(TenantLimitsArgs { name, limits, client })) => {
             let body = json!({ "name": name, "limits": limits });
@@ -224,8 +258,8 @@ async fn call(base: &str, token: &str, method: Method, path: &str, body: Bytes, 
     Ok((status, value))
 }
 
-fn print_summary(command: &crate::config::Command, v: &Value) {
-    use crate::config::Command as C;
+fn print_summary(command: &Command, v: &Value) {
+    use Command as C;
     match command {
         C::Tenant(TenantCommand::List { .. }) => {
             for t in v["tenants"].as_array().into_iter().flatten() {

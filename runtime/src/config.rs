@@ -1,11 +1,12 @@
-//! Command-line and environment configuration. Every flag has an
-//! environment fallback; the doc comments are the `--help` text.
+//! The gateway's configuration (`facegate serve` and the engines), from
+//! flags with environment fallbacks; the doc comments are the `--help`
+//! text. The command tree itself is in [`crate::cli`].
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::Args;
 use facegate_host_gpu::Sizing;
 
 use crate::control::limits::TenantLimits;
@@ -40,40 +41,6 @@ pub const DEFAULT_COMPILE_NICE: i32 = 10;
 pub const DEFAULT_COMPILE_TIMEOUT_MS: u64 = 120_000;
 /// Shortest admin token accepted.
 pub const MIN_ADMIN_TOKEN_LEN: usize = 16;
-
-/// facegate: a serverless gateway for face detection.
-#[derive(Debug, Parser)]
-#[command(name = "facegate", version, about)]
-pub struct Cli {
-    /// What to do.
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-/// The subcommands.
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Serve tenants' handlers over HTTP.
-    Serve(ServeConfig),
-    /// Measure throughput and latency: the gateway over HTTP vs the raw engine.
-    Bench(crate::bench::BenchConfig),
-    /// Manage tenants (admin API).
-    #[command(subcommand)]
-    Tenant(crate::cli::TenantCommand),
-    /// Manage a tenant's API keys (admin API).
-    #[command(subcommand)]
-    Key(crate::cli::KeyCommand),
-    /// Upload a handler component as a new version and activate it (admin API).
-    Deploy(crate::cli::DeployArgs),
-    /// List a handler's versions (admin API).
-    Versions(crate::cli::HandlerArgs),
-    /// Activate one version of a handler (admin API).
-    Activate(crate::cli::ActivateArgs),
-    /// Activate the version before the active one (admin API).
-    Rollback(crate::cli::HandlerArgs),
-    /// Check a store's integrity offline (database, references, component hashes).
-    Check(crate::cli::CheckArgs),
-}
 
 /// Everything `facegate serve` needs.
 #[derive(Debug, Clone, Args)]
@@ -341,12 +308,12 @@ impl ServeConfig {
     /// The settings `facegate serve` would get with no flags (flags' defaults
     /// and `FACEGATE_*` environment), serving `data_dir`.
     pub fn with_data_dir(data_dir: PathBuf) -> anyhow::Result<Self> {
-        #[derive(Parser)]
+        #[derive(clap::Parser)]
         struct Serve {
             #[command(flatten)]
             config: ServeConfig,
         }
-        let mut config = Serve::try_parse_from(["serve"])?.config;
+        let mut config = <Serve as clap::Parser>::try_parse_from(["serve"])?.config;
         config.data_dir = data_dir;
         Ok(config)
     }
@@ -370,7 +337,10 @@ fn cores() -> usize {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
+    use crate::cli::{Cli, Command};
 
     #[test]
     fn flags_fall_back_to_defaults_and_parse_weights() {

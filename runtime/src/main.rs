@@ -1,7 +1,7 @@
 //! The `facegate` binary: parse flags, then serve or bench.
 
 use clap::Parser;
-use facegate::config::{Cli, Command};
+use facegate::cli::{Cli, Command};
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
