@@ -42,6 +42,11 @@ impl HttpMetrics {
         }
     }
 
+    /// Forgets a deleted tenant's request series.
+    pub fn forget_tenant(&self, tenant: &str) {
+        self.requests.lock().unwrap_or_else(|p| p.into_inner()).retain(|(t, _, _), _| t != tenant);
+    }
+
     /// Requests summed per tenant (all handlers), for the console's live view.
     pub fn by_tenant(&self) -> BTreeMap<String, TenantRequests> {
         let requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
@@ -222,6 +227,11 @@ impl LimitHits {
         tracing::info!(tenant, limit = limit.label(), "limit hit");
         let mut hits = self.hits.lock().unwrap_or_else(|p| p.into_inner());
         *hits.entry((tenant.to_owned(), limit)).or_default() += 1;
+    }
+
+    /// Forgets a deleted tenant's hits.
+    pub fn forget_tenant(&self, tenant: &str) {
+        self.hits.lock().unwrap_or_else(|p| p.into_inner()).retain(|(t, _), _| t != tenant);
     }
 
     /// Hits of `limit` by `tenant` so far.

@@ -152,7 +152,7 @@ impl App {
         response::text("text/plain; version=0.0.4", text)
     }
 
-    fn hits(&self) -> &LimitHits {
+    pub(super) fn hits(&self) -> &LimitHits {
         self.sandbox.hits()
     }
 

@@ -381,10 +381,15 @@ fn tenant_state_follows_limit_changes_and_deletion() {
     assert_eq!(third, 429, "two running, the limit is two");
     assert_eq!((first.join().unwrap(), second.join().unwrap()), (504, 504));
 
+    let before = metrics();
+    assert!(before.contains("tenant=\"follow\",limit=\"concurrency\"") && before.contains("tenant=\"follow\",handler=\"attack\""));
     let (status, body) = admin_json(admin(Method::DELETE, "tenants/follow"));
     assert_eq!(status, 200, "{body}");
     assert_eq!(client.get(url("/v1/follow/attack?attack=panic")).send().unwrap().status(), 401, "its key is gone");
-    assert!(!metrics().contains(device_series), "its device time is forgotten");
+    let after = metrics();
+    let left: Vec<&str> = after.lines().filter(|l| l.contains("tenant=\"follow\"")).collect();
+    assert!(left.is_empty(), "its series (device time, requests, limit hits) are gone: {left:?}");
+    assert!(!after.contains(device_series));
     let key = tenant_with_key("follow", json!({}));
     let (status, body) = admin_json(admin(Method::GET, "tenants/follow"));
     assert_eq!(
