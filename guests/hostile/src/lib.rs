@@ -14,6 +14,7 @@
 //! | `recursion`   | recurses (not a tail call) without end                     | stack-overflow trap         |
 //! | `panic`       | `panic!`s (the release profile aborts: `unreachable`)      | trap                        |
 //! | `snoop`       | reads files, environment and cwd                           | 200, JSON of what it saw    |
+//! | `sockets`     | opens a TCP and a UDP socket, resolves a name (wasi:sockets) | 200, JSON of each outcome |
 //! | `bad-tensor`  | calls `face-detect.infer` with malformed tensors           | 200, JSON of each outcome   |
 //! | `many-calls`  | calls `infer` 100 times with a valid tensor                | 200, JSON: successes, error |
 //! | `fields`      | keeps ever more header `fields`, `per` (default 8) 4 KiB headers each | 500 `resource_limit` |
@@ -39,7 +40,7 @@ use facegate_guest_sdk::{Error, Handler, Request, Response, export_handler};
 
 /// The attacks, as `attack` accepts them (for the 400 message).
 const ATTACKS: &str = "loop, memory, recursion, panic, snoop, bad-tensor, many-calls, \
-                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor";
+                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
 /// `infer` calls made by `many-calls`.
@@ -61,6 +62,7 @@ impl Handler for Hostile {
             "recursion" => Ok(Response::json(200, &json!({ "depth": recurse(0) }))),
             "panic" => panic!("hostile handler panicked on purpose"),
             "snoop" => Ok(Response::json(200, &snoop())),
+            "sockets" => Ok(Response::json(200, &sockets())),
             "bad-tensor" => bad_tensors(query.get("case")?),
             "many-calls" => Ok(Response::json(200, &many_calls())),
             "fields" => hoard_fields(query.get("per")?),
@@ -108,8 +110,22 @@ fn recurse(depth: u64) -> u64 {
     black_box(recurse(depth + 1)).wrapping_add(1)
 }
 
-/// What the handler can see of the host: files, environment, cwd. (Sockets
-/// cannot even be imported: an upload importing `wasi:sockets` is refused.)
+/// What `wasi:sockets` gives the handler: each use's error code, or "ok".
+fn sockets() -> Value {
+    use facegate_guest_sdk::wasi::sockets::network::IpAddressFamily;
+    use facegate_guest_sdk::wasi::sockets::{instance_network, ip_name_lookup, tcp_create_socket, udp_create_socket};
+    let code = |result: Result<(), facegate_guest_sdk::wasi::sockets::network::ErrorCode>| match result {
+        Ok(()) => "ok".to_owned(),
+        Err(e) => e.name().to_owned(),
+    };
+    json!({
+        "tcp": code(tcp_create_socket::create_tcp_socket(IpAddressFamily::Ipv4).map(drop)),
+        "udp": code(udp_create_socket::create_udp_socket(IpAddressFamily::Ipv4).map(drop)),
+        "lookup": code(ip_name_lookup::resolve_addresses(&instance_network::instance_network(), "localhost").map(drop)),
+    })
+}
+
+/// What the handler can see of the host: files, environment, cwd.
 fn snoop() -> Value {
     json!({
         "files": {

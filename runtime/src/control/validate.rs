@@ -15,6 +15,10 @@ pub const ALLOWED_IMPORTS: &[&str] = &[
     "wasi:cli/",
     // Rust's std imports these; the sandbox grants no preopened directory.
     "wasi:filesystem/",
+    // Linked with every use denied (state.rs: no TCP, no UDP, no name
+    // lookup, no address allowed): componentize-py's runtime imports them,
+    // and a handler gets `access-denied`, never a socket.
+    "wasi:sockets/",
 ];
 
 /// The one import that needs a grant.

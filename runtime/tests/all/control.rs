@@ -60,8 +60,8 @@ fn uploads_that_are_not_handlers_are_refused_and_nothing_is_stored() {
         ("core module", wat::parse_str("(module)").unwrap(), "core WebAssembly module"),
         (
             "import outside the world",
-            wat::parse_str(r#"(component (import "wasi:sockets/tcp@0.2.12" (instance)))"#).unwrap(),
-            "`wasi:sockets/tcp@0.2.12`",
+            wat::parse_str(r#"(component (import "wasi:keyvalue/store@0.2.0-draft" (instance)))"#).unwrap(),
+            "`wasi:keyvalue/store@0.2.0-draft`",
         ),
         (
             "outgoing HTTP not granted",

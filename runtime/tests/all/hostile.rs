@@ -86,6 +86,17 @@ fn handler_sees_no_files_or_environment() {
     assert_eq!(body, expected);
 }
 
+/// `wasi:sockets` is linked (Python components import it) but every use
+/// is denied: no TCP or UDP socket is created, no name resolved.
+#[test]
+fn sockets_are_linked_but_every_use_is_denied() {
+    let (status, body, _) = while_well_behaved_tenant_calls(|| attack("attack=sockets"));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!((&body["tcp"], &body["udp"]), (&json!("access-denied"), &json!("access-denied")), "{body}");
+    let lookup = body["lookup"].as_str().unwrap();
+    assert_ne!(lookup, "ok", "{body}");
+}
+
 #[test]
 fn malformed_tensors_get_clean_errors() {
     let expected = [
