@@ -35,17 +35,6 @@ pub struct Face {
 }
 
 impl Face {
-    /// Scales the box and landmarks by `fx` along x and `fy` along y (from
-    /// a reduced decode's pixels to the original's).
-    pub fn scale(&mut self, fx: f32, fy: f32) {
-        let [x1, y1, x2, y2] = self.bbox;
-        self.bbox = [x1 * fx, y1 * fy, x2 * fx, y2 * fy];
-        for [x, y] in &mut self.landmarks {
-            *x *= fx;
-            *y *= fy;
-        }
-    }
-
     /// Width of the box.
     pub fn width(&self) -> f32 {
         self.bbox[2] - self.bbox[0]
@@ -66,6 +55,13 @@ impl Face {
         let inter = w * h;
         let area = |x1: f32, y1: f32, x2: f32, y2: f32| (x2 - x1 + 1.0) * (y2 - y1 + 1.0);
         inter / (area(ax1, ay1, ax2, ay2) + area(bx1, by1, bx2, by2) - inter)
+    }
+
+    /// Every x multiplied by `fx` and every y by `fy` (a reduced decode's
+    /// pixels → the original's).
+    pub fn scaled(&self, fx: f32, fy: f32) -> Face {
+        let [x1, y1, x2, y2] = self.bbox;
+        Face { bbox: [x1 * fx, y1 * fy, x2 * fx, y2 * fy], score: self.score, landmarks: self.landmarks.map(|[x, y]| [x * fx, y * fy]) }
     }
 
     /// Every coordinate divided by `scale` (canvas → original pixels).

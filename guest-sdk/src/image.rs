@@ -175,6 +175,11 @@ pub fn probe(bytes: &[u8], limits: &ImageLimits) -> Result<ImageInfo, ImageError
 pub fn decode(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, ImageError> {
     let format = sniff_format(bytes)?;
     check_header(bytes, format, limits)?;
+    decode_checked(bytes, format, limits)
+}
+
+/// [`decode`] once the format is known and the raw header passed [`check_header`].
+fn decode_checked(bytes: &[u8], format: ImageFormat, limits: &ImageLimits) -> Result<RgbImage, ImageError> {
     let mut decoder = open_decoder(bytes, format, limits)?;
     let (width, height) = decoder.dimensions();
     check_dimensions(width, height, limits)?;

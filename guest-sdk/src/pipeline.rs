@@ -215,11 +215,9 @@ pub fn detect_faces(bytes: &[u8], options: &DetectOptions) -> Result<FaceReport,
     let scaled = image::decode_for_letterbox(bytes, &options.limits, options.size)?;
     let decode_ms = elapsed_ms(start);
     let (mut faces, timings) = detect_image(&scaled.image, options)?;
-    let (fx, fy) = scaled.factors();
     if scaled.is_reduced() {
-        for face in &mut faces {
-            face.scale(fx, fy);
-        }
+        let (fx, fy) = scaled.factors();
+        faces = faces.iter().map(|face| face.scaled(fx, fy)).collect();
     }
     Ok(FaceReport { width: scaled.width, height: scaled.height, faces, timings: Timings { decode_ms, ..timings } })
 }

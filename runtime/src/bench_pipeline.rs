@@ -28,7 +28,7 @@ use crate::bench::{BenchConfig, start_seeded};
 
 /// One test image: what it stands for, and its bytes.
 struct Sample {
-    name: &'static str,
+    name: String,
     bytes: Vec<u8>,
 }
 
@@ -95,17 +95,21 @@ fn samples(images: &[std::path::PathBuf]) -> anyhow::Result<Vec<Sample>> {
     let mut out = Vec::new();
     for path in images {
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("image");
-        out.push(Sample { name: Box::leak(name.to_owned().into_boxed_str()), bytes });
+        let name = path.file_name().map_or_else(|| "image".to_owned(), |n| n.to_string_lossy().into_owned());
+        out.push(Sample { name, bytes });
     }
     let city = fixture("city.jpg")?;
-    out.push(Sample { name: "12 MP JPEG (4032 wide)", bytes: jpeg(&with_grain(&resized(&city, 4032)), 90)? });
+    out.push(Sample { name: "12 MP JPEG (4032 wide)".into(), bytes: jpeg(&with_grain(&resized(&city, 4032)), 90)? });
     let astronaut = fixture("astronaut.png")?;
     out.push(Sample {
-        name: "1080p PNG (1920×1080)", bytes: png(&image::imageops::resize(&astronaut, 1920, 1080, FilterType::Triangle))?
+        name: "1080p PNG (1920×1080)".into(),
+        bytes: png(&image::imageops::resize(&astronaut, 1920, 1080, FilterType::Triangle))?,
     });
     let grace = fixture("grace_hopper.jpg")?;
-    out.push(Sample { name: "webcam JPEG (640×480)", bytes: jpeg(&image::imageops::resize(&grace, 640, 480, FilterType::Triangle), 85)? });
+    out.push(Sample {
+        name: "webcam JPEG (640×480)".into(),
+        bytes: jpeg(&image::imageops::resize(&grace, 640, 480, FilterType::Triangle), 85)?,
+    });
     Ok(out)
 }
 

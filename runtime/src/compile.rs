@@ -10,18 +10,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use wasmtime::Engine;
-use wasmtime::component::Component;
-
 /// Uploads that may wait for a compile thread, per thread.
 const WAITING_PER_THREAD: usize = 2;
 
-/// Why an upload was not compiled.
+/// Why an upload's job did not run to its end (its own errors are its result).
 #[derive(Debug, thiserror::Error)]
 pub enum CompileError {
-    /// The bytes are not a valid component for this engine.
-    #[error("the component does not compile: {0}")]
-    Invalid(String),
     /// Compilation ran past the budget (it finishes in the background and is discarded).
     #[error("compiling the component took longer than {0:?}; make it smaller or ask the operator for a larger --compile-timeout-ms")]
     TooSlow(Duration),
@@ -54,13 +48,6 @@ impl CompilePool {
         Ok(Self { pool, timeout, pending: Arc::default(), max_pending: threads * (1 + WAITING_PER_THREAD) })
     }
 
-    /// Compiles `bytes` for `engine` on the pool; blocks the caller (a
-    /// blocking admin thread) until done, refused or out of time.
-    pub fn compile(&self, engine: &Engine, bytes: Arc<[u8]>) -> Result<Component, CompileError> {
-        let engine = engine.clone();
-        self.run(move || Component::new(&engine, &bytes).map_err(|e| CompileError::Invalid(format!("{e:#}"))))?
-    }
-
     /// Whether a new upload would be refused [`CompileError::Busy`] now:
     /// lets the admin API refuse before it reads the upload's body.
     pub fn is_full(&self) -> bool {
@@ -68,9 +55,10 @@ impl CompilePool {
     }
 
     /// Runs `job` (an upload's CPU-heavy work: compiling, hashing,
-    /// serialising) on the pool, under the same budget and bound as
-    /// [`Self::compile`]; blocks the caller until done, refused or out of time.
-    /// A job past its budget finishes in the background and is discarded.
+    /// serialising) on the pool, under the time budget and the bound on
+    /// jobs waiting; the caller (a blocking admin thread) waits until it is
+    /// done, refused or out of time. A job past its budget finishes in the
+    /// background and is discarded.
     pub fn run<T: Send + 'static>(&self, job: impl FnOnce() -> T + Send + 'static) -> Result<T, CompileError> {
         if self.pending.fetch_add(1, Ordering::AcqRel) >= self.max_pending {
             self.pending.fetch_sub(1, Ordering::AcqRel);
@@ -108,18 +96,27 @@ fn lower_priority(nice: i32) {
 
 #[cfg(test)]
 mod tests {
+    use wasmtime::Engine;
+    use wasmtime::component::Component;
+
     use super::*;
 
     const EMPTY_COMPONENT: &str = "(component)";
+
+    /// Compiles on the pool, as an upload does.
+    fn compile(pool: &CompilePool, engine: &Engine, bytes: Arc<[u8]>) -> Result<wasmtime::Result<Component>, CompileError> {
+        let engine = engine.clone();
+        pool.run(move || Component::new(&engine, &bytes))
+    }
 
     #[test]
     fn compiles_on_the_pool_and_refuses_garbage() {
         let engine = Engine::default();
         let pool = CompilePool::new(1, 10, Duration::from_secs(30)).unwrap();
         let bytes: Arc<[u8]> = wat::parse_str(EMPTY_COMPONENT).unwrap().into();
-        assert!(pool.compile(&engine, bytes).is_ok());
+        assert!(matches!(compile(&pool, &engine, bytes), Ok(Ok(_))));
         let garbage: Arc<[u8]> = Arc::from(&b"\0asm\x0d\0\x01\0garbage"[..]);
-        assert!(matches!(pool.compile(&engine, garbage), Err(CompileError::Invalid(_))));
+        assert!(matches!(compile(&pool, &engine, garbage), Ok(Err(_))), "garbage does not compile");
         assert_eq!(pool.pending.load(Ordering::Acquire), 0);
     }
 
@@ -142,7 +139,7 @@ mod tests {
             let _ = wait.recv();
         });
         let bytes: Arc<[u8]> = wat::parse_str(EMPTY_COMPONENT).unwrap().into();
-        let outcomes: Vec<_> = (0..4).map(|_| pool.compile(&engine, Arc::clone(&bytes))).collect();
+        let outcomes: Vec<_> = (0..4).map(|_| compile(&pool, &engine, Arc::clone(&bytes))).collect();
         assert!(matches!(outcomes[0], Err(CompileError::TooSlow(_))), "{:?}", outcomes[0].as_ref().err());
         assert!(matches!(outcomes[3], Err(CompileError::Busy)), "{:?}", outcomes[3].as_ref().err());
         assert!(pool.is_full(), "the three still waiting fill it");

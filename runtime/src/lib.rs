@@ -119,11 +119,15 @@ impl Gateway {
         let engine = engine::build(EngineLimits { max_instances: config.max_instances, memory_limit })?;
         let ticker = EpochTicker::start(&engine);
         let sandbox = Arc::new(Sandbox::new(engine, models.clone())?);
+        // Per-tenant counters the control plane clears when a tenant is deleted.
+        let http_metrics = Arc::new(metrics::HttpMetrics::default());
+        let counters: Vec<Arc<dyn metrics::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone()];
         let settings = ControlSettings {
             defaults: config.default_limits(),
             max_instances: config.max_instances,
             compile: CompilePool::new(config.compile_threads, config.compile_nice, Duration::from_millis(config.compile_timeout_ms))?,
             weights: config.engine.tenant_weights.iter().cloned().collect(),
+            counters,
         };
         let control = ControlPlane::open(&config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;
         let seeded_keys = match &config.seed_dir {
@@ -139,7 +143,7 @@ impl Gateway {
             (Some(cert), Some(key)) => Some(http::tls::acceptor(cert, key)?),
             _ => None,
         };
-        let app = Arc::new(App::new(Arc::new(control), sandbox, models, config.clone()));
+        let app = Arc::new(App::new(Arc::new(control), sandbox, models, config.clone(), http_metrics));
         Ok(Self { app, tls, seeded_keys, _ticker: ticker })
     }
 

@@ -19,6 +19,13 @@ struct Series {
     buckets: [u64; LATENCY_BUCKETS.len()],
 }
 
+/// Counters kept per tenant, which forget a tenant when it is deleted (the
+/// control plane calls this on every snapshot that drops a tenant).
+pub trait TenantCounters: Send + Sync {
+    /// Drops every series of `tenant`: a namesake starts at zero.
+    fn forget_tenant(&self, tenant: &str);
+}
+
 /// Request counters by tenant, handler and status, and connection counters.
 #[derive(Default)]
 pub struct HttpMetrics {
@@ -40,11 +47,6 @@ impl HttpMetrics {
                 *bucket += 1;
             }
         }
-    }
-
-    /// Forgets a deleted tenant's request series.
-    pub fn forget_tenant(&self, tenant: &str) {
-        self.requests.lock().unwrap_or_else(|p| p.into_inner()).retain(|(t, _, _), _| t != tenant);
     }
 
     /// Requests summed per tenant (all handlers), for the console's live view.
@@ -229,11 +231,6 @@ impl LimitHits {
         *hits.entry((tenant.to_owned(), limit)).or_default() += 1;
     }
 
-    /// Forgets a deleted tenant's hits.
-    pub fn forget_tenant(&self, tenant: &str) {
-        self.hits.lock().unwrap_or_else(|p| p.into_inner()).retain(|(t, _), _| t != tenant);
-    }
-
     /// Hits of `limit` by `tenant` so far.
     pub fn count(&self, tenant: &str, limit: Limit) -> u64 {
         let hits = self.hits.lock().unwrap_or_else(|p| p.into_inner());
@@ -247,6 +244,18 @@ impl LimitHits {
         for ((tenant, limit), count) in hits.iter() {
             let _ = writeln!(out, "facegate_limit_hits_total{{tenant=\"{tenant}\",limit=\"{}\"}} {count}", limit.label());
         }
+    }
+}
+
+impl TenantCounters for HttpMetrics {
+    fn forget_tenant(&self, tenant: &str) {
+        self.requests.lock().unwrap_or_else(|p| p.into_inner()).retain(|(t, _, _), _| t != tenant);
+    }
+}
+
+impl TenantCounters for LimitHits {
+    fn forget_tenant(&self, tenant: &str) {
+        self.hits.lock().unwrap_or_else(|p| p.into_inner()).retain(|(t, _), _| t != tenant);
     }
 }
 

@@ -10,7 +10,9 @@ use image::metadata::Orientation;
 use image::{DynamicImage, GrayImage};
 use jpeg_decoder::PixelFormat;
 
-use super::{ImageError, ImageFormat, ImageLimits, RgbImage, check_dimensions, check_header, decode, letterbox_geometry, sniff_format};
+use super::{
+    ImageError, ImageFormat, ImageLimits, RgbImage, check_dimensions, check_header, decode_checked, letterbox_geometry, sniff_format,
+};
 
 /// An image decoded for a letterbox, perhaps at a reduced scale.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,17 +39,18 @@ impl ScaledImage {
 
 /// Decodes `bytes` for a letterbox of `side`: a JPEG at the smallest DCT
 /// scale whose size still covers the letterboxed image (see the module
-/// docs); anything else, or a JPEG that needs its full size, as [`decode`]
-/// does. The same limits and errors as [`decode`] apply, to the original's
+/// docs); anything else, or a JPEG that needs its full size, as [`decode`](super::decode)
+/// does. The same limits and errors as [`decode`](super::decode) apply, to the original's
 /// dimensions.
 pub fn decode_for_letterbox(bytes: &[u8], limits: &ImageLimits, side: u32) -> Result<ScaledImage, ImageError> {
-    if sniff_format(bytes)? == ImageFormat::Jpeg {
-        check_header(bytes, ImageFormat::Jpeg, limits)?;
-        if let Some(scaled) = decode_jpeg_reduced(bytes, limits, side)? {
-            return Ok(scaled);
-        }
+    let format = sniff_format(bytes)?;
+    check_header(bytes, format, limits)?;
+    if format == ImageFormat::Jpeg
+        && let Some(scaled) = decode_jpeg_reduced(bytes, limits, side)?
+    {
+        return Ok(scaled);
     }
-    let image = decode(bytes, limits)?;
+    let image = decode_checked(bytes, format, limits)?;
     let (width, height) = image.dimensions();
     Ok(ScaledImage { image, width, height })
 }
@@ -98,7 +101,7 @@ fn jpeg_error(error: jpeg_decoder::Error) -> ImageError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::image::{encode_jpeg, letterbox};
+    use crate::image::{decode, encode_jpeg, letterbox};
 
     /// Smooth content (as photos mostly are), so a reduced decode and a full
     /// one resized should agree closely.

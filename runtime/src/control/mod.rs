@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use self::blobs::Blobs;
 use anyhow::Context;
+use bytes::Bytes;
 
 use self::db::{ActiveHandler, Db, KeyRow, StoreError, StoreResult};
 use self::keys::NewKey;
@@ -30,6 +31,7 @@ use self::live::{ActiveKey, new_gate};
 use self::upload::Upload;
 use crate::compile::{CompileError, CompilePool};
 use crate::handlers::{Handler, valid_name};
+use crate::metrics::TenantCounters;
 use crate::sandbox::Sandbox;
 use facegate_host_gpu::Models;
 
@@ -51,6 +53,8 @@ pub struct ControlSettings {
     pub compile: CompilePool,
     /// `--tenant-weight`: weights of tenants that have no weight override.
     pub weights: HashMap<String, u32>,
+    /// Per-tenant counters outside the batchers, told when a tenant is deleted.
+    pub counters: Vec<Arc<dyn TenantCounters>>,
 }
 
 /// The control plane (see the module docs).
@@ -65,13 +69,14 @@ pub struct ControlPlane {
     max_instances: u32,
     compile: CompilePool,
     weights: HashMap<String, u32>,
+    counters: Vec<Arc<dyn TenantCounters>>,
     live: RwLock<Arc<Live>>,
 }
 
 impl ControlPlane {
     /// Opens the store under `data_dir` and loads every active handler.
     pub fn open(data_dir: &Path, sandbox: Arc<Sandbox>, models: Models, settings: ControlSettings) -> anyhow::Result<Self> {
-        let ControlSettings { defaults, max_instances, compile, weights } = settings;
+        let ControlSettings { defaults, max_instances, compile, weights, counters } = settings;
         create_private_dir(data_dir)?;
         if let Err(e) = validate_defaults(&defaults, max_instances) {
             anyhow::bail!(
@@ -96,6 +101,7 @@ impl ControlPlane {
             max_instances,
             compile,
             weights,
+            counters,
             live: RwLock::new(Arc::new(Live::default())),
         };
         control.refresh(&control.db(), Vec::new())?;
@@ -229,14 +235,15 @@ impl ControlPlane {
 
     /// Validates, compiles and stores a new version of a handler; activates it if asked.
     /// The heavy part runs on the compile pool (see [`upload`]), under its budget.
-    pub fn deploy(&self, tenant: &str, handler: &str, bytes: &[u8], activate: bool) -> StoreResult<Deployed> {
+    /// Takes the upload's buffer as it arrived: it moves to the compile thread without a copy.
+    pub fn deploy(&self, tenant: &str, handler: &str, bytes: Bytes, activate: bool) -> StoreResult<Deployed> {
         let handler = valid_name(handler).map_err(|e| StoreError::Invalid(e.to_string()))?;
         let outgoing_http = {
             let live = self.live();
             let entry = live.tenants.get(tenant).ok_or_else(|| StoreError::NotFound(format!("no tenant {tenant:?}")))?;
             entry.gate.limits.outgoing_http
         };
-        validate::check_header(bytes).map_err(StoreError::Invalid)?;
+        validate::check_header(&bytes).map_err(StoreError::Invalid)?;
         let upload = Upload {
             sandbox: Arc::clone(&self.sandbox),
             blobs: self.blobs.clone(),
@@ -244,10 +251,9 @@ impl ControlPlane {
             tenant: tenant.to_owned(),
             handler: handler.clone(),
             outgoing_http,
-            bytes: Arc::from(bytes),
+            bytes: bytes.clone(),
         };
         let prepared = self.compile.run(move || upload.prepare()).map_err(|e| match e {
-            CompileError::Invalid(_) => StoreError::Invalid(e.to_string()),
             CompileError::TooSlow(_) | CompileError::Busy => StoreError::Busy(e.to_string()),
             CompileError::Failed => StoreError::Internal(anyhow::anyhow!(e)),
         })??;
@@ -321,11 +327,14 @@ impl ControlPlane {
             }
             live.tenants.insert(row.name, TenantEntry { gate, handlers: HashMap::new() });
         }
-        // A deleted tenant leaves nothing in the batchers: a new tenant of the
-        // same name starts afresh.
+        // A deleted tenant leaves nothing in the batchers or the counters: a
+        // new tenant of the same name starts afresh.
         for gone in old.tenants.keys().filter(|name| !live.tenants.contains_key(*name)) {
             for model in self.models.iter() {
                 model.remove_tenant(gone);
+            }
+            for counters in &self.counters {
+                counters.forget_tenant(gone);
             }
         }
         for active in db.active_handlers()? {

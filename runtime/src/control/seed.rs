@@ -65,7 +65,7 @@ impl ControlPlane {
                 continue;
             }
             let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-            self.deploy(tenant, handler, &bytes, true).with_context(|| format!("seeding {}", file.display()))?;
+            self.deploy(tenant, handler, bytes.into(), true).with_context(|| format!("seeding {}", file.display()))?;
         }
         let path = self.data_dir.join(format!("{tenant}.key"));
         let saved = std::fs::read_to_string(&path).unwrap_or_default();

@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use wasmtime::component::Component;
 
 use super::blobs::Blobs;
@@ -22,7 +23,7 @@ pub(super) struct Upload {
     pub tenant: String,
     pub handler: String,
     pub outgoing_http: bool,
-    pub bytes: Arc<[u8]>,
+    pub bytes: Bytes,
 }
 
 /// A validated, linked, stored upload, not yet visible.

@@ -83,21 +83,9 @@ impl App {
             Err((_, refusal)) => return refusal,
         };
         let control = Arc::clone(&self.control);
-        let deleted = match rest {
-            ["tenants", tenant] if method == Method::DELETE => Some((*tenant).to_owned()),
-            _ => None,
-        };
         let outcome = tokio::task::spawn_blocking(move || admin_op(&control, &method, &path, &query, &body)).await;
         match outcome {
-            Ok(Ok((status, value))) => {
-                // A deleted tenant's series leave /metrics: a namesake starts at zero.
-                // (The batchers forget it in the control plane's refresh.)
-                if let Some(tenant) = deleted {
-                    self.metrics.forget_tenant(&tenant);
-                    self.hits().forget_tenant(&tenant);
-                }
-                response::json(status, &value)
-            }
+            Ok(Ok((status, value))) => response::json(status, &value),
             Ok(Err(e)) => store_error(&e),
             Err(e) => {
                 // Cancelled only when the runtime shuts down; anything else is a panic.
@@ -135,7 +123,7 @@ fn admin_op(control: &ControlPlane, method: &Method, path: &[String], query: &st
         (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
         (Method::PUT, ["tenants", t, "handlers", h]) => {
             let activate = !query.split('&').any(|kv| matches!(kv, "activate=false" | "activate=0" | "activate=no"));
-            created(control.deploy(t, h, body, activate)?)
+            created(control.deploy(t, h, body.clone(), activate)?)
         }
         (Method::GET, ["tenants", t, "handlers", h, "versions"]) => ok(control.versions(t, h)?),
         (Method::POST, ["tenants", t, "handlers", h, "activate"]) => {

@@ -65,12 +65,14 @@ impl App {
     /// the batch-size histogram and device busy time. The console's live view.
     pub(super) fn stats(&self) -> Response<Body> {
         let requests = self.metrics.by_tenant();
+        // One snapshot per model, read for every tenant.
+        let snapshots: Vec<_> = self.models.iter().map(|m| (m, m.metrics())).collect();
         let live = self.control.live();
         let mut tenants = serde_json::Map::new();
         for name in live.tenants.keys() {
             let summary = requests.get(name).cloned().unwrap_or_default();
-            let queue_depth: usize = self.models.iter().map(|m| m.tenant_queue_depth(name)).sum();
-            let device_seconds: f64 = self.models.iter().filter_map(|m| m.metrics().tenant_busy_seconds.get(name).copied()).sum();
+            let queue_depth: usize = snapshots.iter().map(|(m, _)| m.tenant_queue_depth(name)).sum();
+            let device_seconds: f64 = snapshots.iter().filter_map(|(_, s)| s.tenant_busy_seconds.get(name).copied()).sum();
             tenants.insert(
                 name.clone(),
                 json!({
@@ -83,13 +85,9 @@ impl App {
                 }),
             );
         }
-        let models: Vec<_> = self
-            .models
+        let models: Vec<_> = snapshots
             .iter()
-            .map(|m| {
-                let s = m.metrics();
-                json!({ "name": m.spec().name, "queue_depth": s.queue_depth, "batch_sizes": s.batch_sizes, "busy_seconds": s.busy_seconds })
-            })
+            .map(|(m, s)| json!({ "name": m.spec().name, "queue_depth": s.queue_depth, "batch_sizes": s.batch_sizes, "busy_seconds": s.busy_seconds }))
             .collect();
         response::json(StatusCode::OK, &json!({ "tenants": tenants, "models": models }))
     }

@@ -49,7 +49,7 @@ pub struct App {
     sandbox: Arc<Sandbox>,
     pub(super) models: Models,
     pub(super) config: ServeConfig,
-    pub(super) metrics: HttpMetrics,
+    pub(super) metrics: Arc<HttpMetrics>,
     instances: Arc<InstancePool>,
     request_ids: RequestIds,
 }
@@ -75,9 +75,9 @@ impl RequestIds {
 
 impl App {
     /// Assembles the app from loaded parts.
-    pub fn new(control: Arc<ControlPlane>, sandbox: Arc<Sandbox>, models: Models, config: ServeConfig) -> Self {
+    pub fn new(control: Arc<ControlPlane>, sandbox: Arc<Sandbox>, models: Models, config: ServeConfig, metrics: Arc<HttpMetrics>) -> Self {
         let instances = Arc::new(InstancePool::new(config.max_instances as usize));
-        Self { control, sandbox, models, config, metrics: HttpMetrics::default(), instances, request_ids: RequestIds::new() }
+        Self { control, sandbox, models, config, metrics, instances, request_ids: RequestIds::new() }
     }
 
     /// Dispatches one request arriving on a listener serving `plane`.
@@ -152,7 +152,7 @@ impl App {
         response::text("text/plain; version=0.0.4", text)
     }
 
-    pub(super) fn hits(&self) -> &LimitHits {
+    fn hits(&self) -> &LimitHits {
         self.sandbox.hits()
     }
 

@@ -185,9 +185,7 @@ fn metrics(gateway: &Gateway) -> String {
 
 /// The value of the sample `series` (name and labels) in `metrics`.
 fn sample(metrics: &str, series: &str) -> i64 {
-    let line =
-        metrics.lines().find(|l| l.strip_prefix(series).is_some_and(|rest| rest.starts_with(' '))).unwrap_or_else(|| panic!("no {series}"));
-    line.rsplit(' ').next().unwrap().parse().unwrap()
+    crate::harness::metric(metrics, series).unwrap_or_else(|| panic!("no {series}")) as i64
 }
 
 fn closed_total(metrics: &str, reason: &str) -> i64 {

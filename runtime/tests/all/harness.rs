@@ -212,3 +212,8 @@ pub fn admin_json(request: reqwest::blocking::RequestBuilder) -> (u16, serde_jso
     let status = response.status().as_u16();
     (status, response.json().unwrap_or(serde_json::Value::Null))
 }
+
+/// The value of the `/metrics` sample `series` (its name and labels, exactly), if present.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}

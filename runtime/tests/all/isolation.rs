@@ -304,13 +304,6 @@ fn slow_uploads_do_not_pin_instance_slots() {
     }
 }
 
-/// The value of the `/metrics` line that starts with `series` (0 when absent).
-fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|line| line.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
-        .map_or(0.0, |value| value.parse().unwrap())
-}
-
 /// Two busy tenants of equal weight get equal device time, though one sends
 /// 640² images and the other 320² ones (4× fewer pixels): the gateway
 /// charges each sample its pixels, and reports device time per tenant.
@@ -330,7 +323,10 @@ fn busy_tenants_share_device_time_whatever_their_image_sizes() {
     let stop = AtomicBool::new(false);
     let device_seconds = || {
         let text = anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
-        let of = |tenant: &str| metric(&text, &format!("facegate_tenant_device_seconds_total{{model=\"centerface\",tenant=\"{tenant}\"}}"));
+        let of = |tenant: &str| {
+            harness::metric(&text, &format!("facegate_tenant_device_seconds_total{{model=\"centerface\",tenant=\"{tenant}\"}}"))
+                .unwrap_or(0.0)
+        };
         (of("large"), of("modest"))
     };
     let (before, after) = std::thread::scope(|s| {
