@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The project's one test command: set up what is missing, build the guests,
-# run every test of the workspace (release profile: wasmtime and the model
-# are too slow unoptimised).
+# The project's one test command: set up what is missing (Chromium for the
+# console, PostgreSQL for the cluster store), check the Kubernetes manifests,
+# build the guests, run every test of the workspace (release profile:
+# wasmtime and the model are too slow unoptimised).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/setup.sh --no-build
@@ -12,6 +13,16 @@ if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; the
   apt-get update -qq
   apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
+# The control-plane tests run against a real PostgreSQL too: each test run
+# starts throw-away servers (initdb in a temporary directory, a free port).
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  echo "[test] installing postgresql-15 (Debian) for the PostgreSQL store tests" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq postgresql-15 >/dev/null
+fi
+# The Kubernetes manifests, against the Kubernetes schemas.
+deploy/scripts/validate-k8s.sh
 deploy/scripts/build-guests.sh
 HOME_DIR=${FACEGATE_HOME:-$PWD/.facegate}
 export FACEGATE_HOME=$HOME_DIR

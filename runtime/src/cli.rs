@@ -136,9 +136,12 @@ pub struct ActivateArgs {
 /// `facegate check`
 #[derive(Debug, Clone, Args)]
 pub struct CheckArgs {
-    /// The store to check.
+    /// The SQLite store to check (without `--store`).
     #[arg(long, env = "FACEGATE_DATA", default_value = ".facegate/data")]
     pub data_dir: PathBuf,
+    /// A PostgreSQL store to check instead: `postgres://…`.
+    #[arg(long, env = "FACEGATE_STORE", hide_env_values = true)]
+    pub store: Option<String>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -176,6 +179,12 @@ pub enum Command {
     Rollback(HandlerArgs),
     /// Check a store's integrity offline (database, references, component hashes).
     Check(CheckArgs),
+    /// List the gateway nodes sharing the store, with their last heartbeat (admin API).
+    Nodes {
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
 }
 
 /// Runs one client command; returns the process exit code.
@@ -191,6 +200,7 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
             (client, Method::PATCH, format!("tenants/{name}"), body.into(), "application/json")
         }
         C::Tenant(TenantCommand::List { client }) => (client, Method::GET, "tenants".to_owned(), Bytes::new(), "application/json"),
+        C::Nodes { client } => (client, Method::GET, "nodes".to_owned(), Bytes::new(), "application/json"),
         C::Tenant(TenantCommand::Delete { name, client }) => {
             (client, Method::DELETE, format!("tenants/{name}"), Bytes::new(), "application/json")
         }
@@ -296,6 +306,24 @@ fn print_summary(command: &Command, v: &Value) {
             v["sha256"].as_str().unwrap_or("?"),
             v["active_version"]
         ),
+        C::Nodes { .. } => {
+            println!("NODE\tADDRESS\tVERSION\tDEVICES\tALIVE\tLAST SEEN\tQUEUE\tIN FLIGHT\tGENERATION");
+            for node in v["nodes"].as_array().into_iter().flatten() {
+                let devices: Vec<&str> = node["devices"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+                println!(
+                    "{}\t{}\t{}\t{}\t{}\t{:.1}s ago\t{}\t{}\t{}",
+                    node["id"].as_str().unwrap_or("?"),
+                    node["address"].as_str().unwrap_or("?"),
+                    node["version"].as_str().unwrap_or("?"),
+                    devices.join(","),
+                    if node["alive"] == true { "yes" } else { "no" },
+                    node["seen_ms_ago"].as_f64().unwrap_or(f64::NAN) / 1000.0,
+                    node["load"]["queue_depth"],
+                    node["load"]["in_flight"],
+                    node["load"]["generation"],
+                );
+            }
+        }
         C::Versions(_) => {
             for version in v["versions"].as_array().into_iter().flatten() {
                 let active = if version["version"] == v["active_version"] { "\tactive" } else { "" };
@@ -314,7 +342,7 @@ fn print_summary(command: &Command, v: &Value) {
 }
 
 fn check(args: &CheckArgs) -> anyhow::Result<i32> {
-    let report = crate::control::check_store(&args.data_dir)?;
+    let report = crate::control::check_store(args.store.as_deref(), &args.data_dir)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -82,7 +82,7 @@ impl CompilePool {
 }
 
 /// Lowers the calling thread's priority (Linux: threads have their own niceness).
-fn lower_priority(nice: i32) {
+pub(crate) fn lower_priority(nice: i32) {
     #[cfg(target_os = "linux")]
     if nice > 0 {
         let thread = rustix::thread::gettid();

@@ -57,9 +57,31 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 
-    /// The store: SQLite database, component blobs, precompiled artifacts, key files.
+    /// This node's files: precompiled artifacts (a cache), key files of
+    /// seeded tenants, and, without `--store`, the SQLite store.
     #[arg(long, env = "FACEGATE_DATA", default_value = ".facegate/data")]
     pub data_dir: PathBuf,
+
+    /// The control-plane store shared by a cluster's nodes:
+    /// `postgres://user:password@host:5432/db`. Without it, SQLite in `--data-dir`.
+    #[arg(long, env = "FACEGATE_STORE", hide_env_values = true)]
+    pub store: Option<String>,
+
+    /// This node's id in `facegate nodes` (default: the host name).
+    #[arg(long, env = "FACEGATE_NODE_ID")]
+    pub node_id: Option<String>,
+
+    /// The address other nodes and operators reach this node's data plane at
+    /// (default: `--listen`).
+    #[arg(long, env = "FACEGATE_ADVERTISE")]
+    pub advertise: Option<String>,
+
+    /// `/readyz` fails once the snapshot has not been confirmed against the
+    /// store for this long (s; 0: never). Long by default: a store outage
+    /// reaches every node at once, and failing them all would turn it into
+    /// an outage of the data plane.
+    #[arg(long, env = "FACEGATE_STALE_AFTER_S", default_value_t = 300)]
+    pub stale_after_s: u64,
 
     /// Seeds an empty store from `<tenant>/<handler>.wasm` files: each tenant
     /// is created with one API key, written to `<data-dir>/<tenant>.key`.

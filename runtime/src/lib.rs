@@ -30,6 +30,8 @@ pub mod metrics;
 pub mod sandbox;
 pub mod state;
 pub mod stdio;
+#[cfg(target_os = "linux")]
+pub mod throwaway_pg;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -43,6 +45,8 @@ use tokio::net::TcpListener;
 
 use crate::compile::CompilePool;
 use crate::config::{DeviceSpec, EngineConfig, MIN_ADMIN_TOKEN_LEN, ServeConfig};
+use crate::control::store::NodeLoad;
+use crate::control::sync::{NodeIdentity, SyncHandle};
 use crate::control::{ControlPlane, ControlSettings};
 use crate::engine::{EngineLimits, EpochTicker};
 use crate::http::{App, Plane};
@@ -129,13 +133,14 @@ impl Gateway {
             weights: config.engine.tenant_weights.iter().cloned().collect(),
             counters,
         };
-        let control = ControlPlane::open(&config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;
+        let store = control::store::open(config.store.as_deref(), &config.data_dir)?;
+        let control = ControlPlane::open(store, &config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;
         let seeded_keys = match &config.seed_dir {
             Some(seed) => control.seed(seed)?,
             None => Vec::new(),
         };
         let live = control.live();
-        tracing::info!(tenants = live.tenants.len(), handlers = live.handler_count(), data = %config.data_dir.display(), "store loaded");
+        tracing::info!(tenants = live.tenants.len(), handlers = live.handler_count(), store = control.store_name(), "store loaded");
         if config.admin_token.is_none() {
             tracing::warn!("admin API and /metrics off (set --admin-token or FACEGATE_ADMIN_TOKEN to manage tenants and handlers)");
         }
@@ -149,7 +154,37 @@ impl Gateway {
 
     /// Serves every route on `listener` until `shutdown` resolves.
     pub async fn serve(self, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+        let _sync = self.start_sync(&listener)?;
+        let shutdown = self.draining_after(shutdown);
         http::serve(Arc::clone(&self.app), Plane::Both, listener, self.tls.clone(), shutdown).await
+    }
+
+    /// Keeps the snapshot in step with the store and reports this node
+    /// (see [`control::sync`]) while it serves; stops (and deregisters) on drop.
+    fn start_sync(&self, listener: &TcpListener) -> anyhow::Result<SyncHandle> {
+        let config = &self.app.config;
+        let address = match &config.advertise {
+            Some(address) => address.clone(),
+            None => listener.local_addr()?.to_string(),
+        };
+        let node = NodeIdentity { id: config.node_id.clone().unwrap_or_else(host_name), address, devices: device_names(&config.engine) };
+        let app = Arc::clone(&self.app);
+        let load = Box::new(move || NodeLoad {
+            queue_depth: app.models.iter().map(|m| m.queue_depth() as u64).sum(),
+            in_flight: app.in_flight() as u64,
+            handlers: app.control.live().handler_count() as u64,
+            generation: 0,
+        });
+        SyncHandle::start(Arc::clone(&self.app.control), node, load, config.compile_nice)
+    }
+
+    /// `shutdown`, after which `/readyz` answers 503 while connections drain.
+    fn draining_after(&self, shutdown: impl std::future::Future<Output = ()>) -> impl std::future::Future<Output = ()> {
+        let app = Arc::clone(&self.app);
+        async move {
+            shutdown.await;
+            app.begin_drain();
+        }
     }
 
     /// Serves tenants on `public` and the admin API and metrics on `admin`
@@ -160,6 +195,8 @@ impl Gateway {
         admin: TcpListener,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> anyhow::Result<()> {
+        let _sync = self.start_sync(&public)?;
+        let shutdown = self.draining_after(shutdown);
         // Whichever ends first (the signal, or a listener failing) stops both,
         // and each drains its own connections.
         let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -229,6 +266,29 @@ fn print_demo_key(config: &ServeConfig, seeded: &[control::SeededKey], scheme: &
             path.display()
         );
     }
+}
+
+/// This machine's name (a pod's name on Kubernetes), the default node id.
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|name| name.trim().to_owned())
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "facegate".to_owned())
+}
+
+/// The devices a node reports, as `--devices` names them.
+fn device_names(config: &EngineConfig) -> Vec<String> {
+    config
+        .devices
+        .iter()
+        .map(|spec| match spec {
+            DeviceSpec::Cpu => "cpu".to_owned(),
+            DeviceSpec::Cuda(id) => format!("cuda:{id}"),
+            DeviceSpec::TensorRt(id) => format!("tensorrt:{id}"),
+        })
+        .collect()
 }
 
 async fn shutdown_signal() {

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use super::db::VersionRow;
 use super::limits::{LimitOverrides, TenantLimits};
+use super::store::VersionRow;
 
 /// A key created by [`ControlPlane::seed`].
 #[derive(Debug, Clone)]

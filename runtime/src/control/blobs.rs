@@ -1,7 +1,9 @@
-//! Component bytes on disk, content-addressed by SHA-256, and their
-//! precompiled artifacts. Every file is written to `tmp/`, fsynced and
-//! renamed into place, so a reader never sees a partial file; `tmp/` is
-//! emptied at start (leftovers of a write that was interrupted).
+//! Files under a data directory: component bytes of the SQLite store,
+//! content-addressed by SHA-256, and every node's own cache of precompiled
+//! artifacts, each with a `.sha256` file beside it that names its hash.
+//! Every file is written to `tmp/`, fsynced and renamed into place, so a
+//! reader never sees a partial file; `tmp/` is emptied at start (leftovers
+//! of a write that was interrupted).
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -41,20 +43,27 @@ impl Blobs {
         Ok(fs::read_dir(self.tmp_dir())?.filter_map(|e| e.ok().map(|e| e.path())).collect())
     }
 
-    /// Stores component bytes; returns their SHA-256 (hex).
-    pub fn put_component(&self, bytes: &[u8]) -> anyhow::Result<String> {
-        let sha = sha256_hex(bytes);
-        let path = self.component_path(&sha);
-        if self.read_verified(&path, &sha).is_err() {
+    /// Stores component bytes whose SHA-256 (hex) the caller computed.
+    pub fn put_component(&self, sha: &str, bytes: &[u8]) -> anyhow::Result<()> {
+        let path = self.component_path(sha);
+        if self.read_verified(&path, sha).is_err() {
             self.write_atomic(&path, bytes)?;
         }
-        Ok(sha)
+        Ok(())
     }
 
-    /// Stores a precompiled artifact; returns its SHA-256 (hex).
-    pub fn put_artifact(&self, component_sha: &str, engine: &str, bytes: &[u8]) -> anyhow::Result<String> {
-        self.write_atomic(&self.artifact_path(component_sha, engine), bytes)?;
-        Ok(sha256_hex(bytes))
+    /// Caches a precompiled artifact: the artifact, then the file naming its hash.
+    pub fn put_artifact(&self, component_sha: &str, engine: &str, bytes: &[u8]) -> anyhow::Result<()> {
+        let path = self.artifact_path(component_sha, engine);
+        self.write_atomic(&path, bytes)?;
+        self.write_atomic(&path.with_extension("sha256"), sha256_hex(bytes).as_bytes())
+    }
+
+    /// A cached artifact, if present and intact.
+    pub fn artifact(&self, component_sha: &str, engine: &str) -> anyhow::Result<Option<Vec<u8>>> {
+        let path = self.artifact_path(component_sha, engine);
+        let Ok(sha) = fs::read_to_string(path.with_extension("sha256")) else { return Ok(None) };
+        self.read_verified(&path, sha.trim()).map(Some)
     }
 
     /// Reads a file and checks it hashes to `sha`.
@@ -124,16 +133,29 @@ mod tests {
     fn components_are_content_addressed_and_verified() {
         let dir = temp_dir("ca");
         let blobs = Blobs::open(&dir).unwrap();
-        let sha = blobs.put_component(b"bytes").unwrap();
-        assert_eq!(sha, sha256_hex(b"bytes"));
-        assert_eq!(blobs.put_component(b"bytes").unwrap(), sha, "same bytes, same blob");
+        let sha = sha256_hex(b"bytes");
+        blobs.put_component(&sha, b"bytes").unwrap();
+        blobs.put_component(&sha, b"bytes").unwrap();
         let path = blobs.component_path(&sha);
         assert_eq!(blobs.read_verified(&path, &sha).unwrap(), b"bytes");
         fs::write(&path, b"bytez").unwrap();
         assert!(blobs.read_verified(&path, &sha).unwrap_err().to_string().contains("corrupt"));
-        blobs.put_component(b"bytes").unwrap();
+        blobs.put_component(&sha, b"bytes").unwrap();
         assert_eq!(blobs.read_verified(&path, &sha).unwrap(), b"bytes", "a corrupt blob is rewritten");
         assert!(blobs.tmp_files().unwrap().is_empty(), "no temp file left behind");
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn cached_artifacts_are_checked_against_their_recorded_hash() {
+        let dir = temp_dir("artifact");
+        let blobs = Blobs::open(&dir).unwrap();
+        assert!(blobs.artifact("aa", "engine").unwrap().is_none(), "nothing cached yet");
+        blobs.put_artifact("aa", "engine", b"native code").unwrap();
+        assert_eq!(blobs.artifact("aa", "engine").unwrap().unwrap(), b"native code");
+        assert!(blobs.artifact("aa", "other-engine").unwrap().is_none(), "keyed by the engine");
+        fs::write(blobs.artifact_path("aa", "engine"), b"native cod3").unwrap();
+        assert!(blobs.artifact("aa", "engine").is_err(), "a changed artifact is refused");
         fs::remove_dir_all(dir).unwrap();
     }
 

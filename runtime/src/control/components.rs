@@ -8,42 +8,43 @@ use sha2::{Digest, Sha256};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
-use super::db::{ActiveHandler, Db, StoreError, StoreResult};
-use super::{ControlPlane, keys, upload, validate};
+use super::blobs::Blobs;
+
+use super::store::{ActiveHandler, Store, StoreError, StoreResult};
+use super::{ControlPlane, keys, validate};
 use crate::handlers::Handler;
 
 impl ControlPlane {
-    pub(super) fn load_handler(&self, db: &Db, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
+    pub(super) fn load_handler(&self, db: &mut dyn Store, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
         let component = self.load_component(db, &active.sha256)?;
         validate::check_imports(self.sandbox.engine(), &component, &active.tenant, outgoing_http).map_err(StoreError::Conflict)?;
         Handler::link(self.sandbox.linker(outgoing_http), &component, &active.tenant, &active.handler, active.version, outgoing_http)
             .map_err(|e| StoreError::Internal(anyhow::anyhow!(e)))
     }
 
-    /// The compiled component: its cached artifact when present and intact,
-    /// else compiled again from the verified component bytes (and cached).
-    pub(super) fn load_component(&self, db: &Db, sha256: &str) -> StoreResult<Component> {
+    /// The compiled component: this node's cached artifact when present and
+    /// intact, else compiled from the store's verified bytes (and cached).
+    pub(super) fn load_component(&self, db: &mut dyn Store, sha256: &str) -> StoreResult<Component> {
         let engine = self.sandbox.engine();
-        if let Some(artifact_sha) = db.artifact(sha256, &self.engine_id)? {
-            let path = self.blobs.artifact_path(sha256, &self.engine_id);
-            match self.blobs.read_verified(&path, &artifact_sha) {
-                Ok(bytes) => match deserialize(engine, &bytes) {
-                    Ok(component) => return Ok(component),
-                    Err(e) => tracing::warn!(error = %e, "precompiled artifact unusable; compiling again"),
-                },
-                Err(e) => tracing::warn!(error = %e, "precompiled artifact missing or corrupt; compiling again"),
-            }
+        match self.blobs.artifact(sha256, &self.engine_id) {
+            Ok(Some(bytes)) => match deserialize(engine, &bytes) {
+                Ok(component) => return Ok(component),
+                Err(e) => tracing::warn!(error = %e, "precompiled artifact unusable; compiling again"),
+            },
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "precompiled artifact corrupt; compiling again"),
         }
-        let bytes = self.blobs.read_verified(&self.blobs.component_path(sha256), sha256)?;
+        let bytes = db.component(sha256)?;
         let component = Component::new(engine, &bytes).map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
-        self.cache_artifact(db, sha256, &component)?;
+        write_artifact(&self.blobs, &self.engine_id, sha256, &component)?;
         Ok(component)
     }
+}
 
-    pub(super) fn cache_artifact(&self, db: &Db, sha256: &str, component: &Component) -> StoreResult<()> {
-        let artifact_sha = upload::write_artifact(&self.blobs, &self.engine_id, sha256, component)?;
-        db.put_artifact(sha256, &self.engine_id, &artifact_sha)
-    }
+/// Serialises `component` into this node's artifact cache.
+pub(super) fn write_artifact(blobs: &Blobs, engine_id: &str, sha256: &str, component: &Component) -> anyhow::Result<()> {
+    let artifact = component.serialize().map_err(|e| anyhow::anyhow!("serialize: {e}"))?;
+    blobs.put_artifact(sha256, engine_id, &artifact)
 }
 
 /// Loads a precompiled artifact.
@@ -51,8 +52,9 @@ impl ControlPlane {
 fn deserialize(engine: &Engine, bytes: &[u8]) -> wasmtime::Result<Component> {
     // SAFETY: the bytes come from `Component::serialize` of an engine with
     // the same compatibility hash (it names the file), were written
-    // atomically by this process, and their SHA-256 matches the one recorded
-    // in the database; wasmtime re-checks version and settings in the header.
+    // atomically by this node into its own data directory (never received
+    // from the store or another node), and their SHA-256 matches the one
+    // recorded beside them; wasmtime re-checks version and settings in the header.
     unsafe { Component::deserialize(engine, bytes) }
 }
 

@@ -1,33 +1,39 @@
 //! The control plane: tenants, API keys, handler versions and per-tenant
-//! limits, kept in SQLite ([`db`]) with component bytes content-addressed on
-//! disk ([`blobs`]), and the in-memory snapshot ([`Live`]) the data plane
-//! reads. Every change builds a new snapshot and swaps it in: requests in
-//! flight keep the `Arc<Handler>` they started with (hot swap), new requests
-//! see the new one, and the inference engines are never touched.
+//! limits, kept in a [`store`] (SQLite in the data directory, or PostgreSQL
+//! shared by a cluster of nodes), and the in-memory snapshot ([`Live`]) the
+//! data plane reads. Every change builds a new snapshot and swaps it in:
+//! requests in flight keep the `Arc<Handler>` they started with (hot swap),
+//! new requests see the new one, and the inference engines are never
+//! touched. Changes made through other nodes arrive through [`sync`]: the
+//! store's generation moved, so the snapshot is rebuilt. The data plane
+//! never waits for the store: without it, a node serves its last snapshot.
 
 mod api;
 pub mod blobs;
 mod components;
-pub mod db;
 pub mod keys;
 pub mod limits;
 mod live;
 mod seed;
+pub mod store;
+pub mod sync;
 mod upload;
 pub mod validate;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
 
 use self::blobs::Blobs;
 use anyhow::Context;
 use bytes::Bytes;
 
-use self::db::{ActiveHandler, Db, KeyRow, StoreError, StoreResult};
 use self::keys::NewKey;
 use self::limits::{LimitOverrides, TenantLimits};
 use self::live::{ActiveKey, new_gate};
+use self::store::{ActiveHandler, KeyRow, NewVersion, NodeRow, Store, StoreError, StoreResult, now_ms};
 use self::upload::Upload;
 use crate::compile::{CompileError, CompilePool};
 use crate::handlers::{Handler, valid_name};
@@ -39,9 +45,6 @@ pub use self::api::{Activated, CheckReport, CreatedKey, Deployed, HandlerInfo, S
 pub use self::components::engine_id;
 pub use self::live::{Live, TenantEntry, TenantGate};
 pub use self::seed::write_secret;
-
-/// File name of the database inside the data directory.
-pub const DB_FILE: &str = "facegate.db";
 
 /// How the control plane is set up.
 pub struct ControlSettings {
@@ -60,7 +63,12 @@ pub struct ControlSettings {
 /// The control plane (see the module docs).
 pub struct ControlPlane {
     data_dir: PathBuf,
-    db: Mutex<Db>,
+    db: Mutex<Box<dyn Store>>,
+    described: String,
+    /// Store generation the snapshot was built at.
+    generation: AtomicI64,
+    /// Unix ms when the snapshot was last known current (built, or the generation checked).
+    synced_at_ms: AtomicI64,
     blobs: Blobs,
     sandbox: Arc<Sandbox>,
     models: Models,
@@ -74,8 +82,15 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
-    /// Opens the store under `data_dir` and loads every active handler.
-    pub fn open(data_dir: &Path, sandbox: Arc<Sandbox>, models: Models, settings: ControlSettings) -> anyhow::Result<Self> {
+    /// Takes the opened `store` (see [`store::open`]), with `data_dir` for
+    /// this node's files (artifact cache, key files), and loads every active handler.
+    pub fn open(
+        store: Box<dyn Store>,
+        data_dir: &Path,
+        sandbox: Arc<Sandbox>,
+        models: Models,
+        settings: ControlSettings,
+    ) -> anyhow::Result<Self> {
         let ControlSettings { defaults, max_instances, compile, weights, counters } = settings;
         create_private_dir(data_dir)?;
         if let Err(e) = validate_defaults(&defaults, max_instances) {
@@ -88,11 +103,13 @@ impl ControlPlane {
         if leftovers > 0 {
             tracing::warn!(files = leftovers, "removed files of interrupted uploads");
         }
-        let db = Db::open(&data_dir.join(DB_FILE))?;
         let engine_id = engine_id(sandbox.engine());
         let control = Self {
             data_dir: data_dir.to_owned(),
-            db: Mutex::new(db),
+            described: store.describe(),
+            db: Mutex::new(store),
+            generation: AtomicI64::new(-1),
+            synced_at_ms: AtomicI64::new(0),
             blobs,
             sandbox,
             models,
@@ -104,8 +121,58 @@ impl ControlPlane {
             counters,
             live: RwLock::new(Arc::new(Live::default())),
         };
-        control.refresh(&control.db(), Vec::new())?;
+        control.refresh(&mut **control.db(), Vec::new())?;
         Ok(control)
+    }
+
+    /// The store, for logs (no password).
+    pub fn store_name(&self) -> &str {
+        &self.described
+    }
+
+    /// Rebuilds the snapshot if the store changed since it was built (a
+    /// change made through another node); returns whether it did.
+    pub fn sync(&self) -> StoreResult<bool> {
+        let mut db = self.db();
+        let generation = db.generation()?;
+        if generation == self.generation.load(Ordering::Acquire) {
+            self.synced_at_ms.store(now_ms(), Ordering::Release);
+            return Ok(false);
+        }
+        self.refresh(&mut **db, Vec::new())?;
+        Ok(true)
+    }
+
+    /// How long since the snapshot was last known to match the store.
+    pub fn snapshot_age(&self) -> Duration {
+        Duration::from_millis(u64::try_from(now_ms() - self.synced_at_ms.load(Ordering::Acquire)).unwrap_or(0))
+    }
+
+    /// Store generation of the current snapshot.
+    pub fn generation(&self) -> i64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// A listener for change announcements, if the store has them.
+    pub fn store_listener(&self) -> Option<anyhow::Result<Box<dyn store::Listener>>> {
+        self.db().listener()
+    }
+
+    /// Records this node's heartbeat; forgets nodes silent for an hour.
+    pub fn heartbeat(&self, node: &NodeRow) -> StoreResult<()> {
+        let mut db = self.db();
+        db.heartbeat(node)?;
+        db.remove_nodes("", node.heartbeat_at - 3_600_000)
+    }
+
+    /// Removes this node's row (it stops cleanly).
+    pub fn deregister(&self, id: &str) -> StoreResult<()> {
+        self.db().remove_nodes(id, 0)
+    }
+
+    /// Every node that reported, by id.
+    pub fn nodes(&self) -> StoreResult<Vec<NodeRow>> {
+        self.db().nodes()
     }
 
     /// The current snapshot.
@@ -113,48 +180,44 @@ impl ControlPlane {
         Arc::clone(&self.live.read().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
-    fn db(&self) -> MutexGuard<'_, Db> {
+    fn db(&self) -> MutexGuard<'_, Box<dyn Store>> {
         self.db.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// All tenants.
     pub fn tenants(&self) -> StoreResult<Vec<TenantInfo>> {
-        let db = self.db();
-        db.tenants()?.into_iter().map(|row| self.tenant_info(&db, row)).collect()
+        let mut db = self.db();
+        db.tenants()?.into_iter().map(|row| self.tenant_info(&mut **db, row)).collect()
     }
 
     /// One tenant.
     pub fn tenant(&self, name: &str) -> StoreResult<TenantInfo> {
-        let db = self.db();
+        let mut db = self.db();
         let row = db.tenant(name)?;
-        self.tenant_info(&db, row)
+        self.tenant_info(&mut **db, row)
     }
 
-    fn tenant_info(&self, db: &Db, row: db::TenantRow) -> StoreResult<TenantInfo> {
+    fn tenant_info(&self, db: &mut dyn Store, row: store::TenantRow) -> StoreResult<TenantInfo> {
         let handlers = db.handlers(&row.name)?.into_iter().map(|(name, active_version)| HandlerInfo { name, active_version }).collect();
-        Ok(TenantInfo {
-            limits: self.defaults.with(&row.overrides),
-            name: row.name,
-            overrides: row.overrides,
-            handlers,
-            created_at: row.created_at,
-        })
+        let mut limits = self.defaults.with(&row.overrides);
+        limits.weight = self.weight(&row.name, &row.overrides);
+        Ok(TenantInfo { limits, name: row.name, overrides: row.overrides, handlers, created_at: row.created_at })
     }
 
     /// Creates a tenant.
     pub fn create_tenant(&self, name: &str, overrides: &LimitOverrides) -> StoreResult<TenantInfo> {
         let name = valid_name(name).map_err(|e| StoreError::Invalid(e.to_string()))?;
         self.validate_limits(overrides)?;
-        let db = self.db();
+        let mut db = self.db();
         db.create_tenant(&name, overrides)?;
-        self.refresh(&db, Vec::new())?;
+        self.refresh(&mut **db, Vec::new())?;
         let row = db.tenant(&name)?;
-        self.tenant_info(&db, row)
+        self.tenant_info(&mut **db, row)
     }
 
     /// Changes some of a tenant's limits (fields absent in `patch` stay).
     pub fn update_limits(&self, name: &str, patch: &LimitOverrides) -> StoreResult<TenantInfo> {
-        let db = self.db();
+        let mut db = self.db();
         let mut overrides = db.tenant(name)?.overrides;
         overrides.merge(patch);
         self.validate_limits(&overrides)?;
@@ -162,9 +225,14 @@ impl ControlPlane {
             self.refuse_if_outgoing_http_needed(name)?;
         }
         db.set_limits(name, &overrides)?;
-        self.refresh(&db, Vec::new())?;
+        self.refresh(&mut **db, Vec::new())?;
         let row = db.tenant(name)?;
-        self.tenant_info(&db, row)
+        self.tenant_info(&mut **db, row)
+    }
+
+    /// A tenant's weight, from one rule: its override, else `--tenant-weight`, else the default.
+    fn weight(&self, tenant: &str, overrides: &LimitOverrides) -> u32 {
+        overrides.weight.or_else(|| self.weights.get(tenant).copied()).unwrap_or(self.defaults.weight)
     }
 
     fn validate_limits(&self, overrides: &LimitOverrides) -> StoreResult<()> {
@@ -202,17 +270,17 @@ impl ControlPlane {
 
     /// Deletes a tenant, its keys and handlers; its requests in flight finish.
     pub fn delete_tenant(&self, name: &str) -> StoreResult<()> {
-        let db = self.db();
+        let mut db = self.db();
         db.delete_tenant(name)?;
-        self.refresh(&db, Vec::new())
+        self.refresh(&mut **db, Vec::new())
     }
 
     /// Creates an API key for `tenant`.
     pub fn create_key(&self, tenant: &str) -> StoreResult<CreatedKey> {
         let NewKey { id, key, secret_sha256 } = keys::generate()?;
-        let db = self.db();
+        let mut db = self.db();
         let created_at = db.insert_key(tenant, &id, &secret_sha256)?;
-        self.refresh(&db, Vec::new())?;
+        self.refresh(&mut **db, Vec::new())?;
         Ok(CreatedKey { tenant: tenant.to_owned(), id, key, created_at })
     }
 
@@ -223,9 +291,9 @@ impl ControlPlane {
 
     /// Revokes a key; requests with it are refused from now on.
     pub fn revoke_key(&self, tenant: &str, id: &str) -> StoreResult<()> {
-        let db = self.db();
+        let mut db = self.db();
         db.revoke_key(tenant, id)?;
-        self.refresh(&db, Vec::new())
+        self.refresh(&mut **db, Vec::new())
     }
 
     /// Whether uploads are refused as busy now (see [`CompilePool::is_full`]).
@@ -263,12 +331,11 @@ impl ControlPlane {
             return Err(StoreError::Conflict(format!("tenant {tenant:?}'s outgoing HTTP grant changed during the upload; upload again")));
         }
         let sha256 = prepared.sha256;
-        db.put_artifact(&sha256, &self.engine_id, &prepared.artifact_sha256)?;
-        let version = db.add_version(tenant, &handler, &sha256, bytes.len(), activate)?;
+        let version = db.add_version(NewVersion { tenant, handler: &handler, sha256: &sha256, component: &bytes, activate })?;
         let mut linked = prepared.linked;
         linked.version = version;
         let preloaded = if activate { vec![Arc::new(linked)] } else { Vec::new() };
-        self.refresh(&db, preloaded)?;
+        self.refresh(&mut **db, preloaded)?;
         let active_version = db.versions(tenant, &handler)?.1;
         tracing::info!(tenant, handler, version, %sha256, activate, "handler version stored");
         Ok(Deployed { tenant: tenant.to_owned(), handler, version, sha256, size: bytes.len(), active_version })
@@ -283,17 +350,17 @@ impl ControlPlane {
     /// Makes `version` active. It is loaded before the switch: if it cannot
     /// be served, nothing changes.
     pub fn activate(&self, tenant: &str, handler: &str, version: i64) -> StoreResult<Activated> {
-        self.activate_locked(&self.db(), tenant, handler, version)
+        self.activate_locked(&mut **self.db(), tenant, handler, version)
     }
 
     /// Activates the newest version older than the active one.
     pub fn rollback(&self, tenant: &str, handler: &str) -> StoreResult<Activated> {
-        let db = self.db();
-        let target = db.rollback_target(tenant, handler)?;
-        self.activate_locked(&db, tenant, handler, target)
+        let mut db = self.db();
+        let target = store::rollback_target(&mut **db, tenant, handler)?;
+        self.activate_locked(&mut **db, tenant, handler, target)
     }
 
-    fn activate_locked(&self, db: &Db, tenant: &str, handler: &str, version: i64) -> StoreResult<Activated> {
+    fn activate_locked(&self, db: &mut dyn Store, tenant: &str, handler: &str, version: i64) -> StoreResult<Activated> {
         let (versions, _) = db.versions(tenant, handler)?;
         let row = versions
             .iter()
@@ -311,7 +378,9 @@ impl ControlPlane {
     /// Builds a new snapshot from the database and swaps it in. Handlers
     /// already loaded at the same version are reused, as are tenant gates
     /// whose limits did not change.
-    fn refresh(&self, db: &Db, preloaded: Vec<Arc<Handler>>) -> StoreResult<()> {
+    fn refresh(&self, db: &mut dyn Store, preloaded: Vec<Arc<Handler>>) -> StoreResult<()> {
+        // Read first: a change committed while this runs bumps it again, and the next sync catches it.
+        let generation = db.generation()?;
         let old = self.live();
         let mut live = Live::default();
         for row in db.tenants()? {
@@ -320,8 +389,7 @@ impl ControlPlane {
                 Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
                 old_entry => Arc::new(new_gate(limits, old_entry.map(|e| &*e.gate))),
             };
-            // One source of truth: the override, else --tenant-weight, else the default.
-            let weight = row.overrides.weight.or_else(|| self.weights.get(&row.name).copied()).unwrap_or(gate.limits.weight);
+            let weight = self.weight(&row.name, &row.overrides);
             for model in self.models.iter() {
                 model.set_tenant_weight(&row.name, weight);
             }
@@ -364,6 +432,8 @@ impl ControlPlane {
             }
         }
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
+        self.generation.store(generation, Ordering::Release);
+        self.synced_at_ms.store(now_ms(), Ordering::Release);
         Ok(())
     }
 }
@@ -377,21 +447,23 @@ fn validate_defaults(defaults: &TenantLimits, max_instances: u32) -> Result<(), 
     Ok(())
 }
 
-/// Checks a store without running it: SQLite integrity, references, and
-/// that every stored version's component is on disk and hashes to its name.
-pub fn check_store(data_dir: &Path) -> anyhow::Result<CheckReport> {
-    let db_path = data_dir.join(DB_FILE);
-    anyhow::ensure!(db_path.exists(), "no store at {}", data_dir.display());
-    let db = Db::open(&db_path)?;
-    let blobs = Blobs::open(data_dir)?;
+/// Checks a store without running it: the database's integrity and
+/// references, and that every stored version's component is there and
+/// hashes to its name. `url` as `--store`; SQLite in `data_dir` without one.
+pub fn check_store(url: Option<&str>, data_dir: &Path) -> anyhow::Result<CheckReport> {
+    if url.is_none() {
+        let db_path = data_dir.join(store::DB_FILE);
+        anyhow::ensure!(db_path.exists(), "no store at {}", data_dir.display());
+    }
+    let mut db = store::open(url, data_dir)?;
     let mut problems = db.check().map_err(|e| anyhow::anyhow!("{e}"))?;
     let versions = db.all_versions().map_err(|e| anyhow::anyhow!("{e}"))?;
     for (label, sha) in &versions {
-        if let Err(e) = blobs.read_verified(&blobs.component_path(sha), sha) {
+        if let Err(e) = db.component(sha) {
             problems.push(format!("{label}: {e:#}"));
         }
     }
-    let temp_files = blobs.tmp_files()?.len();
+    let temp_files = if url.is_none() { Blobs::open(data_dir)?.tmp_files()?.len() } else { 0 };
     Ok(CheckReport { ok: problems.is_empty(), problems, versions: versions.len(), temp_files })
 }
 

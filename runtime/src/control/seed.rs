@@ -21,7 +21,7 @@ impl ControlPlane {
     /// that had tenants before, is left alone. Returns the keys created.
     pub fn seed(&self, dir: &Path) -> anyhow::Result<Vec<SeededKey>> {
         {
-            let db = self.db();
+            let mut db = self.db();
             match db.meta(SEED_MARK)?.as_deref() {
                 Some(SEED_DONE) => return Ok(Vec::new()),
                 Some(_) => {}

@@ -1,8 +1,8 @@
 //! The CPU-heavy part of a deploy, run on the compile pool (its own thread,
 //! at a lower priority, under a time budget): compiling, validating and
-//! linking the component, hashing and writing its bytes and its precompiled
-//! artifact. What is left for the caller is quick: the row that makes the
-//! version visible, under the database lock.
+//! linking the component, hashing its bytes and caching its precompiled
+//! artifact. What is left for the caller: storing the bytes with the row
+//! that makes the version visible, under the store's lock.
 
 use std::sync::Arc;
 
@@ -10,7 +10,9 @@ use bytes::Bytes;
 use wasmtime::component::Component;
 
 use super::blobs::Blobs;
-use super::db::{StoreError, StoreResult};
+use super::components::write_artifact;
+use super::keys::sha256_hex;
+use super::store::{StoreError, StoreResult};
 use super::validate;
 use crate::handlers::Handler;
 use crate::sandbox::Sandbox;
@@ -30,14 +32,12 @@ pub(super) struct Upload {
 pub(super) struct Prepared {
     /// Linked at version 0; the caller sets the version the row gets.
     pub linked: Handler,
-    /// The component bytes' SHA-256 (hex), their blob's name.
+    /// The component bytes' SHA-256 (hex), their name in the store.
     pub sha256: String,
-    /// The precompiled artifact's SHA-256 (hex).
-    pub artifact_sha256: String,
 }
 
 impl Upload {
-    /// Compiles, validates, links and stores the upload (files only).
+    /// Compiles, validates and links the upload; caches its artifact.
     pub fn prepare(self) -> StoreResult<Prepared> {
         let engine = self.sandbox.engine();
         let component =
@@ -47,15 +47,9 @@ impl Upload {
         // Link before storing anything: a component that cannot run is refused.
         let linker = self.sandbox.linker(self.outgoing_http);
         let linked = Handler::link(linker, &component, &self.tenant, &self.handler, 0, self.outgoing_http).map_err(StoreError::Invalid)?;
-        // Files are atomic and fsynced; nothing refers to them until the row is added.
-        let sha256 = self.blobs.put_component(&self.bytes)?;
-        let artifact_sha256 = write_artifact(&self.blobs, &self.engine_id, &sha256, &component)?;
-        Ok(Prepared { linked, sha256, artifact_sha256 })
+        let sha256 = sha256_hex(&self.bytes);
+        // The cache is this node's own; nothing refers to it until a version does.
+        write_artifact(&self.blobs, &self.engine_id, &sha256, &component)?;
+        Ok(Prepared { linked, sha256 })
     }
-}
-
-/// Serialises `component` into its artifact file; returns the artifact's SHA-256.
-pub(super) fn write_artifact(blobs: &Blobs, engine_id: &str, sha256: &str, component: &Component) -> anyhow::Result<String> {
-    let artifact = component.serialize().map_err(|e| anyhow::anyhow!("serialize: {e}"))?;
-    blobs.put_artifact(sha256, engine_id, &artifact)
 }

@@ -18,9 +18,10 @@ use super::response::{self, Body};
 use super::routes::{App, bearer, buffer_body};
 use crate::compile::CompileError;
 use crate::control::ControlPlane;
-use crate::control::db::StoreError;
 use crate::control::keys;
 use crate::control::limits::LimitOverrides;
+use crate::control::store::{StoreError, now_ms};
+use crate::control::sync::ALIVE_WITHIN;
 
 /// Longest an admin upload may take to arrive.
 const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);
@@ -104,6 +105,7 @@ fn admin_op(control: &ControlPlane, method: &Method, path: &[String], query: &st
     let p: Vec<&str> = path.iter().map(String::as_str).collect();
     match (method.clone(), p.as_slice()) {
         (Method::GET, ["tenants"]) => ok(json!({ "tenants": control.tenants()? })),
+        (Method::GET, ["nodes"]) => ok(json!({ "nodes": nodes(control)? })),
         (Method::POST, ["tenants"]) => {
             let req: CreateTenant = parse(body)?;
             created(control.create_tenant(&req.name, &req.limits)?)
@@ -135,6 +137,23 @@ fn admin_op(control: &ControlPlane, method: &Method, path: &[String], query: &st
     }
 }
 
+/// Every node with whether it is alive (a heartbeat within [`ALIVE_WITHIN`]).
+fn nodes(control: &ControlPlane) -> Result<Vec<Value>, StoreError> {
+    let now = now_ms();
+    let alive_ms = i64::try_from(ALIVE_WITHIN.as_millis()).unwrap_or(i64::MAX);
+    control
+        .nodes()?
+        .into_iter()
+        .map(|node| {
+            let seen_ms_ago = now - node.heartbeat_at;
+            let mut value = serde_json::to_value(node).map_err(anyhow::Error::from)?;
+            value["alive"] = json!(seen_ms_ago <= alive_ms);
+            value["seen_ms_ago"] = json!(seen_ms_ago);
+            Ok(value)
+        })
+        .collect()
+}
+
 fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, StoreError> {
     serde_json::from_slice(body).map_err(|e| StoreError::Invalid(format!("bad JSON body: {e}")))
 }
@@ -153,6 +172,7 @@ fn store_error(e: &StoreError) -> Response<Body> {
         StoreError::Conflict(m) => response::error(StatusCode::CONFLICT, "conflict", m),
         StoreError::Invalid(m) => response::error(StatusCode::BAD_REQUEST, "invalid", m),
         StoreError::Busy(m) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "busy", m, 5),
+        StoreError::Unavailable(_) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", &e.to_string(), 5),
         StoreError::Internal(err) => {
             tracing::error!(error = %format!("{err:#}"), "admin operation failed");
             response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e)

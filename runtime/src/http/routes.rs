@@ -8,7 +8,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
 use hyper::{Method, Request, Response, StatusCode, Version};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::response::{self, Body};
 use crate::config::ServeConfig;
@@ -45,13 +45,14 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// Everything a request needs: the control plane (tenants, keys, handlers),
 /// sandbox, models, limits, counters.
 pub struct App {
-    pub(super) control: Arc<ControlPlane>,
+    pub(crate) control: Arc<ControlPlane>,
     sandbox: Arc<Sandbox>,
-    pub(super) models: Models,
-    pub(super) config: ServeConfig,
+    pub(crate) models: Models,
+    pub(crate) config: ServeConfig,
     pub(super) metrics: Arc<HttpMetrics>,
     instances: Arc<InstancePool>,
     request_ids: RequestIds,
+    draining: AtomicBool,
 }
 
 /// Request ids: a random prefix per process and a counter, unique across restarts.
@@ -77,7 +78,17 @@ impl App {
     /// Assembles the app from loaded parts.
     pub fn new(control: Arc<ControlPlane>, sandbox: Arc<Sandbox>, models: Models, config: ServeConfig, metrics: Arc<HttpMetrics>) -> Self {
         let instances = Arc::new(InstancePool::new(config.max_instances as usize));
-        Self { control, sandbox, models, config, metrics, instances, request_ids: RequestIds::new() }
+        Self { control, sandbox, models, config, metrics, instances, request_ids: RequestIds::new(), draining: AtomicBool::new(false) }
+    }
+
+    /// Handler instances running now.
+    pub fn in_flight(&self) -> usize {
+        self.instances.in_use()
+    }
+
+    /// Marks the node as draining: `/readyz` answers 503 from now on.
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::Release);
     }
 
     /// Dispatches one request arriving on a listener serving `plane`.
@@ -101,6 +112,7 @@ impl App {
         let (data, admin) = (matches!(plane, Plane::Data | Plane::Both), plane != Plane::Data);
         match (req.method(), segments.as_slice()) {
             (&Method::GET, ["healthz"]) => self.health(),
+            (&Method::GET, ["readyz"]) => self.readiness(),
             (&Method::GET, [""] | ["console", _]) if plane != Plane::Reserve => {
                 super::console::asset(path.trim_start_matches('/')).unwrap_or_else(not_found_path(&path))
             }
@@ -110,7 +122,7 @@ impl App {
             (&Method::GET, ["v1", "models"]) if data => self.list_models(),
             (_, ["v1", tenant, handler]) if data => self.call_handler(tenant, handler, req).await,
             (_, ["admin", "v1", rest @ ..]) if admin => self.admin(rest, req).await,
-            (_, ["healthz"]) => method_not_allowed(),
+            (_, ["healthz" | "readyz"]) => method_not_allowed(),
             (_, ["metrics"]) if admin => method_not_allowed(),
             (_, ["v1", "models"]) if data => method_not_allowed(),
             // Reserve slots are for the operator; tenants wait for a main slot.
@@ -144,6 +156,26 @@ impl App {
         response::json(
             StatusCode::OK,
             &serde_json::json!({ "status": "ok", "handlers": self.control.live().handler_count(), "models": models }),
+        )
+    }
+
+    /// Ready: not draining, and the snapshot confirmed against the store
+    /// within `--stale-after-s` (the model is loaded before the gateway listens).
+    fn readiness(&self) -> Response<Body> {
+        let age = self.control.snapshot_age();
+        let stale = self.config.stale_after_s > 0 && age > Duration::from_secs(self.config.stale_after_s);
+        let draining = self.draining.load(Ordering::Acquire);
+        let ready = !stale && !draining;
+        let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+        response::json(
+            status,
+            &serde_json::json!({
+                "ready": ready,
+                "draining": draining,
+                "stale": stale,
+                "snapshot_age_ms": age.as_millis() as u64,
+                "generation": self.control.generation(),
+            }),
         )
     }
 

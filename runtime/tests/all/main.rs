@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, reason = "test helpers fail loudly: a failed unwrap is a failed test")]
 
 mod bad_input;
+mod cluster;
 mod connections;
 mod console;
 mod control;
@@ -11,5 +12,6 @@ mod detect;
 mod harness;
 mod hostile;
 mod isolation;
+mod process;
 mod restart;
 mod tls;

@@ -2,89 +2,17 @@
 //! while it is being compiled and stored; after a restart the store passes
 //! its integrity check and serves exactly what was active.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use reqwest::Method;
-use serde_json::{Value, json};
+use serde_json::json;
 
-use crate::harness::{ADMIN_TOKEN, anonymous, client_with_key, engine_config, facegate_home, fresh_dir, guest, image};
-
-/// A `facegate serve` process.
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Server {
-    fn start(data: &Path) -> Self {
-        let engine = engine_config(&facegate_home());
-        let mut child = Command::new(env!("CARGO_BIN_EXE_facegate"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--admin-token", ADMIN_TOKEN, "--max-batch", "1"])
-            .arg("--data-dir")
-            .arg(data)
-            .arg("--model")
-            .arg(&engine.model)
-            .arg("--onnxruntime")
-            .arg(&engine.onnxruntime)
-            .env_remove("FACEGATE_SEED")
-            .stdout(Stdio::piped())
-            .env("FACEGATE_LOG", "error")
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let addr = loop {
-            let line = lines.next().expect("facegate exited before listening").unwrap();
-            if let Some(addr) = line.strip_prefix("facegate listening on http://") {
-                break addr.parse().unwrap();
-            }
-        };
-        // Keep draining stdout so the server never blocks on a full pipe.
-        std::thread::spawn(move || lines.for_each(drop));
-        Self { child, addr }
-    }
-
-    fn kill(mut self) {
-        self.child.kill().unwrap(); // SIGKILL on Unix
-        self.child.wait().unwrap();
-    }
-
-    fn admin(&self, method: Method, path: &str) -> reqwest::blocking::RequestBuilder {
-        anonymous().request(method, format!("http://{}/admin/v1/{path}", self.addr)).bearer_auth(ADMIN_TOKEN)
-    }
-
-    fn json(&self, request: reqwest::blocking::RequestBuilder) -> Value {
-        let response = request.send().unwrap();
-        assert!(response.status().is_success(), "{}", response.status());
-        response.json().unwrap()
-    }
-
-    /// Calls t/h; returns the status and the version that answered.
-    fn call(&self, key: &str) -> (u16, Option<i64>) {
-        let response = client_with_key(key).post(format!("http://{}/v1/t/h", self.addr)).body(image("grace_hopper.jpg")).send().unwrap();
-        let version = response.headers().get("x-facegate-handler-version").map(|v| v.to_str().unwrap().parse().unwrap());
-        (response.status().as_u16(), version)
-    }
-
-    /// Starts an upload over a raw socket: the head and `sent` bytes of `body`.
-    fn start_upload(&self, body: &[u8], sent: usize) -> TcpStream {
-        let mut stream = TcpStream::connect(self.addr).unwrap();
-        let head = format!(
-            "PUT /admin/v1/tenants/t/handlers/h HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            body.len()
-        );
-        stream.write_all(head.as_bytes()).unwrap();
-        stream.write_all(&body[..sent]).unwrap();
-        stream
-    }
-}
+use crate::harness::{fresh_dir, guest};
+use crate::process::Server;
 
 fn assert_store_ok(data: &Path) {
-    let report = facegate::control::check_store(data).unwrap();
+    let report = facegate::control::check_store(None, data).unwrap();
     assert!(report.ok, "{report:?}");
 }
 

@@ -1,0 +1,260 @@
+//! Where the control plane's state lives: tenants, hashed API keys, handler
+//! versions and component bytes, plus the gateway nodes' heartbeats.
+//!
+//! Two implementations of one [`Store`] trait: [`sqlite::SqliteStore`], the
+//! embedded default (one node, a file in the data directory), and
+//! [`postgres::PgStore`] (`--store postgres://…`), shared by every node of a
+//! cluster. Both keep a *generation* counter that every change to tenants,
+//! keys, handlers or versions bumps (database triggers, so no writer can
+//! forget it): a node whose snapshot was built at an older generation
+//! rebuilds it. PostgreSQL also announces each change with `NOTIFY`
+//! ([`Store::listener`]). Schemas are versioned; each store applies its
+//! missing migrations when opened.
+
+pub mod postgres;
+pub mod sqlite;
+
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+use super::limits::LimitOverrides;
+
+/// File name of the SQLite database inside the data directory.
+pub const DB_FILE: &str = "facegate.db";
+
+/// Why a store operation was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The named thing does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// It exists already, or the request conflicts with the current state.
+    #[error("{0}")]
+    Conflict(String),
+    /// The request is malformed or refused by validation.
+    #[error("{0}")]
+    Invalid(String),
+    /// The gateway cannot take this now (uploads compiling); retry later.
+    #[error("{0}")]
+    Busy(String),
+    /// The database cannot be reached; the node serves its last snapshot.
+    #[error("the control-plane database is unreachable: {0}")]
+    Unavailable(String),
+    /// The store itself failed (disk, database).
+    #[error("store failure: {0:#}")]
+    Internal(#[from] anyhow::Error),
+}
+
+/// Result of store operations.
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// A tenant row.
+#[derive(Debug, Clone, Serialize)]
+pub struct TenantRow {
+    /// Name (also the first path segment of its routes).
+    pub name: String,
+    /// Limits it overrides.
+    pub overrides: LimitOverrides,
+    /// Unix seconds.
+    pub created_at: i64,
+}
+
+/// An API key row (never the key itself).
+#[derive(Debug, Clone, Serialize)]
+pub struct KeyRow {
+    /// Public key id.
+    pub id: String,
+    /// Unix seconds.
+    pub created_at: i64,
+    /// Unix seconds, if revoked.
+    pub revoked_at: Option<i64>,
+}
+
+/// A key that authenticates: `(id, tenant, secret_sha256 hex)`.
+pub type ActiveKeyRow = (String, String, String);
+
+/// A handler version row.
+#[derive(Debug, Clone, Serialize)]
+pub struct VersionRow {
+    /// 1, 2, ... per handler.
+    pub version: i64,
+    /// SHA-256 of the component bytes.
+    pub sha256: String,
+    /// Component size, bytes.
+    pub size: i64,
+    /// Unix seconds.
+    pub created_at: i64,
+}
+
+/// An active handler: what the data plane serves.
+#[derive(Debug, Clone)]
+pub struct ActiveHandler {
+    /// Owning tenant.
+    pub tenant: String,
+    /// Handler name.
+    pub handler: String,
+    /// Active version.
+    pub version: i64,
+    /// Its component's SHA-256.
+    pub sha256: String,
+}
+
+/// A new handler version: its component is stored with the row, in one
+/// transaction where the store allows (nothing partial is ever visible).
+pub struct NewVersion<'a> {
+    /// Owning tenant.
+    pub tenant: &'a str,
+    /// Handler name (created on its first version).
+    pub handler: &'a str,
+    /// SHA-256 (hex) of `component`, computed by the caller.
+    pub sha256: &'a str,
+    /// The component's bytes.
+    pub component: &'a [u8],
+    /// Whether the new version becomes the active one.
+    pub activate: bool,
+}
+
+/// A gateway node as it last reported itself.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct NodeRow {
+    /// `--node-id` (default: the host name).
+    pub id: String,
+    /// Where its data plane listens, as others reach it (`--advertise`).
+    pub address: String,
+    /// facegate version.
+    pub version: String,
+    /// Inference devices, e.g. `["cpu"]`.
+    pub devices: Vec<String>,
+    /// Load at the last heartbeat.
+    pub load: NodeLoad,
+    /// Unix milliseconds.
+    pub started_at: i64,
+    /// Unix milliseconds of the last heartbeat.
+    pub heartbeat_at: i64,
+}
+
+/// What a node reports about its load.
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
+pub struct NodeLoad {
+    /// Inference calls waiting for a device.
+    pub queue_depth: u64,
+    /// Handler instances running now.
+    pub in_flight: u64,
+    /// Handlers in its snapshot.
+    pub handlers: u64,
+    /// Store generation of its snapshot.
+    pub generation: i64,
+}
+
+/// Wakes a node when another node changed the store (PostgreSQL `LISTEN`).
+pub trait Listener: Send {
+    /// Waits up to `timeout` for a change; `Ok(true)` if one was announced.
+    /// An error means the listening connection is gone: the caller polls and
+    /// asks for a new listener later.
+    fn wait(&mut self, timeout: Duration) -> anyhow::Result<bool>;
+}
+
+/// The control plane's persistent state (see the module docs). Methods take
+/// `&mut self`: the control plane holds the store behind one lock.
+pub trait Store: Send {
+    /// What this store is, for logs: `sqlite:<path>` or `postgres://host/db` (no password).
+    fn describe(&self) -> String;
+    /// The change counter (see the module docs).
+    fn generation(&mut self) -> StoreResult<i64>;
+    /// A listener for change announcements, if this store has them.
+    fn listener(&self) -> Option<anyhow::Result<Box<dyn Listener>>>;
+
+    /// All tenants, by name.
+    fn tenants(&mut self) -> StoreResult<Vec<TenantRow>>;
+    /// One tenant.
+    fn tenant(&mut self, name: &str) -> StoreResult<TenantRow>;
+    /// Creates a tenant.
+    fn create_tenant(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()>;
+    /// Replaces a tenant's overrides.
+    fn set_limits(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()>;
+    /// Deletes a tenant with its keys, handlers and versions (component
+    /// bytes stay: they are content-addressed and may be shared).
+    fn delete_tenant(&mut self, name: &str) -> StoreResult<()>;
+    /// Whether no tenant exists yet (a fresh store).
+    fn is_empty(&mut self) -> StoreResult<bool>;
+    /// A store-wide setting.
+    fn meta(&mut self, key: &str) -> StoreResult<Option<String>>;
+    /// Sets a store-wide setting.
+    fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()>;
+
+    /// Records a key for `tenant`; returns its creation time.
+    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str) -> StoreResult<i64>;
+    /// A tenant's keys, newest first.
+    fn keys(&mut self, tenant: &str) -> StoreResult<Vec<KeyRow>>;
+    /// Every key not revoked.
+    fn active_keys(&mut self) -> StoreResult<Vec<ActiveKeyRow>>;
+    /// Revokes a key of `tenant`.
+    fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<()>;
+
+    /// Stores the component and adds the next version of a handler
+    /// (creating the handler), activating it if asked. Returns the version.
+    fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64>;
+    /// A component's bytes, checked against their hash.
+    fn component(&mut self, sha256: &str) -> StoreResult<Vec<u8>>;
+    /// A tenant's handlers with their active versions.
+    fn handlers(&mut self, tenant: &str) -> StoreResult<Vec<(String, Option<i64>)>>;
+    /// A handler's versions (oldest first) and its active version.
+    fn versions(&mut self, tenant: &str, handler: &str) -> StoreResult<(Vec<VersionRow>, Option<i64>)>;
+    /// Makes `version` the active one; returns the previously active version.
+    fn activate(&mut self, tenant: &str, handler: &str, version: i64) -> StoreResult<Option<i64>>;
+    /// Every active handler of every tenant.
+    fn active_handlers(&mut self) -> StoreResult<Vec<ActiveHandler>>;
+    /// Every version: `(tenant/handler@version, component sha256)`.
+    fn all_versions(&mut self) -> StoreResult<Vec<(String, String)>>;
+
+    /// Records a node's heartbeat (insert or update).
+    fn heartbeat(&mut self, node: &NodeRow) -> StoreResult<()>;
+    /// Removes a node (it stopped cleanly), and nodes silent since before `older_than_ms`.
+    fn remove_nodes(&mut self, id: &str, older_than_ms: i64) -> StoreResult<()>;
+    /// Every node that reported, by id.
+    fn nodes(&mut self) -> StoreResult<Vec<NodeRow>>;
+
+    /// The database's own checks plus the store's invariants; each problem as text.
+    fn check(&mut self) -> StoreResult<Vec<String>>;
+}
+
+/// The version a rollback goes to: the newest one older than the active one.
+pub fn rollback_target(store: &mut dyn Store, tenant: &str, handler: &str) -> StoreResult<i64> {
+    let (versions, active) = store.versions(tenant, handler)?;
+    let active = active.ok_or_else(|| StoreError::Conflict(format!("{tenant}/{handler} has no active version")))?;
+    versions
+        .iter()
+        .rev()
+        .map(|v| v.version)
+        .find(|&v| v < active)
+        .ok_or_else(|| StoreError::Conflict(format!("{tenant}/{handler} has no version older than {active}")))
+}
+
+/// Opens the store `url` names (`postgres://…` or `postgresql://…`), or the
+/// SQLite store in `data_dir` when there is none.
+pub fn open(url: Option<&str>, data_dir: &Path) -> anyhow::Result<Box<dyn Store>> {
+    match url {
+        None => Ok(Box::new(sqlite::SqliteStore::open(data_dir)?)),
+        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => Ok(Box::new(postgres::PgStore::open(url)?)),
+        Some(url) if url.starts_with("sqlite:") => Ok(Box::new(sqlite::SqliteStore::open(Path::new(&url["sqlite:".len()..]))?)),
+        Some(other) => anyhow::bail!(
+            "unsupported store {:?}: use postgres://user@host/db, sqlite:<data directory>, or no --store for SQLite in --data-dir",
+            other.split('@').next_back().unwrap_or_default()
+        ),
+    }
+}
+
+/// Unix seconds now.
+pub(crate) fn now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+}
+
+/// Unix milliseconds now.
+pub fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

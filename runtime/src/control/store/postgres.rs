@@ -1,0 +1,497 @@
+//! The PostgreSQL store (`--store postgres://…`), shared by every gateway
+//! node of a cluster. Component bytes live in the database with their
+//! version rows (`bytea`, one transaction per upload: a node killed during
+//! an upload leaves nothing visible). Triggers bump the generation and
+//! `NOTIFY facegate_changes` on every change, so other nodes rebuild their
+//! snapshots at once; they also poll the generation in case a notification
+//! is lost with its connection.
+//!
+//! The `postgres` client runs a small Tokio runtime of its own; calls made
+//! from a thread inside the gateway's runtime run on a scoped thread instead.
+//! A lost connection is reopened on the next call; meanwhile calls fail with
+//! [`StoreError::Unavailable`] (the admin API answers 503) and the data
+//! plane keeps serving its last snapshot.
+
+use std::time::Duration;
+
+use fallible_iterator::FallibleIterator;
+use postgres::error::SqlState;
+use postgres::{Client, Config, NoTls};
+
+use super::{
+    ActiveHandler, ActiveKeyRow, KeyRow, Listener, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow, VersionRow, now,
+};
+use crate::control::keys::sha256_hex;
+use crate::control::limits::LimitOverrides;
+
+/// The channel changes are announced on.
+const CHANNEL: &str = "facegate_changes";
+
+/// Held while migrating, so nodes starting together migrate one at a time.
+const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
+
+/// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
+const MIGRATIONS: &[&str] = &[V1];
+
+const V1: &str = "
+CREATE TABLE tenants (
+    name TEXT PRIMARY KEY,
+    limits TEXT NOT NULL DEFAULT '{}',
+    created_at BIGINT NOT NULL
+);
+CREATE TABLE api_keys (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+    secret_sha256 TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    revoked_at BIGINT
+);
+CREATE TABLE handlers (
+    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    active_version BIGINT,
+    PRIMARY KEY (tenant, name)
+);
+CREATE TABLE components (
+    sha256 TEXT PRIMARY KEY,
+    bytes BYTEA NOT NULL,
+    created_at BIGINT NOT NULL
+);
+CREATE TABLE versions (
+    tenant TEXT NOT NULL,
+    handler TEXT NOT NULL,
+    version BIGINT NOT NULL,
+    component_sha256 TEXT NOT NULL REFERENCES components(sha256),
+    size BIGINT NOT NULL,
+    created_at BIGINT NOT NULL,
+    PRIMARY KEY (tenant, handler, version),
+    FOREIGN KEY (tenant, handler) REFERENCES handlers(tenant, name) ON DELETE CASCADE
+);
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE nodes (id TEXT PRIMARY KEY, info TEXT NOT NULL, heartbeat_at BIGINT NOT NULL);
+CREATE TABLE generation (id INT PRIMARY KEY CHECK (id = 1), n BIGINT NOT NULL);
+INSERT INTO generation (id, n) VALUES (1, 0);
+CREATE FUNCTION facegate_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE g BIGINT;
+BEGIN
+    UPDATE generation SET n = n + 1 WHERE id = 1 RETURNING n INTO g;
+    PERFORM pg_notify('facegate_changes', g::text);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER tenants_changed AFTER INSERT OR UPDATE OR DELETE ON tenants FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
+CREATE TRIGGER api_keys_changed AFTER INSERT OR UPDATE OR DELETE ON api_keys FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
+CREATE TRIGGER handlers_changed AFTER INSERT OR UPDATE OR DELETE ON handlers FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
+CREATE TRIGGER versions_changed AFTER INSERT OR UPDATE OR DELETE ON versions FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
+";
+
+/// The PostgreSQL store (see the module docs).
+pub struct PgStore {
+    config: Config,
+    described: String,
+    client: Option<Client>,
+}
+
+impl PgStore {
+    /// Connects to `url` and applies missing migrations.
+    pub fn open(url: &str) -> anyhow::Result<Self> {
+        let mut config: Config = url.parse().map_err(|e| anyhow::anyhow!("bad --store URL: {e}"))?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(Duration::from_secs(3));
+        }
+        config.keepalives(true).keepalives_idle(Duration::from_secs(10));
+        config.application_name("facegate");
+        let described = describe(&config);
+        let mut store = Self { config, described, client: None };
+        store.with(migrate).map_err(|e| anyhow::anyhow!("{}: {e}", store.described))?;
+        Ok(store)
+    }
+
+    /// Runs `f` with a connected client, off the gateway's runtime; a
+    /// connection found closed is dropped, to be reopened by the next call.
+    fn with<T: Send>(&mut self, f: impl FnOnce(&mut Client) -> StoreResult<T> + Send) -> StoreResult<T> {
+        let Self { config, client, .. } = self;
+        off_runtime(move || {
+            if client.as_ref().is_none_or(Client::is_closed) {
+                *client = Some(config.connect(NoTls).map_err(db_error)?);
+            }
+            let connected = client.as_mut().ok_or_else(|| StoreError::Unavailable("not connected".into()))?;
+            let result = f(connected);
+            if connected.is_closed() {
+                *client = None;
+            }
+            result
+        })
+    }
+
+    fn select_tenants(&mut self, filter: Option<&str>) -> StoreResult<Vec<TenantRow>> {
+        self.with(|c| {
+            let rows = match filter {
+                None => c.query("SELECT name, limits, created_at FROM tenants ORDER BY name", &[]),
+                Some(name) => c.query("SELECT name, limits, created_at FROM tenants WHERE name = $1", &[&name]),
+            }
+            .map_err(db_error)?;
+            rows.iter()
+                .map(|r| {
+                    let name: String = r.get(0);
+                    let overrides = serde_json::from_str(r.get(1)).map_err(|e| anyhow::anyhow!("limits of {name}: {e}"))?;
+                    Ok(TenantRow { name, overrides, created_at: r.get(2) })
+                })
+                .collect()
+        })
+    }
+}
+
+/// Runs `f` on a scoped thread when the caller is inside a Tokio runtime
+/// (the blocking client would refuse to run there).
+fn off_runtime<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return f();
+    }
+    std::thread::scope(|s| s.spawn(f).join()).unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
+/// `postgres://user@host:port/db`, without the password.
+fn describe(config: &Config) -> String {
+    let host = config
+        .get_hosts()
+        .first()
+        .map(|h| match h {
+            postgres::config::Host::Tcp(name) => name.clone(),
+            #[cfg(unix)]
+            postgres::config::Host::Unix(path) => path.display().to_string(),
+        })
+        .unwrap_or_default();
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    format!("postgres://{}@{host}:{port}/{}", config.get_user().unwrap_or(""), config.get_dbname().unwrap_or(""))
+}
+
+/// A database error as a store error: a lost or refused connection means
+/// the database is unavailable; anything else is a failure.
+fn db_error(e: postgres::Error) -> StoreError {
+    if e.is_closed() || e.as_db_error().is_none() {
+        return StoreError::Unavailable(e.to_string());
+    }
+    if e.code() == Some(&SqlState::ADMIN_SHUTDOWN) || e.code() == Some(&SqlState::CANNOT_CONNECT_NOW) {
+        return StoreError::Unavailable(e.to_string());
+    }
+    StoreError::Internal(e.into())
+}
+
+fn migrate(client: &mut Client) -> StoreResult<()> {
+    let mut tx = client.transaction().map_err(db_error)?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).map_err(db_error)?;
+    tx.batch_execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INT PRIMARY KEY, applied_at BIGINT NOT NULL)")
+        .map_err(db_error)?;
+    let current: i32 = tx.query_one("SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[]).map_err(db_error)?.get(0);
+    let current = usize::try_from(current).unwrap_or(usize::MAX);
+    if current > MIGRATIONS.len() {
+        return Err(StoreError::Internal(anyhow::anyhow!("schema version {current}; this facegate knows {}", MIGRATIONS.len())));
+    }
+    for (i, migration) in MIGRATIONS.iter().enumerate().skip(current) {
+        tx.batch_execute(migration).map_err(db_error)?;
+        let version = i32::try_from(i + 1).unwrap_or(i32::MAX);
+        tx.execute("INSERT INTO schema_migrations (version, applied_at) VALUES ($1, $2)", &[&version, &now()]).map_err(db_error)?;
+    }
+    tx.commit().map_err(db_error)
+}
+
+fn tenant_exists(c: &mut impl postgres::GenericClient, name: &str, lock: &str) -> StoreResult<()> {
+    let sql = format!("SELECT 1 FROM tenants WHERE name = $1 {lock}");
+    match c.query_opt(sql.as_str(), &[&name]).map_err(db_error)? {
+        Some(_) => Ok(()),
+        None => Err(StoreError::NotFound(format!("no tenant {name:?}"))),
+    }
+}
+
+impl Store for PgStore {
+    fn describe(&self) -> String {
+        self.described.clone()
+    }
+
+    fn generation(&mut self) -> StoreResult<i64> {
+        self.with(|c| Ok(c.query_one("SELECT n FROM generation WHERE id = 1", &[]).map_err(db_error)?.get(0)))
+    }
+
+    fn listener(&self) -> Option<anyhow::Result<Box<dyn Listener>>> {
+        let config = self.config.clone();
+        Some(off_runtime(move || {
+            let mut client = config.connect(NoTls)?;
+            client.batch_execute(&format!("LISTEN {CHANNEL}"))?;
+            Ok(Box::new(PgListener { client }) as Box<dyn Listener>)
+        }))
+    }
+
+    fn tenants(&mut self) -> StoreResult<Vec<TenantRow>> {
+        self.select_tenants(None)
+    }
+
+    fn tenant(&mut self, name: &str) -> StoreResult<TenantRow> {
+        self.select_tenants(Some(name))?.pop().ok_or_else(|| StoreError::NotFound(format!("no tenant {name:?}")))
+    }
+
+    fn create_tenant(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()> {
+        let limits = serde_json::to_string(overrides).map_err(anyhow::Error::from)?;
+        let inserted = self.with(|c| {
+            c.execute(
+                "INSERT INTO tenants (name, limits, created_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+                &[&name, &limits, &now()],
+            )
+            .map_err(db_error)
+        })?;
+        if inserted == 0 {
+            return Err(StoreError::Conflict(format!("tenant {name:?} exists")));
+        }
+        Ok(())
+    }
+
+    fn set_limits(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()> {
+        let limits = serde_json::to_string(overrides).map_err(anyhow::Error::from)?;
+        let updated = self.with(|c| c.execute("UPDATE tenants SET limits = $2 WHERE name = $1", &[&name, &limits]).map_err(db_error))?;
+        if updated == 0 {
+            return Err(StoreError::NotFound(format!("no tenant {name:?}")));
+        }
+        Ok(())
+    }
+
+    fn delete_tenant(&mut self, name: &str) -> StoreResult<()> {
+        if self.with(|c| c.execute("DELETE FROM tenants WHERE name = $1", &[&name]).map_err(db_error))? == 0 {
+            return Err(StoreError::NotFound(format!("no tenant {name:?}")));
+        }
+        Ok(())
+    }
+
+    fn is_empty(&mut self) -> StoreResult<bool> {
+        self.with(|c| Ok(c.query_one("SELECT COUNT(*) FROM tenants", &[]).map_err(db_error)?.get::<_, i64>(0) == 0))
+    }
+
+    fn meta(&mut self, key: &str) -> StoreResult<Option<String>> {
+        self.with(|c| Ok(c.query_opt("SELECT value FROM meta WHERE key = $1", &[&key]).map_err(db_error)?.map(|r| r.get(0))))
+    }
+
+    fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO meta (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                &[&key, &value],
+            )
+            .map_err(db_error)
+            .map(drop)
+        })
+    }
+
+    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str) -> StoreResult<i64> {
+        let created_at = now();
+        self.with(|c| {
+            let mut tx = c.transaction().map_err(db_error)?;
+            tenant_exists(&mut tx, tenant, "FOR SHARE")?;
+            tx.execute(
+                "INSERT INTO api_keys (id, tenant, secret_sha256, created_at) VALUES ($1, $2, $3, $4)",
+                &[&id, &tenant, &secret_sha256, &created_at],
+            )
+            .map_err(db_error)?;
+            tx.commit().map_err(db_error)
+        })?;
+        Ok(created_at)
+    }
+
+    fn keys(&mut self, tenant: &str) -> StoreResult<Vec<KeyRow>> {
+        self.tenant(tenant)?;
+        self.with(|c| {
+            let rows = c
+                .query("SELECT id, created_at, revoked_at FROM api_keys WHERE tenant = $1 ORDER BY created_at DESC, id", &[&tenant])
+                .map_err(db_error)?;
+            Ok(rows.iter().map(|r| KeyRow { id: r.get(0), created_at: r.get(1), revoked_at: r.get(2) }).collect())
+        })
+    }
+
+    fn active_keys(&mut self) -> StoreResult<Vec<ActiveKeyRow>> {
+        self.with(|c| {
+            let rows = c.query("SELECT id, tenant, secret_sha256 FROM api_keys WHERE revoked_at IS NULL", &[]).map_err(db_error)?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+        })
+    }
+
+    fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<()> {
+        let updated = self.with(|c| {
+            c.execute("UPDATE api_keys SET revoked_at = $3 WHERE tenant = $1 AND id = $2 AND revoked_at IS NULL", &[&tenant, &id, &now()])
+                .map_err(db_error)
+        })?;
+        if updated == 0 {
+            return Err(StoreError::NotFound(format!("tenant {tenant:?} has no active key {id:?}")));
+        }
+        Ok(())
+    }
+
+    fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
+        let NewVersion { tenant, handler, sha256, component, activate } = new;
+        let size = i64::try_from(component.len()).map_err(anyhow::Error::from)?;
+        self.with(|c| {
+            let mut tx = c.transaction().map_err(db_error)?;
+            // FOR SHARE: the tenant cannot be deleted under this upload.
+            tenant_exists(&mut tx, tenant, "FOR SHARE")?;
+            tx.execute(
+                "INSERT INTO components (sha256, bytes, created_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+                &[&sha256, &component, &now()],
+            )
+            .map_err(db_error)?;
+            tx.execute("INSERT INTO handlers (tenant, name) VALUES ($1, $2) ON CONFLICT DO NOTHING", &[&tenant, &handler])
+                .map_err(db_error)?;
+            // FOR UPDATE: uploads of one handler through several nodes number their versions in turn.
+            tx.execute("SELECT 1 FROM handlers WHERE tenant = $1 AND name = $2 FOR UPDATE", &[&tenant, &handler]).map_err(db_error)?;
+            let version: i64 = tx
+                .query_one("SELECT COALESCE(MAX(version), 0) + 1 FROM versions WHERE tenant = $1 AND handler = $2", &[&tenant, &handler])
+                .map_err(db_error)?
+                .get(0);
+            tx.execute(
+                "INSERT INTO versions (tenant, handler, version, component_sha256, size, created_at) VALUES ($1, $2, $3, $4, $5, $6)",
+                &[&tenant, &handler, &version, &sha256, &size, &now()],
+            )
+            .map_err(db_error)?;
+            if activate {
+                tx.execute("UPDATE handlers SET active_version = $3 WHERE tenant = $1 AND name = $2", &[&tenant, &handler, &version])
+                    .map_err(db_error)?;
+            }
+            tx.commit().map_err(db_error)?;
+            Ok(version)
+        })
+    }
+
+    fn component(&mut self, sha256: &str) -> StoreResult<Vec<u8>> {
+        let bytes: Vec<u8> = self
+            .with(|c| Ok(c.query_opt("SELECT bytes FROM components WHERE sha256 = $1", &[&sha256]).map_err(db_error)?.map(|r| r.get(0))))?
+            .ok_or_else(|| StoreError::Internal(anyhow::anyhow!("component {sha256} is missing from the store")))?;
+        let actual = sha256_hex(&bytes);
+        if actual != sha256 {
+            return Err(StoreError::Internal(anyhow::anyhow!("component {sha256} is corrupt: sha256 {actual}")));
+        }
+        Ok(bytes)
+    }
+
+    fn handlers(&mut self, tenant: &str) -> StoreResult<Vec<(String, Option<i64>)>> {
+        self.with(|c| {
+            let rows =
+                c.query("SELECT name, active_version FROM handlers WHERE tenant = $1 ORDER BY name", &[&tenant]).map_err(db_error)?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        })
+    }
+
+    fn versions(&mut self, tenant: &str, handler: &str) -> StoreResult<(Vec<VersionRow>, Option<i64>)> {
+        self.with(|c| {
+            let active: Option<i64> = c
+                .query_opt("SELECT active_version FROM handlers WHERE tenant = $1 AND name = $2", &[&tenant, &handler])
+                .map_err(db_error)?
+                .ok_or_else(|| StoreError::NotFound(format!("tenant {tenant:?} has no handler {handler:?}")))?
+                .get(0);
+            let rows = c
+                .query(
+                    "SELECT version, component_sha256, size, created_at FROM versions WHERE tenant = $1 AND handler = $2 ORDER BY version",
+                    &[&tenant, &handler],
+                )
+                .map_err(db_error)?;
+            let versions = rows.iter().map(|r| VersionRow { version: r.get(0), sha256: r.get(1), size: r.get(2), created_at: r.get(3) });
+            Ok((versions.collect(), active))
+        })
+    }
+
+    fn activate(&mut self, tenant: &str, handler: &str, version: i64) -> StoreResult<Option<i64>> {
+        self.with(|c| {
+            let mut tx = c.transaction().map_err(db_error)?;
+            let previous: Option<i64> = tx
+                .query_opt("SELECT active_version FROM handlers WHERE tenant = $1 AND name = $2 FOR UPDATE", &[&tenant, &handler])
+                .map_err(db_error)?
+                .ok_or_else(|| StoreError::NotFound(format!("tenant {tenant:?} has no handler {handler:?}")))?
+                .get(0);
+            let exists = tx
+                .query_opt("SELECT 1 FROM versions WHERE tenant = $1 AND handler = $2 AND version = $3", &[&tenant, &handler, &version])
+                .map_err(db_error)?;
+            if exists.is_none() {
+                return Err(StoreError::NotFound(format!("{tenant}/{handler} has no version {version}")));
+            }
+            tx.execute("UPDATE handlers SET active_version = $3 WHERE tenant = $1 AND name = $2", &[&tenant, &handler, &version])
+                .map_err(db_error)?;
+            tx.commit().map_err(db_error)?;
+            Ok(previous)
+        })
+    }
+
+    fn active_handlers(&mut self) -> StoreResult<Vec<ActiveHandler>> {
+        self.with(|c| {
+            let rows = c
+                .query(
+                    "SELECT h.tenant, h.name, h.active_version, v.component_sha256 FROM handlers h
+                     JOIN versions v ON v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version",
+                    &[],
+                )
+                .map_err(db_error)?;
+            Ok(rows.iter().map(|r| ActiveHandler { tenant: r.get(0), handler: r.get(1), version: r.get(2), sha256: r.get(3) }).collect())
+        })
+    }
+
+    fn all_versions(&mut self) -> StoreResult<Vec<(String, String)>> {
+        self.with(|c| {
+            let rows = c.query("SELECT tenant, handler, version, component_sha256 FROM versions", &[]).map_err(db_error)?;
+            Ok(rows.iter().map(|r| (format!("{}/{}@{}", r.get::<_, &str>(0), r.get::<_, &str>(1), r.get::<_, i64>(2)), r.get(3))).collect())
+        })
+    }
+
+    fn heartbeat(&mut self, node: &NodeRow) -> StoreResult<()> {
+        let info = serde_json::to_string(node).map_err(anyhow::Error::from)?;
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO nodes (id, info, heartbeat_at) VALUES ($1, $2, $3)
+                 ON CONFLICT (id) DO UPDATE SET info = excluded.info, heartbeat_at = excluded.heartbeat_at",
+                &[&node.id, &info, &node.heartbeat_at],
+            )
+            .map_err(db_error)
+            .map(drop)
+        })
+    }
+
+    fn remove_nodes(&mut self, id: &str, older_than_ms: i64) -> StoreResult<()> {
+        self.with(|c| c.execute("DELETE FROM nodes WHERE id = $1 OR heartbeat_at < $2", &[&id, &older_than_ms]).map_err(db_error).map(drop))
+    }
+
+    fn nodes(&mut self) -> StoreResult<Vec<NodeRow>> {
+        self.with(|c| {
+            let rows = c.query("SELECT info FROM nodes ORDER BY id", &[]).map_err(db_error)?;
+            rows.iter().map(|r| Ok(serde_json::from_str(r.get(0)).map_err(anyhow::Error::from)?)).collect()
+        })
+    }
+
+    fn check(&mut self) -> StoreResult<Vec<String>> {
+        self.with(|c| {
+            let rows = c
+                .query(
+                    "SELECT h.tenant, h.name, h.active_version FROM handlers h WHERE h.active_version IS NOT NULL AND NOT EXISTS
+                     (SELECT 1 FROM versions v WHERE v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version)",
+                    &[],
+                )
+                .map_err(db_error)?;
+            Ok(rows
+                .iter()
+                .map(|r| format!("{}/{} is active at missing version {}", r.get::<_, &str>(0), r.get::<_, &str>(1), r.get::<_, i64>(2)))
+                .collect())
+        })
+    }
+}
+
+/// A connection that `LISTEN`s on the change channel.
+struct PgListener {
+    client: Client,
+}
+
+impl Listener for PgListener {
+    fn wait(&mut self, timeout: Duration) -> anyhow::Result<bool> {
+        let announced = {
+            let mut notifications = self.client.notifications();
+            let announced = notifications.timeout_iter(timeout).next()?.is_some();
+            // Several changes may have queued up: one refresh covers them all.
+            while notifications.iter().next()?.is_some() {}
+            announced
+        };
+        if self.client.is_closed() {
+            anyhow::bail!("the listening connection closed");
+        }
+        Ok(announced)
+    }
+}

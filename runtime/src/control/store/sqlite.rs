@@ -1,0 +1,402 @@
+//! The SQLite store, the embedded default: one database file in the data
+//! directory (WAL journal, `synchronous=FULL`: a commit is on disk when it
+//! returns), component bytes beside it as content-addressed files
+//! ([`Blobs`]). Schema migrations are numbered by `PRAGMA user_version`.
+
+use std::path::{Path, PathBuf};
+
+use rusqlite::{Connection, OptionalExtension, params};
+
+use super::{
+    ActiveHandler, ActiveKeyRow, DB_FILE, KeyRow, Listener, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow, VersionRow, now,
+};
+use crate::control::blobs::Blobs;
+use crate::control::limits::LimitOverrides;
+
+/// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
+const MIGRATIONS: &[&str] = &[V1, V2];
+
+/// The first schema.
+const V1: &str = "
+CREATE TABLE IF NOT EXISTS tenants (
+    name TEXT PRIMARY KEY,
+    limits TEXT NOT NULL DEFAULT '{}',
+    created_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+    secret_sha256 TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    revoked_at INTEGER
+);
+CREATE TABLE IF NOT EXISTS handlers (
+    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    active_version INTEGER,
+    PRIMARY KEY (tenant, name)
+);
+CREATE TABLE IF NOT EXISTS versions (
+    tenant TEXT NOT NULL,
+    handler TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    component_sha256 TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (tenant, handler, version),
+    FOREIGN KEY (tenant, handler) REFERENCES handlers(tenant, name) ON DELETE CASCADE
+);
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS artifacts (
+    component_sha256 TEXT NOT NULL,
+    engine TEXT NOT NULL,
+    artifact_sha256 TEXT NOT NULL,
+    PRIMARY KEY (component_sha256, engine)
+);
+";
+
+/// Version 2: precompiled artifacts become a per-node cache (files only);
+/// nodes report heartbeats; a generation counter that triggers bump on
+/// every change other nodes (or processes) must see.
+const V2: &str = "
+DROP TABLE IF EXISTS artifacts;
+CREATE TABLE nodes (
+    id TEXT PRIMARY KEY,
+    info TEXT NOT NULL,
+    heartbeat_at INTEGER NOT NULL
+);
+CREATE TABLE generation (id INTEGER PRIMARY KEY CHECK (id = 1), n INTEGER NOT NULL);
+INSERT INTO generation (id, n) VALUES (1, 0);
+";
+
+/// Tables whose changes bump the generation.
+const WATCHED: [&str; 4] = ["tenants", "api_keys", "handlers", "versions"];
+
+/// The SQLite store (see the module docs).
+pub struct SqliteStore {
+    conn: Connection,
+    blobs: Blobs,
+    path: PathBuf,
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> Self {
+        StoreError::Internal(e.into())
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating) the store in `data_dir`: its database and component files.
+    pub fn open(data_dir: &Path) -> anyhow::Result<Self> {
+        let blobs = Blobs::open(data_dir)?;
+        let path = data_dir.join(DB_FILE);
+        let mut conn = Connection::open(&path)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        migrate(&mut conn).map_err(|e| anyhow::anyhow!("{}: {e:#}", path.display()))?;
+        Ok(Self { conn, blobs, path })
+    }
+
+    fn select_tenants(&self, sql: &str, args: &[&dyn rusqlite::ToSql]) -> StoreResult<Vec<TenantRow>> {
+        let mut stmt = self.conn.prepare(sql)?;
+        let rows = stmt.query_map(args, |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get(2)?)))?;
+        rows.map(|row| {
+            let (name, limits, created_at) = row?;
+            let overrides = serde_json::from_str(&limits).map_err(|e| anyhow::anyhow!("limits of {name}: {e}"))?;
+            Ok(TenantRow { name, overrides, created_at })
+        })
+        .collect()
+    }
+
+    fn active_version(&self, tenant: &str, handler: &str) -> StoreResult<Option<i64>> {
+        self.conn
+            .query_row("SELECT active_version FROM handlers WHERE tenant = ?1 AND name = ?2", params![tenant, handler], |r| r.get(0))
+            .optional()?
+            .ok_or_else(|| StoreError::NotFound(format!("tenant {tenant:?} has no handler {handler:?}")))
+    }
+}
+
+/// Applies the migrations the database lacks, in one transaction.
+fn migrate(conn: &mut Connection) -> anyhow::Result<()> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let version: usize = tx.pragma_query_value(None, "user_version", |r| r.get::<_, i64>(0))?.try_into()?;
+    anyhow::ensure!(version <= MIGRATIONS.len(), "schema version {version}; this facegate knows {}", MIGRATIONS.len());
+    for (i, migration) in MIGRATIONS.iter().enumerate().skip(version) {
+        tx.execute_batch(migration)?;
+        if i + 1 == 2 {
+            tx.execute_batch(&change_triggers())?;
+        }
+    }
+    tx.pragma_update(None, "user_version", MIGRATIONS.len() as i64)?;
+    tx.commit()?;
+    Ok(())
+}
+
+/// One trigger per watched table and statement kind (SQLite has row triggers only).
+fn change_triggers() -> String {
+    let mut sql = String::new();
+    for table in WATCHED {
+        for event in ["INSERT", "UPDATE", "DELETE"] {
+            sql.push_str(&format!(
+                "CREATE TRIGGER {table}_{event}_changed AFTER {event} ON {table} BEGIN UPDATE generation SET n = n + 1 WHERE id = 1; END;\n",
+                event = event
+            ));
+        }
+    }
+    sql
+}
+
+impl Store for SqliteStore {
+    fn describe(&self) -> String {
+        format!("sqlite:{}", self.path.display())
+    }
+
+    fn generation(&mut self) -> StoreResult<i64> {
+        Ok(self.conn.query_row("SELECT n FROM generation WHERE id = 1", [], |r| r.get(0))?)
+    }
+
+    fn listener(&self) -> Option<anyhow::Result<Box<dyn Listener>>> {
+        None
+    }
+
+    fn tenants(&mut self) -> StoreResult<Vec<TenantRow>> {
+        self.select_tenants("SELECT name, limits, created_at FROM tenants ORDER BY name", &[])
+    }
+
+    fn tenant(&mut self, name: &str) -> StoreResult<TenantRow> {
+        self.select_tenants("SELECT name, limits, created_at FROM tenants WHERE name = ?1", &[&name])?
+            .pop()
+            .ok_or_else(|| StoreError::NotFound(format!("no tenant {name:?}")))
+    }
+
+    fn create_tenant(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()> {
+        let limits = serde_json::to_string(overrides).map_err(anyhow::Error::from)?;
+        let inserted = self.conn.execute(
+            "INSERT INTO tenants (name, limits, created_at) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
+            params![name, limits, now()],
+        )?;
+        if inserted == 0 {
+            return Err(StoreError::Conflict(format!("tenant {name:?} exists")));
+        }
+        Ok(())
+    }
+
+    fn set_limits(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()> {
+        let limits = serde_json::to_string(overrides).map_err(anyhow::Error::from)?;
+        let updated = self.conn.execute("UPDATE tenants SET limits = ?2 WHERE name = ?1", params![name, limits])?;
+        if updated == 0 {
+            return Err(StoreError::NotFound(format!("no tenant {name:?}")));
+        }
+        Ok(())
+    }
+
+    fn delete_tenant(&mut self, name: &str) -> StoreResult<()> {
+        if self.conn.execute("DELETE FROM tenants WHERE name = ?1", [name])? == 0 {
+            return Err(StoreError::NotFound(format!("no tenant {name:?}")));
+        }
+        Ok(())
+    }
+
+    fn is_empty(&mut self) -> StoreResult<bool> {
+        Ok(self.conn.query_row("SELECT COUNT(*) FROM tenants", [], |r| r.get::<_, i64>(0))? == 0)
+    }
+
+    fn meta(&mut self, key: &str) -> StoreResult<Option<String>> {
+        Ok(self.conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0)).optional()?)
+    }
+
+    fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()> {
+        self.conn.execute(
+            "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            params![key, value],
+        )?;
+        Ok(())
+    }
+
+    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str) -> StoreResult<i64> {
+        self.tenant(tenant)?;
+        let created_at = now();
+        self.conn.execute(
+            "INSERT INTO api_keys (id, tenant, secret_sha256, created_at) VALUES (?1, ?2, ?3, ?4)",
+            params![id, tenant, secret_sha256, created_at],
+        )?;
+        Ok(created_at)
+    }
+
+    fn keys(&mut self, tenant: &str) -> StoreResult<Vec<KeyRow>> {
+        self.tenant(tenant)?;
+        let mut stmt =
+            self.conn.prepare("SELECT id, created_at, revoked_at FROM api_keys WHERE tenant = ?1 ORDER BY created_at DESC, id")?;
+        let rows = stmt.query_map([tenant], |r| Ok(KeyRow { id: r.get(0)?, created_at: r.get(1)?, revoked_at: r.get(2)? }))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    fn active_keys(&mut self) -> StoreResult<Vec<ActiveKeyRow>> {
+        let mut stmt = self.conn.prepare("SELECT id, tenant, secret_sha256 FROM api_keys WHERE revoked_at IS NULL")?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<()> {
+        let updated = self.conn.execute(
+            "UPDATE api_keys SET revoked_at = ?3 WHERE tenant = ?1 AND id = ?2 AND revoked_at IS NULL",
+            params![tenant, id, now()],
+        )?;
+        if updated == 0 {
+            return Err(StoreError::NotFound(format!("tenant {tenant:?} has no active key {id:?}")));
+        }
+        Ok(())
+    }
+
+    fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
+        let NewVersion { tenant, handler, sha256, component, activate } = new;
+        self.tenant(tenant)?;
+        // The file first (atomic, fsynced): nothing refers to it until the row commits.
+        self.blobs.put_component(sha256, component)?;
+        let tx = self.conn.transaction()?;
+        tx.execute("INSERT INTO handlers (tenant, name) VALUES (?1, ?2) ON CONFLICT DO NOTHING", params![tenant, handler])?;
+        let version: i64 = tx.query_row(
+            "SELECT COALESCE(MAX(version), 0) + 1 FROM versions WHERE tenant = ?1 AND handler = ?2",
+            params![tenant, handler],
+            |r| r.get(0),
+        )?;
+        tx.execute(
+            "INSERT INTO versions (tenant, handler, version, component_sha256, size, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![tenant, handler, version, sha256, component.len() as i64, now()],
+        )?;
+        if activate {
+            tx.execute("UPDATE handlers SET active_version = ?3 WHERE tenant = ?1 AND name = ?2", params![tenant, handler, version])?;
+        }
+        tx.commit()?;
+        Ok(version)
+    }
+
+    fn component(&mut self, sha256: &str) -> StoreResult<Vec<u8>> {
+        Ok(self.blobs.read_verified(&self.blobs.component_path(sha256), sha256)?)
+    }
+
+    fn handlers(&mut self, tenant: &str) -> StoreResult<Vec<(String, Option<i64>)>> {
+        let mut stmt = self.conn.prepare("SELECT name, active_version FROM handlers WHERE tenant = ?1 ORDER BY name")?;
+        let rows = stmt.query_map([tenant], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    fn versions(&mut self, tenant: &str, handler: &str) -> StoreResult<(Vec<VersionRow>, Option<i64>)> {
+        let active = self.active_version(tenant, handler)?;
+        let mut stmt = self.conn.prepare(
+            "SELECT version, component_sha256, size, created_at FROM versions WHERE tenant = ?1 AND handler = ?2 ORDER BY version",
+        )?;
+        let rows = stmt.query_map(params![tenant, handler], |r| {
+            Ok(VersionRow { version: r.get(0)?, sha256: r.get(1)?, size: r.get(2)?, created_at: r.get(3)? })
+        })?;
+        Ok((rows.collect::<Result<_, _>>()?, active))
+    }
+
+    fn activate(&mut self, tenant: &str, handler: &str, version: i64) -> StoreResult<Option<i64>> {
+        let (versions, previous) = self.versions(tenant, handler)?;
+        if !versions.iter().any(|v| v.version == version) {
+            return Err(StoreError::NotFound(format!("{tenant}/{handler} has no version {version}")));
+        }
+        self.conn.execute("UPDATE handlers SET active_version = ?3 WHERE tenant = ?1 AND name = ?2", params![tenant, handler, version])?;
+        Ok(previous)
+    }
+
+    fn active_handlers(&mut self) -> StoreResult<Vec<ActiveHandler>> {
+        let mut stmt = self.conn.prepare(
+            "SELECT h.tenant, h.name, h.active_version, v.component_sha256 FROM handlers h
+             JOIN versions v ON v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version",
+        )?;
+        let rows =
+            stmt.query_map([], |r| Ok(ActiveHandler { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, sha256: r.get(3)? }))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    fn all_versions(&mut self) -> StoreResult<Vec<(String, String)>> {
+        let mut stmt = self.conn.prepare("SELECT tenant, handler, version, component_sha256 FROM versions")?;
+        let rows = stmt
+            .query_map([], |r| Ok((format!("{}/{}@{}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?), r.get(3)?)))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    fn heartbeat(&mut self, node: &NodeRow) -> StoreResult<()> {
+        let info = serde_json::to_string(node).map_err(anyhow::Error::from)?;
+        self.conn.execute(
+            "INSERT INTO nodes (id, info, heartbeat_at) VALUES (?1, ?2, ?3)
+             ON CONFLICT (id) DO UPDATE SET info = excluded.info, heartbeat_at = excluded.heartbeat_at",
+            params![node.id, info, node.heartbeat_at],
+        )?;
+        Ok(())
+    }
+
+    fn remove_nodes(&mut self, id: &str, older_than_ms: i64) -> StoreResult<()> {
+        self.conn.execute("DELETE FROM nodes WHERE id = ?1 OR heartbeat_at < ?2", params![id, older_than_ms])?;
+        Ok(())
+    }
+
+    fn nodes(&mut self) -> StoreResult<Vec<NodeRow>> {
+        let mut stmt = self.conn.prepare("SELECT info FROM nodes ORDER BY id")?;
+        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+        rows.map(|info| Ok(serde_json::from_str(&info?).map_err(anyhow::Error::from)?)).collect()
+    }
+
+    fn check(&mut self) -> StoreResult<Vec<String>> {
+        let mut problems = Vec::new();
+        let integrity: String = self.conn.query_row("PRAGMA integrity_check", [], |r| r.get(0))?;
+        if integrity != "ok" {
+            problems.push(format!("sqlite integrity_check: {integrity}"));
+        }
+        let mut stmt = self.conn.prepare("PRAGMA foreign_key_check")?;
+        let dangling = stmt.query_map([], |r| r.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()?;
+        problems.extend(dangling.into_iter().map(|table| format!("dangling reference in {table}")));
+        let mut stmt = self.conn.prepare(
+            "SELECT h.tenant, h.name, h.active_version FROM handlers h WHERE h.active_version IS NOT NULL AND NOT EXISTS
+             (SELECT 1 FROM versions v WHERE v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version)",
+        )?;
+        let missing = stmt.query_map([], |r| {
+            Ok(format!("{}/{} is active at missing version {}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+        })?;
+        for problem in missing {
+            problems.push(problem?);
+        }
+        let temp_files = self.blobs.tmp_files()?.len();
+        if temp_files > 0 {
+            tracing::info!(temp_files, "files of interrupted writes (removed at the next start)");
+        }
+        Ok(problems)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_version_1_store_is_migrated_and_keeps_its_rows() {
+        let dir = std::env::temp_dir().join(format!("facegate-sqlite-migrate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        {
+            let conn = Connection::open(dir.join(DB_FILE)).unwrap();
+            conn.execute_batch(V1).unwrap();
+            conn.execute("INSERT INTO tenants (name, created_at) VALUES ('acme', 1)", []).unwrap();
+            conn.pragma_update(None, "user_version", 1).unwrap();
+        }
+        let mut store = SqliteStore::open(&dir).unwrap();
+        assert_eq!(store.tenants().unwrap()[0].name, "acme");
+        let before = store.generation().unwrap();
+        store.create_tenant("beta", &LimitOverrides::default()).unwrap();
+        assert!(store.generation().unwrap() > before, "a change bumps the generation");
+        drop(store);
+        let conn = Connection::open(dir.join(DB_FILE)).unwrap();
+        conn.pragma_update(None, "user_version", 99).unwrap();
+        drop(conn);
+        let error = SqliteStore::open(&dir).err().unwrap().to_string();
+        assert!(error.contains("schema version 99"), "{error}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,184 @@
+//! One behaviour, two stores: every test here runs against SQLite and
+//! against a real PostgreSQL server (a throw-away one, see
+//! [`crate::throwaway_pg`]).
+
+use std::sync::OnceLock;
+
+use super::*;
+use crate::control::keys::sha256_hex;
+use crate::throwaway_pg::ThrowawayPostgres;
+
+/// One server for the whole test binary; each test gets a database of its own.
+fn postgres_server() -> &'static ThrowawayPostgres {
+    static SERVER: OnceLock<ThrowawayPostgres> = OnceLock::new();
+    SERVER.get_or_init(|| ThrowawayPostgres::start().expect("start a throw-away PostgreSQL (deploy/test.sh installs postgresql-15)"))
+}
+
+/// A fresh SQLite store and a fresh PostgreSQL store, named `name`.
+fn stores(name: &str) -> Vec<Box<dyn Store>> {
+    let dir = std::env::temp_dir().join(format!("facegate-store-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let sqlite = sqlite::SqliteStore::open(&dir).unwrap();
+    vec![Box::new(sqlite), Box::new(postgres::PgStore::open(&fresh_database(name)).unwrap())]
+}
+
+fn fresh_database(name: &str) -> String {
+    let server = postgres_server();
+    let db = format!("test_{}", name.replace('-', "_"));
+    let mut admin = ::postgres::Client::connect(&server.url(), ::postgres::NoTls).unwrap();
+    admin.batch_execute(&format!("DROP DATABASE IF EXISTS {db}")).unwrap();
+    admin.batch_execute(&format!("CREATE DATABASE {db}")).unwrap();
+    server.url().replace("/postgres", &format!("/{db}"))
+}
+
+fn version<'a>(tenant: &'a str, handler: &'a str, component: &'a [u8], sha: &'a str, activate: bool) -> NewVersion<'a> {
+    NewVersion { tenant, handler, sha256: sha, component, activate }
+}
+
+#[test]
+fn versions_count_up_and_rollback_goes_to_the_previous_one() {
+    for mut store in stores("versions") {
+        let s = &mut *store;
+        let kind = s.describe();
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        assert!(matches!(s.create_tenant("acme", &LimitOverrides::default()), Err(StoreError::Conflict(_))), "{kind}");
+        let (a, b, c) = (b"component a".as_slice(), b"component b".as_slice(), b"component c".as_slice());
+        let (sa, sb, sc) = (sha256_hex(a), sha256_hex(b), sha256_hex(c));
+        assert_eq!(s.add_version(version("acme", "detect", a, &sa, true)).unwrap(), 1, "{kind}");
+        assert_eq!(s.add_version(version("acme", "detect", b, &sb, false)).unwrap(), 2);
+        assert_eq!(s.versions("acme", "detect").unwrap().1, Some(1), "{kind}: an upload without activation keeps the active one");
+        assert_eq!(s.activate("acme", "detect", 2).unwrap(), Some(1));
+        assert_eq!(s.add_version(version("acme", "detect", c, &sc, true)).unwrap(), 3);
+        assert_eq!(rollback_target(s, "acme", "detect").unwrap(), 2);
+        s.activate("acme", "detect", 1).unwrap();
+        assert!(matches!(rollback_target(s, "acme", "detect"), Err(StoreError::Conflict(_))), "{kind}");
+        assert!(matches!(s.activate("acme", "detect", 9), Err(StoreError::NotFound(_))), "{kind}");
+        assert!(matches!(s.add_version(version("nobody", "detect", a, &sa, true)), Err(StoreError::NotFound(_))), "{kind}");
+        assert_eq!(s.component(&sb).unwrap(), b, "{kind}: the bytes come back");
+        let active = s.active_handlers().unwrap();
+        assert_eq!((active.len(), active[0].version, active[0].sha256.as_str()), (1, 1, sa.as_str()), "{kind}");
+        assert_eq!(s.all_versions().unwrap().len(), 3);
+        assert!(s.check().unwrap().is_empty(), "{kind}");
+    }
+}
+
+#[test]
+fn revoked_keys_are_inactive_and_deleting_a_tenant_removes_its_rows() {
+    for mut store in stores("keys") {
+        let s = &mut *store;
+        let kind = s.describe();
+        assert!(s.is_empty().unwrap());
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        s.insert_key("acme", "k1", "h1").unwrap();
+        s.insert_key("acme", "k2", "h2").unwrap();
+        assert!(matches!(s.insert_key("nobody", "k3", "h3"), Err(StoreError::NotFound(_))), "{kind}");
+        let sha = sha256_hex(b"x");
+        s.add_version(version("acme", "detect", b"x", &sha, true)).unwrap();
+        s.revoke_key("acme", "k1").unwrap();
+        assert!(matches!(s.revoke_key("acme", "k1"), Err(StoreError::NotFound(_))), "{kind}");
+        let active: Vec<_> = s.active_keys().unwrap().into_iter().map(|k| k.0).collect();
+        assert_eq!(active, ["k2"], "{kind}");
+        assert_eq!(s.keys("acme").unwrap().len(), 2);
+        s.delete_tenant("acme").unwrap();
+        assert!(matches!(s.delete_tenant("acme"), Err(StoreError::NotFound(_))), "{kind}");
+        assert!(s.active_keys().unwrap().is_empty() && s.active_handlers().unwrap().is_empty(), "{kind}");
+        assert!(s.all_versions().unwrap().is_empty(), "{kind}");
+        assert!(s.is_empty().unwrap(), "{kind}");
+    }
+}
+
+#[test]
+fn limits_and_meta_are_kept() {
+    for mut store in stores("limits") {
+        let s = &mut *store;
+        let overrides = LimitOverrides { weight: Some(3), ..LimitOverrides::default() };
+        s.create_tenant("acme", &overrides).unwrap();
+        assert_eq!(s.tenant("acme").unwrap().overrides.weight, Some(3));
+        s.set_limits("acme", &LimitOverrides::default()).unwrap();
+        assert_eq!(s.tenants().unwrap()[0].overrides.weight, None);
+        assert!(matches!(s.set_limits("nobody", &overrides), Err(StoreError::NotFound(_))));
+        assert_eq!(s.meta("seed").unwrap(), None);
+        s.set_meta("seed", "started").unwrap();
+        s.set_meta("seed", "done").unwrap();
+        assert_eq!(s.meta("seed").unwrap().as_deref(), Some("done"));
+    }
+}
+
+#[test]
+fn every_change_bumps_the_generation_and_nothing_else_does() {
+    for mut store in stores("generation") {
+        let s = &mut *store;
+        let kind = s.describe();
+        let mut last = s.generation().unwrap();
+        let mut bumped = |s: &mut dyn Store, what: &str| {
+            let now = s.generation().unwrap();
+            assert!(now > last, "{kind}: {what} must bump the generation ({last} -> {now})");
+            last = now;
+        };
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        bumped(s, "create tenant");
+        s.set_limits("acme", &LimitOverrides { weight: Some(2), ..LimitOverrides::default() }).unwrap();
+        bumped(s, "set limits");
+        s.insert_key("acme", "k1", "h1").unwrap();
+        bumped(s, "insert key");
+        s.revoke_key("acme", "k1").unwrap();
+        bumped(s, "revoke key");
+        let sha = sha256_hex(b"x");
+        s.add_version(version("acme", "detect", b"x", &sha, false)).unwrap();
+        bumped(s, "add version");
+        s.activate("acme", "detect", 1).unwrap();
+        bumped(s, "activate");
+        s.delete_tenant("acme").unwrap();
+        bumped(s, "delete tenant");
+        let before = s.generation().unwrap();
+        s.set_meta("k", "v").unwrap();
+        s.heartbeat(&node("n1", 1)).unwrap();
+        assert_eq!(s.generation().unwrap(), before, "{kind}: heartbeats and meta are not changes to the snapshot");
+    }
+}
+
+fn node(id: &str, heartbeat_at: i64) -> NodeRow {
+    NodeRow {
+        id: id.into(),
+        address: "10.0.0.1:8080".into(),
+        version: "test".into(),
+        devices: vec!["cpu".into()],
+        load: NodeLoad { queue_depth: 3, in_flight: 1, handlers: 2, generation: 7 },
+        started_at: 1,
+        heartbeat_at,
+    }
+}
+
+#[test]
+fn nodes_report_and_are_forgotten() {
+    for mut store in stores("nodes") {
+        let s = &mut *store;
+        s.heartbeat(&node("a", 100)).unwrap();
+        s.heartbeat(&node("b", 100)).unwrap();
+        s.heartbeat(&node("a", 200)).unwrap();
+        let nodes = s.nodes().unwrap();
+        assert_eq!(nodes, vec![node("a", 200), node("b", 100)], "{}", s.describe());
+        s.remove_nodes("a", 150).unwrap();
+        assert!(s.nodes().unwrap().is_empty(), "a removed by id, b as silent since before 150");
+    }
+}
+
+#[test]
+fn postgres_announces_changes_to_listeners() {
+    let url = fresh_database("listen");
+    let mut store = postgres::PgStore::open(&url).unwrap();
+    let mut listener = store.listener().unwrap().unwrap();
+    assert!(!listener.wait(std::time::Duration::from_millis(50)).unwrap(), "nothing changed yet");
+    store.create_tenant("acme", &LimitOverrides::default()).unwrap();
+    assert!(listener.wait(std::time::Duration::from_secs(5)).unwrap(), "the change is announced");
+    // Reopening migrates nothing twice.
+    drop(postgres::PgStore::open(&url).unwrap());
+    assert_eq!(store.tenants().unwrap().len(), 1);
+}
+
+#[test]
+fn a_lost_postgres_is_unavailable_not_a_failure() {
+    let url = "postgres://facegate@127.0.0.1:1/none?connect_timeout=1";
+    let error = postgres::PgStore::open(url).err().unwrap().to_string();
+    assert!(error.contains("unreachable"), "{error}");
+}

@@ -1,0 +1,160 @@
+//! Keeps a node's snapshot in step with the store and reports the node.
+//!
+//! One thread per gateway: it waits for a change announcement (PostgreSQL
+//! `LISTEN`) or the poll interval, whichever comes first, then compares the
+//! store's generation with its snapshot's and rebuilds on a difference
+//! (loading — compiling if this node has no cached artifact — what other
+//! nodes deployed). Every heartbeat interval it records the node's id,
+//! address, version, devices and load. When the store is unreachable it
+//! keeps trying; the snapshot it has goes on being served. The thread runs
+//! at the compile threads' lower priority: what it compiles must not slow
+//! the requests this node serves.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::ControlPlane;
+use super::store::{Listener, NodeLoad, NodeRow, now_ms};
+
+/// How often the generation is polled when no announcement wakes the thread.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
+/// How often a node reports itself.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
+/// A node silent this long is listed as not alive.
+pub const ALIVE_WITHIN: Duration = Duration::from_secs(10);
+/// How long to wait before listening again after the listener failed.
+const RELISTEN_AFTER: Duration = Duration::from_secs(2);
+
+/// What a node says about itself, apart from its load.
+#[derive(Debug, Clone)]
+pub struct NodeIdentity {
+    /// `--node-id`.
+    pub id: String,
+    /// `--advertise`, else the listening address.
+    pub address: String,
+    /// Inference devices.
+    pub devices: Vec<String>,
+}
+
+/// Measures a node's load for its heartbeat.
+pub type LoadProbe = Box<dyn Fn() -> NodeLoad + Send>;
+
+/// The running sync thread; stopping it (drop) removes the node's row.
+pub struct SyncHandle {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    control: Arc<ControlPlane>,
+    id: String,
+}
+
+impl SyncHandle {
+    /// Starts the thread (see the module docs); `nice` as `--compile-nice`.
+    pub fn start(control: Arc<ControlPlane>, node: NodeIdentity, load: LoadProbe, nice: i32) -> anyhow::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let id = node.id.clone();
+        let worker = Worker { control: Arc::clone(&control), node, load, stop: Arc::clone(&stop), started_at: now_ms() };
+        let thread = std::thread::Builder::new().name("facegate-sync".into()).spawn(move || {
+            crate::compile::lower_priority(nice);
+            worker.run();
+        })?;
+        Ok(Self { stop, thread: Some(thread), control, id })
+    }
+}
+
+impl Drop for SyncHandle {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        if let Err(e) = self.control.deregister(&self.id) {
+            tracing::debug!(error = %e, "could not remove this node's row");
+        }
+    }
+}
+
+struct Worker {
+    control: Arc<ControlPlane>,
+    node: NodeIdentity,
+    load: LoadProbe,
+    stop: Arc<AtomicBool>,
+    started_at: i64,
+}
+
+impl Worker {
+    fn run(self) {
+        let mut listener: Option<Box<dyn Listener>> = None;
+        let mut listen_again = Instant::now();
+        let mut next_heartbeat = Instant::now();
+        let mut reachable = true;
+        while !self.stop.load(Ordering::Acquire) {
+            if listener.is_none() && Instant::now() >= listen_again {
+                listener = self.listen();
+                listen_again = Instant::now() + RELISTEN_AFTER;
+            }
+            match listener.as_mut().map(|l| l.wait(POLL_INTERVAL)) {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "change listener lost; polling");
+                    listener = None;
+                }
+                None => std::thread::sleep(POLL_INTERVAL),
+            }
+            reachable = self.sync(reachable);
+            if reachable && Instant::now() >= next_heartbeat {
+                self.heartbeat();
+                next_heartbeat = Instant::now() + HEARTBEAT_INTERVAL;
+            }
+        }
+    }
+
+    fn listen(&self) -> Option<Box<dyn Listener>> {
+        match self.control.store_listener()? {
+            Ok(listener) => Some(listener),
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot listen for changes; polling");
+                None
+            }
+        }
+    }
+
+    /// One sync; logs when the store is lost and when it is back. Returns reachability.
+    fn sync(&self, was_reachable: bool) -> bool {
+        match self.control.sync() {
+            Ok(changed) => {
+                if !was_reachable {
+                    tracing::info!(store = self.control.store_name(), "control-plane store reachable again; snapshot caught up");
+                }
+                if changed {
+                    tracing::debug!(generation = self.control.generation(), "snapshot rebuilt after a change made elsewhere");
+                }
+                true
+            }
+            Err(e) => {
+                if was_reachable {
+                    tracing::warn!(store = self.control.store_name(), error = %e, "control-plane store unreachable; serving the last snapshot");
+                }
+                false
+            }
+        }
+    }
+
+    fn heartbeat(&self) {
+        let mut load = (self.load)();
+        load.generation = self.control.generation();
+        let row = NodeRow {
+            id: self.node.id.clone(),
+            address: self.node.address.clone(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            devices: self.node.devices.clone(),
+            load,
+            started_at: self.started_at,
+            heartbeat_at: now_ms(),
+        };
+        if let Err(e) = self.control.heartbeat(&row) {
+            tracing::debug!(error = %e, "heartbeat not recorded");
+        }
+    }
+}

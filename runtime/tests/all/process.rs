@@ -1,0 +1,103 @@
+//! `facegate serve` as a child process, for tests that kill it (SIGKILL),
+//! restart it, or run several nodes at once.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+use reqwest::Method;
+use serde_json::Value;
+
+use crate::harness::{ADMIN_TOKEN, anonymous, client_with_key, engine_config, facegate_home, image};
+
+/// A `facegate serve` process.
+pub struct Server {
+    child: Child,
+    /// Where it listens (data plane and admin API).
+    pub addr: SocketAddr,
+}
+
+impl Server {
+    /// A node with its own SQLite store in `data`.
+    pub fn start(data: &Path) -> Self {
+        Self::start_with(data, &[])
+    }
+
+    /// A node with `data` as its data directory and `extra` arguments (`--store`, `--node-id`).
+    pub fn start_with(data: &Path, extra: &[&str]) -> Self {
+        let engine = engine_config(&facegate_home());
+        let mut child = Command::new(env!("CARGO_BIN_EXE_facegate"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--admin-token", ADMIN_TOKEN, "--max-batch", "1", "--cpu-threads", "1"])
+            .arg("--data-dir")
+            .arg(data)
+            .arg("--model")
+            .arg(&engine.model)
+            .arg("--onnxruntime")
+            .arg(&engine.onnxruntime)
+            .args(extra)
+            .env_remove("FACEGATE_SEED")
+            .env_remove("FACEGATE_STORE")
+            .stdout(Stdio::piped())
+            .env("FACEGATE_LOG", "error")
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines.next().expect("facegate exited before listening").unwrap();
+            if let Some(addr) = line.strip_prefix("facegate listening on http://") {
+                break addr.parse().unwrap();
+            }
+        };
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        Self { child, addr }
+    }
+
+    /// SIGKILL, and wait for it.
+    pub fn kill(mut self) {
+        self.child.kill().unwrap(); // SIGKILL on Unix
+        self.child.wait().unwrap();
+    }
+
+    /// An admin API request to this node.
+    pub fn admin(&self, method: Method, path: &str) -> reqwest::blocking::RequestBuilder {
+        anonymous().request(method, format!("http://{}/admin/v1/{path}", self.addr)).bearer_auth(ADMIN_TOKEN)
+    }
+
+    /// Sends an admin request that must succeed; its JSON answer.
+    pub fn json(&self, request: reqwest::blocking::RequestBuilder) -> Value {
+        let response = request.send().unwrap();
+        let status = response.status();
+        let body = response.text().unwrap();
+        assert!(status.is_success(), "{status}: {body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    /// Calls t/h; returns the status and the version that answered.
+    pub fn call(&self, key: &str) -> (u16, Option<i64>) {
+        let response = client_with_key(key).post(format!("http://{}/v1/t/h", self.addr)).body(image("grace_hopper.jpg")).send().unwrap();
+        let version = response.headers().get("x-facegate-handler-version").map(|v| v.to_str().unwrap().parse().unwrap());
+        (response.status().as_u16(), version)
+    }
+
+    /// Starts an upload of t/h over a raw socket: the head and `sent` bytes of `body`.
+    pub fn start_upload(&self, body: &[u8], sent: usize) -> TcpStream {
+        let mut stream = TcpStream::connect(self.addr).unwrap();
+        let head = format!(
+            "PUT /admin/v1/tenants/t/handlers/h HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).unwrap();
+        stream.write_all(&body[..sent]).unwrap();
+        stream
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
