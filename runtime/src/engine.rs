@@ -12,13 +12,16 @@ use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConf
 /// spinning guest can hold a host thread.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 
-/// Core instances a component may hold (Rust guests use a handful: the main
-/// module, the WASI adapter and its shims).
-const CORE_INSTANCES_PER_COMPONENT: u32 = 20;
-/// Linear memories a component may hold (main module + adapter).
-const MEMORIES_PER_COMPONENT: u32 = 2;
+/// Core instances a component may hold. Rust guests use a handful (the
+/// main module, the WASI adapter and its shims); a Python handler with the
+/// pipeline linked in about 20.
+const CORE_INSTANCES_PER_COMPONENT: u32 = 32;
+/// Linear memories a component may hold: Rust guests have one or two; a
+/// Python or JavaScript handler two, plus the pipeline's. All of them count
+/// against the one per-request memory limit.
+const MEMORIES_PER_COMPONENT: u32 = 4;
 /// Tables a component may hold.
-const TABLES_PER_COMPONENT: u32 = 8;
+const TABLES_PER_COMPONENT: u32 = 16;
 
 /// Limits that shape the engine.
 #[derive(Debug, Clone, Copy)]

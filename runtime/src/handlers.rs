@@ -18,11 +18,8 @@ pub struct Handler {
     pub name: String,
     /// The version being served.
     pub version: i64,
-    /// Whether it was linked with outgoing HTTP.
+    /// Whether its outgoing HTTP requests are sent (the tenant's grant) or denied.
     pub outgoing_http: bool,
-    /// Whether the component imports `wasi:http/outgoing-handler` (it then
-    /// needs the tenant's grant to be served).
-    pub imports_outgoing_http: bool,
     /// The pre-instantiated component.
     pub pre: ProxyPre<RequestState>,
 }
@@ -41,11 +38,7 @@ impl Handler {
         let pre =
             linker.instantiate_pre(component).map_err(|e| format!("the component's imports do not match what facegate provides: {e:#}"))?;
         let pre = ProxyPre::new(pre).map_err(|e| format!("the component's wasi:http/incoming-handler export does not match: {e:#}"))?;
-        let imports_outgoing_http = component
-            .component_type()
-            .imports(linker.engine())
-            .any(|(import, _)| import.starts_with(crate::control::validate::OUTGOING_HTTP));
-        Ok(Self { tenant: tenant.into(), name: name.to_owned(), version, outgoing_http, imports_outgoing_http, pre })
+        Ok(Self { tenant: tenant.into(), name: name.to_owned(), version, outgoing_http, pre })
     }
 }
 

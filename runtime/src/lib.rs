@@ -15,6 +15,7 @@
 
 pub mod bench;
 mod bench_isolation;
+mod bench_languages;
 mod bench_pipeline;
 pub mod cli;
 pub mod compile;
@@ -132,6 +133,7 @@ impl Gateway {
             compile: CompilePool::new(config.compile_threads, config.compile_nice, Duration::from_millis(config.compile_timeout_ms))?,
             weights: config.engine.tenant_weights.iter().cloned().collect(),
             counters,
+            pipeline: read_pipeline(&config.pipeline_component),
         };
         let store = control::store::open(config.store.as_deref(), &config.data_dir)?;
         let control = ControlPlane::open(store, &config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;
@@ -265,6 +267,18 @@ fn print_demo_key(config: &ServeConfig, seeded: &[control::SeededKey], scheme: &
             "try: curl -s -H \"Authorization: Bearer $(cat {})\" --data-binary @runtime/tests/fixtures/images/grace_hopper.jpg {scheme}://{addr}/v1/demo/detect",
             path.display()
         );
+    }
+}
+
+/// The pipeline component's bytes, if the file is there (a warning otherwise:
+/// only handlers that import the pipeline need it).
+fn read_pipeline(path: &std::path::Path) -> Option<Arc<[u8]>> {
+    match std::fs::read(path) {
+        Ok(bytes) => Some(bytes.into()),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "no pipeline component: uploads that import facegate:face-detect/pipeline are refused");
+            None
+        }
     }
 }
 

@@ -60,11 +60,10 @@ pub enum SandboxError {
     Internal(String),
 }
 
-/// The engine, linkers and inference models every request runs against.
+/// The engine, linker and inference models every request runs against.
 pub struct Sandbox {
     engine: Engine,
     linker: Linker<RequestState>,
-    linker_with_http: Linker<RequestState>,
     models: Models,
     hits: Arc<LimitHits>,
 }
@@ -75,9 +74,9 @@ pub struct Sandbox {
 struct DeadlineReached;
 
 impl Sandbox {
-    /// Builds the linkers: WASI (granting nothing by configuration),
-    /// wasi:http types and face-detect; the second one adds outgoing HTTP,
-    /// for tenants granted it.
+    /// Builds the linker: WASI (granting nothing by configuration),
+    /// wasi:http (outgoing requests denied per request unless the tenant is
+    /// granted outgoing HTTP, see [`state::GatewayHooks`]) and face-detect.
     pub fn new(engine: Engine, models: Models) -> wasmtime::Result<Self> {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
@@ -88,12 +87,11 @@ impl Sandbox {
             RequestState::http,
         )?;
         face_detect::add_to_linker(&mut linker, state::face_detect_view)?;
-        let mut linker_with_http = linker.clone();
         wasmtime_wasi_http::p2::bindings::http::outgoing_handler::add_to_linker::<_, wasmtime_wasi_http::WasiHttp>(
-            &mut linker_with_http,
+            &mut linker,
             RequestState::http,
         )?;
-        Ok(Self { engine, linker, linker_with_http, models, hits: Arc::default() })
+        Ok(Self { engine, linker, models, hits: Arc::default() })
     }
 
     /// The per-tenant counters of limit hits.
@@ -106,10 +104,9 @@ impl Sandbox {
         &self.engine
     }
 
-    /// The linker handlers are instantiated with; with `outgoing_http`, the
-    /// one that also links `wasi:http/outgoing-handler`.
-    pub fn linker(&self, outgoing_http: bool) -> &Linker<RequestState> {
-        if outgoing_http { &self.linker_with_http } else { &self.linker }
+    /// The linker handlers are instantiated with.
+    pub fn linker(&self) -> &Linker<RequestState> {
+        &self.linker
     }
 
     /// Runs `request` through `handler` under `limits`, stopping the guest
@@ -169,7 +166,8 @@ impl Sandbox {
         // One budget for all memories and tables; a growth past it traps with
         // a clear reason instead of letting the guest's allocator abort.
         let limiter = InstanceLimiter::new(limits.memory_limit);
-        let mut store = Store::new(&self.engine, RequestState::new(face, limiter, deadline, limits.max_host_resources));
+        let mut store =
+            Store::new(&self.engine, RequestState::new(face, limiter, deadline, limits.max_host_resources, handler.outgoing_http));
         store.limiter(|state| &mut state.limiter);
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(|ctx| {

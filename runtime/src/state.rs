@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
-use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
+use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
 use crate::face_detect::{FaceDetectCtx, FaceDetectView};
 use crate::limiter::InstanceLimiter;
@@ -33,11 +33,42 @@ pub fn host_memory_bound(max_host_resources: usize) -> usize {
     max_host_resources * (FIELD_SIZE_LIMIT.max(BODY_CHUNK_BYTES * (BODY_BUFFER_CHUNKS + 1)))
 }
 
-/// The wasi:http hooks of a request: small body buffers.
+/// The wasi:http hooks of a request: small body buffers, and outgoing
+/// requests denied unless the tenant is granted outgoing HTTP.
 #[derive(Debug, Default)]
-pub struct GatewayHooks;
+pub struct GatewayHooks {
+    /// The tenant's grant.
+    pub outgoing_http: bool,
+}
+
+/// What `send_request` returns (the hook's own signature).
+type SendFuture = Box<
+    dyn std::future::Future<
+            Output = Result<(hyper::Response<WasiBody>, Box<dyn std::future::Future<Output = Result<(), HttpError>> + Send>), HttpError>,
+        > + Send,
+>;
 
 impl WasiHttpHooks for GatewayHooks {
+    /// Without the grant, every outgoing request fails with
+    /// `HTTP-request-denied` (JavaScript components import the interface
+    /// whether or not they use it); with it, the default client sends it.
+    fn send_request(
+        &mut self,
+        request: hyper::Request<WasiBody>,
+        options: Option<RequestOptions>,
+        fut: Box<dyn std::future::Future<Output = Result<(), HttpError>> + Send>,
+    ) -> SendFuture {
+        drop(fut);
+        if !self.outgoing_http {
+            return Box::new(async { Err(HttpError::HttpRequestDenied) });
+        }
+        Box::new(async move {
+            use http_body_util::BodyExt;
+            let (response, io) = wasmtime_wasi_http::default_send_request(request, options).await?;
+            Ok((response.map(BodyExt::boxed_unsync), Box::new(io) as Box<dyn std::future::Future<Output = _> + Send>))
+        })
+    }
+
     fn p2_outgoing_body_buffer_chunks(&mut self) -> usize {
         BODY_BUFFER_CHUNKS
     }
@@ -53,7 +84,7 @@ pub struct RequestState {
     pub table: ResourceTable,
     /// WASI: no preopens, no environment, no sockets, stdio captured.
     pub wasi: WasiCtx,
-    /// wasi:http (incoming side only; outgoing HTTP is not linked).
+    /// wasi:http (outgoing requests denied without the tenant's grant, see [`GatewayHooks`]).
     pub http: WasiHttpCtx,
     /// The face-detect capability.
     pub face_detect: FaceDetectCtx,
@@ -69,8 +100,14 @@ pub struct RequestState {
 
 impl RequestState {
     /// State for one request: a WASI context that grants nothing, a resource
-    /// table of at most `max_host_resources` entries.
-    pub fn new(face_detect: FaceDetectCtx, limiter: InstanceLimiter, deadline: Instant, max_host_resources: usize) -> Self {
+    /// table of at most `max_host_resources` entries, outgoing HTTP as granted.
+    pub fn new(
+        face_detect: FaceDetectCtx,
+        limiter: InstanceLimiter,
+        deadline: Instant,
+        max_host_resources: usize,
+        outgoing_http: bool,
+    ) -> Self {
         let stdio = CappedCapture::new(STDIO_CAPTURE_BYTES);
         let wasi = WasiCtx::builder()
             .stdout(stdio.clone())
@@ -84,7 +121,7 @@ impl RequestState {
         table.set_max_capacity(max_host_resources);
         let mut http = WasiHttpCtx::new();
         http.set_field_size_limit(FIELD_SIZE_LIMIT);
-        Self { table, wasi, http, hooks: GatewayHooks, face_detect, limiter, deadline, stdio }
+        Self { table, wasi, http, hooks: GatewayHooks { outgoing_http }, face_detect, limiter, deadline, stdio }
     }
 }
 
@@ -103,4 +140,16 @@ impl WasiHttpView for RequestState {
 /// Projects the face-detect view (for [`crate::face_detect::add_to_linker`]).
 pub fn face_detect_view(state: &mut RequestState) -> FaceDetectView<'_> {
     FaceDetectView::new(&mut state.face_detect)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn outgoing_requests_are_denied_without_the_grant() {
+        let request = hyper::Request::get("https://example.com/").body(WasiBody::default()).unwrap();
+        let sent = GatewayHooks { outgoing_http: false }.send_request(request, None, Box::new(async { Ok(()) }));
+        assert!(matches!(Box::into_pin(sent).await, Err(HttpError::HttpRequestDenied)));
+    }
 }

@@ -16,11 +16,19 @@ pub struct ThrowawayPostgres {
     dir: PathBuf,
     port: u16,
     run_as: Option<String>,
+    /// Server settings beyond the port and socket (TLS).
+    settings: String,
 }
 
 impl ThrowawayPostgres {
     /// Creates a cluster in a new temporary directory and starts it.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_with_tls(None)
+    }
+
+    /// As [`start`](Self::start), also accepting TLS with this certificate
+    /// chain and key (PEM) when given (plain connections stay allowed).
+    pub fn start_with_tls(tls: Option<(&str, &str)>) -> anyhow::Result<Self> {
         let bin = find_bin_dir()?;
         let dir = std::env::temp_dir().join(format!("facegate-pg-{}-{}", std::process::id(), unique()));
         std::fs::create_dir_all(&dir)?;
@@ -30,8 +38,11 @@ impl ThrowawayPostgres {
             anyhow::ensure!(status.success(), "cannot give {} to the postgres user", dir.display());
         }
         let port = free_port()?;
-        let server = Self { bin, dir, port, run_as };
+        let mut server = Self { bin, dir, port, run_as, settings: String::new() };
         server.run("initdb", &["-D", &server.data(), "-U", "facegate", "--auth=trust", "-E", "UTF8", "--no-sync"])?;
+        if let Some((cert, key)) = tls {
+            server.install_tls(cert, key)?;
+        }
         server.start_again()?;
         server.reap_with_this_process()?;
         Ok(server)
@@ -73,10 +84,30 @@ impl ThrowawayPostgres {
 
     /// Starts it (again) on the same port, waiting until it accepts connections.
     pub fn start_again(&self) -> anyhow::Result<()> {
-        let options =
-            format!("-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200", self.port, self.dir.display());
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200{}",
+            self.port,
+            self.dir.display(),
+            self.settings
+        );
         let log = self.dir.join("server.log").display().to_string();
         self.run("pg_ctl", &["-D", &self.data(), "-o", &options, "-l", &log, "-w", "-t", "30", "start"]).map(drop)
+    }
+
+    /// Writes the certificate and key into the data directory (the key
+    /// private to the server's user, as PostgreSQL insists) and turns TLS on.
+    fn install_tls(&mut self, cert: &str, key: &str) -> anyhow::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let data = self.dir.join("data");
+        std::fs::write(data.join("server.crt"), cert)?;
+        std::fs::write(data.join("server.key"), key)?;
+        std::fs::set_permissions(data.join("server.key"), std::fs::Permissions::from_mode(0o600))?;
+        if self.run_as.is_some() {
+            let status = Command::new("chown").args(["postgres:postgres", "server.crt", "server.key"]).current_dir(&data).status()?;
+            anyhow::ensure!(status.success(), "cannot give the TLS files to the postgres user");
+        }
+        self.settings = " -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key".to_owned();
+        Ok(())
     }
 
     fn data(&self) -> String {

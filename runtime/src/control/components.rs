@@ -17,8 +17,8 @@ use crate::handlers::Handler;
 impl ControlPlane {
     pub(super) fn load_handler(&self, db: &mut dyn Store, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
         let component = self.load_component(db, &active.sha256)?;
-        validate::check_imports(self.sandbox.engine(), &component, &active.tenant, outgoing_http).map_err(StoreError::Conflict)?;
-        Handler::link(self.sandbox.linker(outgoing_http), &component, &active.tenant, &active.handler, active.version, outgoing_http)
+        validate::check_imports(self.sandbox.engine(), &component).map_err(StoreError::Conflict)?;
+        Handler::link(self.sandbox.linker(), &component, &active.tenant, &active.handler, active.version, outgoing_http)
             .map_err(|e| StoreError::Internal(anyhow::anyhow!(e)))
     }
 

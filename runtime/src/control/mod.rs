@@ -11,6 +11,7 @@
 mod api;
 pub mod blobs;
 mod components;
+pub mod compose;
 pub mod keys;
 pub mod limits;
 mod live;
@@ -58,6 +59,8 @@ pub struct ControlSettings {
     pub weights: HashMap<String, u32>,
     /// Per-tenant counters outside the batchers, told when a tenant is deleted.
     pub counters: Vec<Arc<dyn TenantCounters>>,
+    /// The pipeline component (`--pipeline-component`), linked into handlers that import it.
+    pub pipeline: Option<Arc<[u8]>>,
 }
 
 /// The control plane (see the module docs).
@@ -78,6 +81,7 @@ pub struct ControlPlane {
     compile: CompilePool,
     weights: HashMap<String, u32>,
     counters: Vec<Arc<dyn TenantCounters>>,
+    pipeline: Option<Arc<[u8]>>,
     live: RwLock<Arc<Live>>,
 }
 
@@ -91,7 +95,7 @@ impl ControlPlane {
         models: Models,
         settings: ControlSettings,
     ) -> anyhow::Result<Self> {
-        let ControlSettings { defaults, max_instances, compile, weights, counters } = settings;
+        let ControlSettings { defaults, max_instances, compile, weights, counters, pipeline } = settings;
         create_private_dir(data_dir)?;
         if let Err(e) = validate_defaults(&defaults, max_instances) {
             anyhow::bail!(
@@ -119,6 +123,7 @@ impl ControlPlane {
             compile,
             weights,
             counters,
+            pipeline,
             live: RwLock::new(Arc::new(Live::default())),
         };
         control.refresh(&mut **control.db(), Vec::new())?;
@@ -221,9 +226,6 @@ impl ControlPlane {
         let mut overrides = db.tenant(name)?.overrides;
         overrides.merge(patch);
         self.validate_limits(&overrides)?;
-        if !self.defaults.with(&overrides).outgoing_http {
-            self.refuse_if_outgoing_http_needed(name)?;
-        }
         db.set_limits(name, &overrides)?;
         self.refresh(&mut **db, Vec::new())?;
         let row = db.tenant(name)?;
@@ -245,27 +247,6 @@ impl ControlPlane {
             )));
         }
         Ok(())
-    }
-
-    /// Refuses to withdraw outgoing HTTP while an active version imports it.
-    fn refuse_if_outgoing_http_needed(&self, tenant: &str) -> StoreResult<()> {
-        let live = self.live();
-        let mut needing: Vec<&str> = live
-            .tenants
-            .get(tenant)
-            .into_iter()
-            .flat_map(|t| t.handlers.values())
-            .filter(|h| h.imports_outgoing_http)
-            .map(|h| h.name.as_str())
-            .collect();
-        if needing.is_empty() {
-            return Ok(());
-        }
-        needing.sort_unstable();
-        Err(StoreError::Conflict(format!(
-            "active handlers of {tenant:?} import wasi:http/outgoing-handler ({}); activate versions without it first",
-            needing.join(", ")
-        )))
     }
 
     /// Deletes a tenant, its keys and handlers; its requests in flight finish.
@@ -319,26 +300,24 @@ impl ControlPlane {
             tenant: tenant.to_owned(),
             handler: handler.clone(),
             outgoing_http,
-            bytes: bytes.clone(),
+            bytes,
+            pipeline: self.pipeline.clone(),
         };
         let prepared = self.compile.run(move || upload.prepare()).map_err(|e| match e {
             CompileError::TooSlow(_) | CompileError::Busy => StoreError::Busy(e.to_string()),
             CompileError::Failed => StoreError::Internal(anyhow::anyhow!(e)),
         })??;
+        // A grant changed while this compiled: the refresh links it anew (see `refresh`).
         let mut db = self.db();
-        // The grant may have changed while this compiled (outside the lock).
-        if self.defaults.with(&db.tenant(tenant)?.overrides).outgoing_http != outgoing_http {
-            return Err(StoreError::Conflict(format!("tenant {tenant:?}'s outgoing HTTP grant changed during the upload; upload again")));
-        }
-        let sha256 = prepared.sha256;
-        let version = db.add_version(NewVersion { tenant, handler: &handler, sha256: &sha256, component: &bytes, activate })?;
+        let (sha256, component) = (prepared.sha256, prepared.component);
+        let version = db.add_version(NewVersion { tenant, handler: &handler, sha256: &sha256, component: &component, activate })?;
         let mut linked = prepared.linked;
         linked.version = version;
         let preloaded = if activate { vec![Arc::new(linked)] } else { Vec::new() };
         self.refresh(&mut **db, preloaded)?;
         let active_version = db.versions(tenant, &handler)?.1;
         tracing::info!(tenant, handler, version, %sha256, activate, "handler version stored");
-        Ok(Deployed { tenant: tenant.to_owned(), handler, version, sha256, size: bytes.len(), active_version })
+        Ok(Deployed { tenant: tenant.to_owned(), handler, version, sha256, size: component.len(), active_version })
     }
 
     /// A handler's versions.

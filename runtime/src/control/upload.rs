@@ -11,6 +11,7 @@ use wasmtime::component::Component;
 
 use super::blobs::Blobs;
 use super::components::write_artifact;
+use super::compose;
 use super::keys::sha256_hex;
 use super::store::{StoreError, StoreResult};
 use super::validate;
@@ -26,30 +27,49 @@ pub(super) struct Upload {
     pub handler: String,
     pub outgoing_http: bool,
     pub bytes: Bytes,
+    /// The pipeline component, linked into handlers that import it.
+    pub pipeline: Option<Arc<[u8]>>,
 }
 
 /// A validated, linked, stored upload, not yet visible.
 pub(super) struct Prepared {
     /// Linked at version 0; the caller sets the version the row gets.
     pub linked: Handler,
-    /// The component bytes' SHA-256 (hex), their name in the store.
+    /// What is stored and runs: the upload, or the upload with the pipeline linked in.
+    pub component: Bytes,
+    /// Its SHA-256 (hex), its name in the store.
     pub sha256: String,
 }
 
 impl Upload {
-    /// Compiles, validates and links the upload; caches its artifact.
+    /// Links the pipeline in if the upload imports it; compiles, validates
+    /// and links the result; caches its artifact.
     pub fn prepare(self) -> StoreResult<Prepared> {
         let engine = self.sandbox.engine();
+        let bytes = self.with_pipeline()?;
         let component =
-            Component::new(engine, &self.bytes).map_err(|e| StoreError::Invalid(format!("the component does not compile: {e:#}")))?;
-        validate::check_imports(engine, &component, &self.tenant, self.outgoing_http).map_err(StoreError::Invalid)?;
+            Component::new(engine, &bytes).map_err(|e| StoreError::Invalid(format!("the component does not compile: {e:#}")))?;
+        validate::check_imports(engine, &component).map_err(StoreError::Invalid)?;
         validate::check_exports(engine, &component).map_err(StoreError::Invalid)?;
         // Link before storing anything: a component that cannot run is refused.
-        let linker = self.sandbox.linker(self.outgoing_http);
+        let linker = self.sandbox.linker();
         let linked = Handler::link(linker, &component, &self.tenant, &self.handler, 0, self.outgoing_http).map_err(StoreError::Invalid)?;
-        let sha256 = sha256_hex(&self.bytes);
+        let sha256 = sha256_hex(&bytes);
         // The cache is this node's own; nothing refers to it until a version does.
         write_artifact(&self.blobs, &self.engine_id, &sha256, &component)?;
-        Ok(Prepared { linked, sha256 })
+        Ok(Prepared { linked, component: bytes, sha256 })
+    }
+
+    fn with_pipeline(&self) -> StoreResult<Bytes> {
+        if !compose::imports_pipeline(&self.bytes) {
+            return Ok(self.bytes.clone());
+        }
+        let pipeline = self.pipeline.as_ref().ok_or_else(|| {
+            StoreError::Invalid(format!(
+                "the component imports `{}…`, but this gateway has no pipeline component (--pipeline-component)",
+                compose::PIPELINE_INTERFACE
+            ))
+        })?;
+        compose::plug_pipeline(&self.bytes, pipeline).map(Bytes::from).map_err(StoreError::Invalid)
     }
 }

@@ -1,5 +1,6 @@
 //! Upload validation: a component (not a core module) whose imports stay
-//! within the `handler` world and which exports `wasi:http/incoming-handler`.
+//! within the `handler` world (plus the interfaces linked with every use
+//! denied) and which exports `wasi:http/incoming-handler`.
 //! Each refusal names what is wrong.
 
 use wasmtime::Engine;
@@ -19,10 +20,11 @@ pub const ALLOWED_IMPORTS: &[&str] = &[
     // lookup, no address allowed): componentize-py's runtime imports them,
     // and a handler gets `access-denied`, never a socket.
     "wasi:sockets/",
+    // Every request fails with `HTTP-request-denied` unless the tenant is
+    // granted outgoing HTTP (state.rs): JavaScript components import it
+    // whether or not they use it.
+    "wasi:http/outgoing-handler@",
 ];
-
-/// The one import that needs a grant.
-pub const OUTGOING_HTTP: &str = "wasi:http/outgoing-handler@";
 
 /// The export every handler must have.
 pub const INCOMING_HANDLER: &str = "wasi:http/incoming-handler@0.2";
@@ -43,20 +45,12 @@ pub fn check_header(bytes: &[u8]) -> Result<(), String> {
 }
 
 /// Checks every import name against the allowed interfaces.
-pub fn check_imports(engine: &Engine, component: &Component, tenant: &str, outgoing_http: bool) -> Result<(), String> {
+pub fn check_imports(engine: &Engine, component: &Component) -> Result<(), String> {
     let ty = component.component_type();
     for (name, _) in ty.imports(engine) {
-        if ALLOWED_IMPORTS.iter().any(|p| name.starts_with(p)) || (outgoing_http && name.starts_with(OUTGOING_HTTP)) {
-            continue;
+        if !ALLOWED_IMPORTS.iter().any(|p| name.starts_with(p)) {
+            return Err(format!("the component imports `{name}`, which handlers may not use (allowed: {})", ALLOWED_IMPORTS.join(", ")));
         }
-        if name.starts_with(OUTGOING_HTTP) {
-            return Err(format!("the component imports `{name}`, but tenant {tenant:?} is not granted outgoing HTTP"));
-        }
-        return Err(format!(
-            "the component imports `{name}`, which handlers may not use (allowed: {}{})",
-            ALLOWED_IMPORTS.join(", "),
-            if outgoing_http { ", wasi:http/outgoing-handler" } else { "" }
-        ));
     }
     Ok(())
 }

@@ -55,18 +55,13 @@ fn the_admin_api_needs_the_admin_token() {
 fn uploads_that_are_not_handlers_are_refused_and_nothing_is_stored() {
     tenant_with_key("uploads", json!({}));
     let before = stored_components();
-    let cases: [(&str, Vec<u8>, &str); 5] = [
+    let cases: [(&str, Vec<u8>, &str); 4] = [
         ("garbage", b"hello, not wasm".to_vec(), "not a WebAssembly binary"),
         ("core module", wat::parse_str("(module)").unwrap(), "core WebAssembly module"),
         (
             "import outside the world",
             wat::parse_str(r#"(component (import "wasi:keyvalue/store@0.2.0-draft" (instance)))"#).unwrap(),
             "`wasi:keyvalue/store@0.2.0-draft`",
-        ),
-        (
-            "outgoing HTTP not granted",
-            wat::parse_str(r#"(component (import "wasi:http/outgoing-handler@0.2.12" (instance)))"#).unwrap(),
-            "not granted outgoing HTTP",
         ),
         ("no incoming handler", wat::parse_str("(component)").unwrap(), "does not export wasi:http/incoming-handler"),
     ];
@@ -77,11 +72,10 @@ fn uploads_that_are_not_handlers_are_refused_and_nothing_is_stored() {
         assert!(message.contains(expected), "{case}: {message}");
     }
     assert_eq!(stored_components(), before, "a refused upload stores no file");
-    // A tenant granted outgoing HTTP may import the outgoing handler (this
-    // one is still refused, for exporting nothing).
-    tenant_with_key("granted", json!({ "outgoing_http": true }));
+    // Any tenant may import the outgoing handler: without the grant its
+    // requests are denied (this one is still refused, for exporting nothing).
     let bytes = wat::parse_str(r#"(component (import "wasi:http/outgoing-handler@0.2.12" (instance)))"#).unwrap();
-    let (status, body) = upload("granted", "h", bytes, true);
+    let (status, body) = upload("uploads", "h", bytes, true);
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("does not export"), "{body}");
     let (status, _) = admin_json(admin(Method::GET, "tenants/uploads/handlers/h/versions"));

@@ -85,6 +85,7 @@ pub fn config(data_dir: PathBuf, seed: Option<PathBuf>) -> ServeConfig {
     config.max_instances = 64;
     config.max_infer_calls = MAX_INFER_CALLS;
     config.engine = engine_config(&home);
+    config.pipeline_component = guest("pipeline");
     config
 }
 

@@ -14,4 +14,5 @@ mod hostile;
 mod isolation;
 mod process;
 mod restart;
+mod scripts;
 mod tls;

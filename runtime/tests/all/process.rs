@@ -35,6 +35,8 @@ impl Server {
             .arg(&engine.model)
             .arg("--onnxruntime")
             .arg(&engine.onnxruntime)
+            .arg("--pipeline-component")
+            .arg(crate::harness::guest("pipeline"))
             .args(extra)
             .env_remove("FACEGATE_SEED")
             .env_remove("FACEGATE_STORE")

@@ -11,6 +11,7 @@
 //! ([`Store::listener`]). Schemas are versioned; each store applies its
 //! missing migrations when opened.
 
+mod pg_connect;
 pub mod postgres;
 pub mod sqlite;
 

@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use fallible_iterator::FallibleIterator;
 use postgres::error::SqlState;
-use postgres::{Client, Config, NoTls};
+use postgres::{Client, Config};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
     ActiveHandler, ActiveKeyRow, KeyRow, Listener, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow, VersionRow, now,
@@ -87,21 +88,22 @@ CREATE TRIGGER versions_changed AFTER INSERT OR UPDATE OR DELETE ON versions FOR
 /// The PostgreSQL store (see the module docs).
 pub struct PgStore {
     config: Config,
+    tls: MakeRustlsConnect,
     described: String,
     client: Option<Client>,
 }
 
 impl PgStore {
-    /// Connects to `url` and applies missing migrations.
+    /// Connects to `url` (see [`pg_connect`](super::pg_connect) for TLS) and applies missing migrations.
     pub fn open(url: &str) -> anyhow::Result<Self> {
-        let mut config: Config = url.parse().map_err(|e| anyhow::anyhow!("bad --store URL: {e}"))?;
+        let (mut config, tls) = super::pg_connect::connector(url)?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_secs(3));
         }
         config.keepalives(true).keepalives_idle(Duration::from_secs(10));
         config.application_name("facegate");
         let described = describe(&config);
-        let mut store = Self { config, described, client: None };
+        let mut store = Self { config, tls, described, client: None };
         store.with(migrate).map_err(|e| anyhow::anyhow!("{}: {e}", store.described))?;
         Ok(store)
     }
@@ -109,10 +111,10 @@ impl PgStore {
     /// Runs `f` with a connected client, off the gateway's runtime; a
     /// connection found closed is dropped, to be reopened by the next call.
     fn with<T: Send>(&mut self, f: impl FnOnce(&mut Client) -> StoreResult<T> + Send) -> StoreResult<T> {
-        let Self { config, client, .. } = self;
+        let Self { config, tls, client, .. } = self;
         off_runtime(move || {
             if client.as_ref().is_none_or(Client::is_closed) {
-                *client = Some(config.connect(NoTls).map_err(db_error)?);
+                *client = Some(config.connect(tls.clone()).map_err(db_error)?);
             }
             let connected = client.as_mut().ok_or_else(|| StoreError::Unavailable("not connected".into()))?;
             let result = f(connected);
@@ -169,12 +171,24 @@ fn describe(config: &Config) -> String {
 /// the database is unavailable; anything else is a failure.
 fn db_error(e: postgres::Error) -> StoreError {
     if e.is_closed() || e.as_db_error().is_none() {
-        return StoreError::Unavailable(e.to_string());
+        return StoreError::Unavailable(with_causes(&e));
     }
     if e.code() == Some(&SqlState::ADMIN_SHUTDOWN) || e.code() == Some(&SqlState::CANNOT_CONNECT_NOW) {
-        return StoreError::Unavailable(e.to_string());
+        return StoreError::Unavailable(with_causes(&e));
     }
     StoreError::Internal(e.into())
+}
+
+/// The error and its causes ("error performing TLS handshake: invalid peer certificate: UnknownIssuer").
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(inner) = cause {
+        text.push_str(": ");
+        text.push_str(&inner.to_string());
+        cause = inner.source();
+    }
+    text
 }
 
 fn migrate(client: &mut Client) -> StoreResult<()> {
@@ -213,9 +227,9 @@ impl Store for PgStore {
     }
 
     fn listener(&self) -> Option<anyhow::Result<Box<dyn Listener>>> {
-        let config = self.config.clone();
+        let (config, tls) = (self.config.clone(), self.tls.clone());
         Some(off_runtime(move || {
-            let mut client = config.connect(NoTls)?;
+            let mut client = config.connect(tls)?;
             client.batch_execute(&format!("LISTEN {CHANNEL}"))?;
             Ok(Box::new(PgListener { client }) as Box<dyn Listener>)
         }))

@@ -4,6 +4,7 @@
 
 use std::sync::OnceLock;
 
+use super::pg_connect;
 use super::*;
 use crate::control::keys::sha256_hex;
 use crate::throwaway_pg::ThrowawayPostgres;
@@ -181,4 +182,38 @@ fn a_lost_postgres_is_unavailable_not_a_failure() {
     let url = "postgres://facegate@127.0.0.1:1/none?connect_timeout=1";
     let error = postgres::PgStore::open(url).err().unwrap().to_string();
     assert!(error.contains("unreachable"), "{error}");
+}
+
+/// A CA, and a server certificate it signed for `localhost` and 127.0.0.1: (CA PEM, server cert PEM, server key PEM).
+fn certificates() -> (String, String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap().signed_by(&key, &ca).unwrap();
+    (ca.pem(), cert.pem(), key.serialize_pem())
+}
+
+#[test]
+fn postgres_over_tls_is_verified_against_the_given_ca() {
+    let (ca, cert, key) = certificates();
+    let server = ThrowawayPostgres::start_with_tls(Some((&cert, &key))).unwrap();
+    let ca_file = std::env::temp_dir().join(format!("facegate-pg-ca-{}.pem", std::process::id()));
+    std::fs::write(&ca_file, ca).unwrap();
+    let verified = format!("{}?sslmode=verify-full&sslrootcert={}", server.url(), ca_file.display());
+
+    let mut store = postgres::PgStore::open(&verified).unwrap();
+    store.create_tenant("acme", &LimitOverrides::default()).unwrap();
+    let (config, tls) = pg_connect::connector(&verified).unwrap();
+    let mut client = config.connect(tls).unwrap();
+    let ssl: bool = client.query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", &[]).unwrap().get(0);
+    assert!(ssl, "the connection is encrypted");
+
+    let unknown_ca = format!("{}?sslmode=require", server.url());
+    let error = postgres::PgStore::open(&unknown_ca).err().unwrap().to_string();
+    assert!(error.contains("certificate") || error.contains("UnknownIssuer"), "a server the roots do not vouch for is refused: {error}");
+    let plain = format!("{}?sslmode=disable", server.url());
+    assert_eq!(postgres::PgStore::open(&plain).unwrap().tenants().unwrap().len(), 1, "plain TCP when asked for");
+    std::fs::remove_file(ca_file).unwrap();
 }

@@ -1,0 +1,186 @@
+//! Handlers in Python and JavaScript: the examples in guests/python and
+//! guests/js are built from source with the project's build commands
+//! (deploy/scripts/build-python.sh, build-js.sh), deployed through the admin
+//! API — the gateway links the pipeline component into them — and called.
+//! They find the faces the Rust `detect` finds, refuse bad input with the
+//! Rust example's statuses and JSON, and are stopped like Rust handlers when
+//! they loop or grow memory without bound.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
+
+use reqwest::Method;
+use serde_json::{Value, json};
+
+use crate::harness::{REQUEST_TIMEOUT_MS, admin, admin_json, client_with_key, image, root, url};
+use crate::isolation::{one_instance_bound, under_attack};
+
+const LANGUAGES: [(&str, &str); 2] = [("python", "py"), ("js", "js")];
+
+/// Builds `guests/<language>/<example>` once per test run; returns the component and how long the build took.
+fn built(language: &str, example: &str) -> PathBuf {
+    static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
+    let key = format!("{language}-{example}");
+    let mut built = BUILT.get_or_init(Default::default).lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(path) = built.get(&key) {
+        return path.clone();
+    }
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("scripts-{}/{key}.wasm", std::process::id()));
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    let script = root().join(format!("deploy/scripts/build-{language}.sh"));
+    let started = Instant::now();
+    let output = Command::new(&script).arg(root().join("guests").join(language).join(example)).arg(&out).output().unwrap();
+    assert!(
+        output.status.success(),
+        "{} failed:\n{}\n{}",
+        script.display(),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    eprintln!("built {key}: {} KiB in {:?}", std::fs::metadata(&out).unwrap().len() >> 10, started.elapsed());
+    built.insert(key, out.clone());
+    out
+}
+
+/// Tenant `scripts` (created once, with a key), serving the built examples as `<example>-<suffix>`.
+fn deployed(language: &str, suffix: &str, example: &str) -> String {
+    static KEY: OnceLock<String> = OnceLock::new();
+    let key = KEY.get_or_init(|| {
+        let (status, body) = admin_json(admin(Method::POST, "tenants").json(&json!({ "name": "scripts" })));
+        assert!(status == 201 || status == 409, "{status} {body}");
+        let (status, body) = admin_json(admin(Method::POST, "tenants/scripts/keys"));
+        assert_eq!(status, 201, "{body}");
+        body["key"].as_str().unwrap().to_owned()
+    });
+    static DEPLOYED: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
+    let handler = format!("{example}-{suffix}");
+    let mut deployed = DEPLOYED.get_or_init(Default::default).lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !deployed.contains(&handler) {
+        let bytes = std::fs::read(built(language, example)).unwrap();
+        let started = Instant::now();
+        let (status, body) = admin_json(admin(Method::PUT, &format!("tenants/scripts/handlers/{handler}")).body(bytes));
+        assert_eq!(status, 201, "deploying {handler}: {body}");
+        eprintln!("deployed {handler} ({} KiB linked) in {:?}", body["size"].as_u64().unwrap_or(0) >> 10, started.elapsed());
+        deployed.push(handler);
+    }
+    key.clone()
+}
+
+fn call(key: &str, handler: &str, method: Method, query: &str, body: Vec<u8>) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    let response = client_with_key(key).request(method, url(&format!("/v1/{handler}?{query}"))).body(body).send().unwrap();
+    let status = response.status().as_u16();
+    let headers = response.headers().iter().map(|(n, v)| (n.as_str().to_owned(), v.to_str().unwrap_or_default().to_owned())).collect();
+    (status, headers, response.bytes().unwrap().to_vec())
+}
+
+fn boxes(body: &[u8]) -> Vec<[f64; 4]> {
+    let json: Value = serde_json::from_slice(body).unwrap();
+    json["faces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            let v: Vec<f64> = f["box"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+            [v[0], v[1], v[2], v[3]]
+        })
+        .collect()
+}
+
+fn iou(a: &[f64; 4], b: &[f64; 4]) -> f64 {
+    let w = (a[2].min(b[2]) - a[0].max(b[0])).max(0.0);
+    let h = (a[3].min(b[3]) - a[1].max(b[1])).max(0.0);
+    let area = |r: &[f64; 4]| (r[2] - r[0]) * (r[3] - r[1]);
+    w * h / (area(a) + area(b) - w * h)
+}
+
+fn rust_key() -> String {
+    crate::harness::key("demo")
+}
+
+#[test]
+fn python_and_javascript_detect_find_the_faces_the_rust_detect_finds() {
+    for (language, suffix) in LANGUAGES {
+        let key = deployed(language, suffix, "detect");
+        for name in ["grace_hopper.jpg", "city.jpg", "astronaut.png"] {
+            let (status, _, rust) = call(&rust_key(), "demo/detect", Method::POST, "", image(name));
+            assert_eq!(status, 200);
+            let (status, headers, script) = call(&key, &format!("scripts/detect-{suffix}"), Method::POST, "", image(name));
+            assert_eq!(status, 200, "{language} {name}: {}", String::from_utf8_lossy(&script));
+            assert!(headers.iter().any(|(n, v)| n == "content-type" && v == "application/json"), "{headers:?}");
+            let (want, got) = (boxes(&rust), boxes(&script));
+            assert_eq!(got.len(), want.len(), "{language} {name}: same count");
+            for b in &want {
+                let best = got.iter().map(|g| iou(b, g)).fold(0.0, f64::max);
+                assert!(best >= 0.9, "{language} {name}: {b:?} best IoU {best}");
+            }
+        }
+    }
+}
+
+#[test]
+fn python_and_javascript_blur_answer_as_the_rust_blur() {
+    for (language, suffix) in LANGUAGES {
+        let key = deployed(language, suffix, "blur");
+        let (status, rust_headers, _) = call(&rust_key(), "demo/blur", Method::POST, "", image("city.jpg"));
+        assert_eq!(status, 200);
+        let (status, headers, body) = call(&key, &format!("scripts/blur-{suffix}"), Method::POST, "", image("city.jpg"));
+        assert_eq!(status, 200, "{language}: {}", String::from_utf8_lossy(&body));
+        let header = |h: &[(String, String)], name: &str| h.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        assert_eq!(header(&headers, "content-type").as_deref(), Some("image/jpeg"));
+        assert_eq!(header(&headers, "x-faces"), header(&rust_headers, "x-faces"), "{language}: as many faces blurred");
+        assert!(body.starts_with(&[0xff, 0xd8]), "{language}: a JPEG");
+    }
+}
+
+#[test]
+fn bad_input_gets_the_rust_statuses_and_json() {
+    let truncated = image("grace_hopper.jpg")[..2000].to_vec();
+    let cases: Vec<(&str, Method, &str, Vec<u8>)> = vec![
+        ("empty body", Method::POST, "", Vec::new()),
+        ("not an image", Method::POST, "", b"hello, this is text".to_vec()),
+        ("truncated JPEG", Method::POST, "", truncated),
+        ("bad threshold", Method::POST, "threshold=7", image("grace_hopper.jpg")),
+        ("bad size", Method::POST, "size=100", image("grace_hopper.jpg")),
+        ("GET", Method::GET, "", Vec::new()),
+    ];
+    for (language, suffix) in LANGUAGES {
+        let key = deployed(language, suffix, "detect");
+        for (what, method, query, body) in &cases {
+            let (rust_status, rust_headers, rust_body) = call(&rust_key(), "demo/detect", method.clone(), query, body.clone());
+            let (status, headers, script_body) = call(&key, &format!("scripts/detect-{suffix}"), method.clone(), query, body.clone());
+            assert!(rust_status >= 400, "{what}: {rust_status}");
+            assert_eq!(status, rust_status, "{language} {what}: {}", String::from_utf8_lossy(&script_body));
+            assert_eq!(
+                serde_json::from_slice::<Value>(&script_body).unwrap()["error"],
+                serde_json::from_slice::<Value>(&rust_body).unwrap()["error"],
+                "{language} {what}: the same code and message"
+            );
+            let allow = |h: &[(String, String)]| h.iter().find(|(n, _)| n == "allow").map(|(_, v)| v.clone());
+            assert_eq!(allow(&headers), allow(&rust_headers), "{language} {what}");
+        }
+    }
+}
+
+#[test]
+fn runaway_python_and_javascript_handlers_are_stopped() {
+    for (language, suffix) in LANGUAGES {
+        let key = deployed(language, suffix, "hostile");
+        let handler = format!("scripts/hostile-{suffix}");
+        let (status, _, body) = call(&key, &handler, Method::POST, "", Vec::new());
+        assert_eq!(status, 200, "{language}: the hostile program answers when not attacking: {}", String::from_utf8_lossy(&body));
+        for (attack, want_status, want_code) in [("loop", 504, "handler_timeout"), ("memory", 500, "handler_trapped")] {
+            let observed = under_attack(1, || {
+                let started = Instant::now();
+                let response = client_with_key(&key).post(url(&format!("/v1/{handler}?attack={attack}"))).send().unwrap();
+                (response.status().as_u16(), response.json::<Value>().unwrap_or(Value::Null), started.elapsed())
+            });
+            observed.assert_isolated(one_instance_bound());
+            let (status, body, elapsed) = observed.attack.into_iter().next().unwrap();
+            assert_eq!((status, body["error"]["code"].as_str()), (want_status, Some(want_code)), "{language} {attack}: {body}");
+            assert!(elapsed.as_millis() < u128::from(REQUEST_TIMEOUT_MS) + 2_000, "{language} {attack}: {elapsed:?}");
+        }
+    }
+}
