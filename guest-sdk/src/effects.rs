@@ -1,10 +1,13 @@
 //! What handlers do with faces besides listing them: blur them, crop them.
 
+use std::time::Instant;
+
 use ::image::imageops;
 
 use crate::centerface::Face;
-use crate::http::{HttpError, Query};
-use crate::image::RgbImage;
+use crate::http::{HttpError, Query, Request, Response};
+use crate::image::{RgbImage, encode_jpeg};
+use crate::{DetectOptions, Error, detect};
 
 /// Output settings shared by the image-producing handlers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -22,6 +25,24 @@ impl OutputOptions {
         let margin = query.parse_or("margin", default_margin, "a number from 0 to 1", |m| (0.0..=1.0).contains(&m))?;
         Ok(Self { quality, margin })
     }
+}
+
+/// The `blur` answer: detect (query `threshold`, `max_faces`, `size`), blur
+/// every face grown by `margin` (default 0.1), encode as JPEG (`quality`);
+/// `image/jpeg` with `X-Faces` (the count) and `Server-Timing`. The Rust
+/// example `guests/blur` and the pipeline component both answer with it.
+pub fn blur_response(request: &Request) -> Result<Response, Error> {
+    let query = request.query();
+    let options = DetectOptions::from_query(query)?;
+    let OutputOptions { quality, margin } = OutputOptions::from_query(query, 0.1)?;
+    let mut detection = detect(request.image_bytes()?, &options)?;
+    let start = Instant::now();
+    blur_faces(&mut detection.image, &detection.faces, margin);
+    let jpeg = encode_jpeg(&detection.image, quality)?;
+    let timing = format!("{}, blur_encode;dur={:.2}", detection.timings.server_timing(), start.elapsed().as_secs_f64() * 1000.0);
+    Ok(Response::bytes(200, "image/jpeg", jpeg)
+        .with_header("x-faces", detection.faces.len().to_string())
+        .with_header("server-timing", timing))
 }
 
 /// A pixel rectangle inside an image: `x, y` top-left, `width × height`.

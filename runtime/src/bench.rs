@@ -86,6 +86,11 @@ pub struct BenchConfig {
     #[arg(long)]
     pub only: Option<String>,
 
+    /// The component the `--suite isolation` upload attack uploads (default:
+    /// the seed's `demo/detect.wasm`; e.g. `demo/detect-py.wasm`, 18 MB).
+    #[arg(long)]
+    pub upload_component: Option<PathBuf>,
+
     /// Gateway settings (handlers directory, limits) for the in-process gateway.
     #[command(flatten)]
     pub serve: BenchServe,

@@ -57,7 +57,8 @@ enum Attack {
 /// Runs the suite and prints its table.
 pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> anyhow::Result<()> {
     let seed = seed_with_attacker(&config.serve.seed_dir, &config.hostile)?;
-    let component = Bytes::from(std::fs::read(seed.join("demo/detect.wasm")).context("the seed has no demo/detect.wasm")?);
+    let upload = config.upload_component.clone().unwrap_or_else(|| seed.join("demo/detect.wasm"));
+    let component = Bytes::from(std::fs::read(&upload).with_context(|| format!("reading {}", upload.display()))?);
     let models = crate::load_models(&config.serve.engine)?;
     // The defaults a production gateway runs with, not the bench's wide-open ones.
     let (addr, keys, _server) = start_seeded(&seed, &config.serve.engine, models.clone(), STORE_LABEL, |c| {

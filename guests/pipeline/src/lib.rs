@@ -5,17 +5,14 @@
 //! deploy time; it runs in the handler's sandbox.
 //!
 //! Its answers are the Rust examples': `detect` is `guests/detect`, `blur`
-//! is `guests/blur`, errors are `Response::error` of the SDK — the same
-//! statuses, codes, messages and headers.
+//! is the SDK's `blur_response` (as `guests/blur`), errors are
+//! `Response::error` of the SDK — the same statuses, codes, messages and headers.
 
 #![allow(unsafe_code, reason = "wit-bindgen generates the canonical ABI glue")]
 
-use std::time::Instant;
-
-use facegate_guest_sdk::effects::{OutputOptions, blur_faces};
+use facegate_guest_sdk::effects::blur_response;
 use facegate_guest_sdk::http::{DEFAULT_MAX_BODY_BYTES, HttpError, check_method};
-use facegate_guest_sdk::image::encode_jpeg;
-use facegate_guest_sdk::{DetectOptions, Error, Request, Response, detect, detect_faces};
+use facegate_guest_sdk::{DetectOptions, Error, Request, Response, detect_faces};
 
 mod bindings {
     #![allow(missing_docs, reason = "bindgen-generated code")]
@@ -48,7 +45,7 @@ impl Guest for Provider {
     }
 
     fn blur(request: ImageRequest) -> Reply {
-        answer(request, blur)
+        answer(request, |request| blur_response(&request))
     }
 
     fn parse_options(query: String) -> Result<Options, Failure> {
@@ -80,21 +77,6 @@ impl Guest for Provider {
 }
 
 bindings::export!(Provider with_types_in bindings);
-
-/// What `guests/blur` answers.
-fn blur(request: Request) -> Result<Response, Error> {
-    let query = request.query();
-    let options = DetectOptions::from_query(query)?;
-    let OutputOptions { quality, margin } = OutputOptions::from_query(query, 0.1)?;
-    let mut detection = detect(request.image_bytes()?, &options)?;
-    let start = Instant::now();
-    blur_faces(&mut detection.image, &detection.faces, margin);
-    let jpeg = encode_jpeg(&detection.image, quality)?;
-    let timing = format!("{}, blur_encode;dur={:.2}", detection.timings.server_timing(), start.elapsed().as_secs_f64() * 1000.0);
-    Ok(Response::bytes(200, "image/jpeg", jpeg)
-        .with_header("x-faces", detection.faces.len().to_string())
-        .with_header("server-timing", timing))
-}
 
 /// Checks the request as the SDK's `serve` does (method, then size), runs
 /// `handle`, and turns an error into the SDK's JSON error.
