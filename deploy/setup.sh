@@ -24,6 +24,11 @@ CENTERFACE_SHA256=09189deaaf8646c5c51a68447e3c744ea1e211798155d4728c20507b9f5aef
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 sha_ok() { [ -f "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$2" ]; }
 
+have_node20() {
+  command -v npm >/dev/null && command -v node >/dev/null &&
+    [ "$(node -p 'process.versions.node.split(".")[0]')" -ge 20 ]
+}
+
 have_rustup_wasip2() {
   command -v rustup >/dev/null && rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2
 }
@@ -108,7 +113,9 @@ build() {
   log "building the Python and JavaScript example handlers"
   for example in detect blur; do
     deploy/scripts/build-python.sh "guests/python/$example" "$HOME_DIR/handlers/demo/$example-py.wasm"
-    deploy/scripts/build-js.sh "guests/js/$example" "$HOME_DIR/handlers/demo/$example-js.wasm"
+    if have_node20; then
+      deploy/scripts/build-js.sh "guests/js/$example" "$HOME_DIR/handlers/demo/$example-js.wasm"
+    fi
   done
 }
 
@@ -117,7 +124,12 @@ python_venv
 install_onnxruntime
 install_model
 # componentize-py, componentize-js (pinned) for handlers in Python and JavaScript.
-deploy/scripts/install-script-toolchains.sh
+deploy/scripts/install-script-toolchains.sh python
+if have_node20; then
+  deploy/scripts/install-script-toolchains.sh js
+else
+  log "Node.js >= 20 with npm not found: JavaScript handlers will not build (Python and Rust ones will)"
+fi
 if [ "${1:-}" != "--no-build" ]; then
   build
 fi

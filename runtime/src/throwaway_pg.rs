@@ -54,11 +54,11 @@ impl ThrowawayPostgres {
     fn reap_with_this_process(&self) -> anyhow::Result<()> {
         let pg_ctl = self.bin.join("pg_ctl");
         let stop = match &self.run_as {
-            Some(user) => format!("runuser -u {user} -- {} -D {} -m immediate stop", pg_ctl.display(), self.data()),
-            None => format!("{} -D {} -m immediate stop", pg_ctl.display(), self.data()),
+            Some(user) => format!("runuser -u {user} -- '{}' -D '{}' -m immediate stop", pg_ctl.display(), self.data()),
+            None => format!("'{}' -D '{}' -m immediate stop", pg_ctl.display(), self.data()),
         };
         let script = format!(
-            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {stop} >/dev/null 2>&1; rm -rf {dir}",
+            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {stop} >/dev/null 2>&1; rm -rf '{dir}'",
             pid = std::process::id(),
             dir = self.dir.display()
         );

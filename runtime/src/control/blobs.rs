@@ -76,14 +76,16 @@ impl Blobs {
         Ok(bytes)
     }
 
-    /// Where a component with this hash lives.
+    /// Where a component with this hash lives. A name that is not a SHA-256
+    /// in hex (from a damaged or hostile database row) maps to a path that
+    /// never exists, never outside the directory.
     pub fn component_path(&self, sha: &str) -> PathBuf {
-        self.components_dir().join(format!("{sha}.wasm"))
+        self.components_dir().join(format!("{}.wasm", hex_name(sha)))
     }
 
     /// Where the artifact of a component, compiled by an engine with this identity, lives.
     pub fn artifact_path(&self, component_sha: &str, engine: &str) -> PathBuf {
-        self.compiled_dir().join(format!("{component_sha}-{engine}.cwasm"))
+        self.compiled_dir().join(format!("{}-{}.cwasm", hex_name(component_sha), hex_name(engine)))
     }
 
     fn components_dir(&self) -> PathBuf {
@@ -112,6 +114,15 @@ impl Blobs {
             let _ = fs::remove_file(&tmp);
         }
         result.with_context(|| format!("cannot write {}", dest.display()))
+    }
+}
+
+/// `name` if it is lower-case hex (a hash, an engine id), else a name no file has.
+fn hex_name(name: &str) -> &str {
+    if !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        name
+    } else {
+        "invalid-name"
     }
 }
 
@@ -150,12 +161,13 @@ mod tests {
     fn cached_artifacts_are_checked_against_their_recorded_hash() {
         let dir = temp_dir("artifact");
         let blobs = Blobs::open(&dir).unwrap();
-        assert!(blobs.artifact("aa", "engine").unwrap().is_none(), "nothing cached yet");
-        blobs.put_artifact("aa", "engine", b"native code").unwrap();
-        assert_eq!(blobs.artifact("aa", "engine").unwrap().unwrap(), b"native code");
-        assert!(blobs.artifact("aa", "other-engine").unwrap().is_none(), "keyed by the engine");
-        fs::write(blobs.artifact_path("aa", "engine"), b"native cod3").unwrap();
-        assert!(blobs.artifact("aa", "engine").is_err(), "a changed artifact is refused");
+        assert!(blobs.artifact("aa", "e1").unwrap().is_none(), "nothing cached yet");
+        blobs.put_artifact("aa", "e1", b"native code").unwrap();
+        assert_eq!(blobs.artifact("aa", "e1").unwrap().unwrap(), b"native code");
+        assert!(blobs.artifact("aa", "0ee").unwrap().is_none(), "keyed by the engine");
+        assert!(blobs.artifact_path("../../etc/passwd", "e1").starts_with(dir.join("compiled")), "no path escapes the cache");
+        fs::write(blobs.artifact_path("aa", "e1"), b"native cod3").unwrap();
+        assert!(blobs.artifact("aa", "e1").is_err(), "a changed artifact is refused");
         fs::remove_dir_all(dir).unwrap();
     }
 

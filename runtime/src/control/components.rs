@@ -36,7 +36,10 @@ impl ControlPlane {
         }
         let bytes = db.component(sha256)?;
         let component = Component::new(engine, &bytes).map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
-        write_artifact(&self.blobs, &self.engine_id, sha256, &component)?;
+        // The cache only saves the next compile: a full disk must not stop serving.
+        if let Err(e) = write_artifact(&self.blobs, &self.engine_id, sha256, &component) {
+            tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached");
+        }
         Ok(component)
     }
 }

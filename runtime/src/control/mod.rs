@@ -158,9 +158,11 @@ impl ControlPlane {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// A listener for change announcements, if the store has them.
+    /// A listener for change announcements, if the store has them; it
+    /// connects after the store's lock is released.
     pub fn store_listener(&self) -> Option<anyhow::Result<Box<dyn store::Listener>>> {
-        self.db().listener()
+        let source = self.db().listener()?;
+        Some(source())
     }
 
     /// Records this node's heartbeat; forgets nodes silent for an hour.
@@ -215,7 +217,7 @@ impl ControlPlane {
         self.validate_limits(overrides)?;
         let mut db = self.db();
         db.create_tenant(&name, overrides)?;
-        self.refresh(&mut **db, Vec::new())?;
+        self.refresh_after_commit(&mut **db, Vec::new());
         let row = db.tenant(&name)?;
         self.tenant_info(&mut **db, row)
     }
@@ -227,7 +229,7 @@ impl ControlPlane {
         overrides.merge(patch);
         self.validate_limits(&overrides)?;
         db.set_limits(name, &overrides)?;
-        self.refresh(&mut **db, Vec::new())?;
+        self.refresh_after_commit(&mut **db, Vec::new());
         let row = db.tenant(name)?;
         self.tenant_info(&mut **db, row)
     }
@@ -253,7 +255,8 @@ impl ControlPlane {
     pub fn delete_tenant(&self, name: &str) -> StoreResult<()> {
         let mut db = self.db();
         db.delete_tenant(name)?;
-        self.refresh(&mut **db, Vec::new())
+        self.refresh_after_commit(&mut **db, Vec::new());
+        Ok(())
     }
 
     /// Creates an API key for `tenant`.
@@ -261,7 +264,7 @@ impl ControlPlane {
         let NewKey { id, key, secret_sha256 } = keys::generate()?;
         let mut db = self.db();
         let created_at = db.insert_key(tenant, &id, &secret_sha256)?;
-        self.refresh(&mut **db, Vec::new())?;
+        self.refresh_after_commit(&mut **db, Vec::new());
         Ok(CreatedKey { tenant: tenant.to_owned(), id, key, created_at })
     }
 
@@ -274,7 +277,8 @@ impl ControlPlane {
     pub fn revoke_key(&self, tenant: &str, id: &str) -> StoreResult<()> {
         let mut db = self.db();
         db.revoke_key(tenant, id)?;
-        self.refresh(&mut **db, Vec::new())
+        self.refresh_after_commit(&mut **db, Vec::new());
+        Ok(())
     }
 
     /// Whether uploads are refused as busy now (see [`CompilePool::is_full`]).
@@ -314,8 +318,9 @@ impl ControlPlane {
         let mut linked = prepared.linked;
         linked.version = version;
         let preloaded = if activate { vec![Arc::new(linked)] } else { Vec::new() };
-        self.refresh(&mut **db, preloaded)?;
-        let active_version = db.versions(tenant, &handler)?.1;
+        self.refresh_after_commit(&mut **db, preloaded);
+        // Stored: what is active follows from the upload (no second read that could fail now).
+        let active_version = if activate { Some(version) } else { db.versions(tenant, &handler).map(|v| v.1).unwrap_or(None) };
         tracing::info!(tenant, handler, version, %sha256, activate, "handler version stored");
         Ok(Deployed { tenant: tenant.to_owned(), handler, version, sha256, size: component.len(), active_version })
     }
@@ -349,9 +354,19 @@ impl ControlPlane {
         let active = ActiveHandler { tenant: tenant.to_owned(), handler: handler.to_owned(), version, sha256: row.sha256.clone() };
         let loaded = self.load_handler(db, &active, outgoing_http)?;
         let previous_version = db.activate(tenant, handler, version)?;
-        self.refresh(db, vec![Arc::new(loaded)])?;
+        self.refresh_after_commit(db, vec![Arc::new(loaded)]);
         tracing::info!(tenant, handler, version, ?previous_version, "handler version activated");
         Ok(Activated { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version: version, previous_version })
+    }
+
+    /// After a change is committed: the change stands whatever happens next,
+    /// so a snapshot that cannot be rebuilt now (the store went away) is
+    /// logged, not reported as the change failing; the sync thread retries
+    /// (the generation it holds is still the old one).
+    fn refresh_after_commit(&self, db: &mut dyn Store, preloaded: Vec<Arc<Handler>>) {
+        if let Err(e) = self.refresh(db, preloaded) {
+            tracing::warn!(error = %e, "change stored; the snapshot follows when the store answers again");
+        }
     }
 
     /// Builds a new snapshot from the database and swaps it in. Handlers
@@ -398,8 +413,15 @@ impl ControlPlane {
                 None => match self.load_handler(db, &active, outgoing_http) {
                     Ok(handler) => Arc::new(handler),
                     Err(e) => {
-                        tracing::error!(tenant = %active.tenant, handler = %active.handler, version = active.version, error = %e, "cannot load handler; it is not served");
-                        continue;
+                        // The version being served stays (if its grant did not change); a change made elsewhere
+                        // that this node cannot load must not take the handler away.
+                        let kept =
+                            old.handler(&active.tenant, &active.handler).map(|(_, h)| h).filter(|h| h.outgoing_http == outgoing_http);
+                        tracing::error!(tenant = %active.tenant, handler = %active.handler, version = active.version, kept = ?kept.map(|h| h.version), error = %e, "cannot load handler version");
+                        match kept {
+                            Some(handler) => Arc::clone(handler),
+                            None => continue,
+                        }
                     }
                 },
             };

@@ -22,8 +22,10 @@ use super::store::{Listener, NodeLoad, NodeRow, now_ms};
 pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
 /// How often a node reports itself.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
-/// A node silent this long is listed as not alive.
-pub const ALIVE_WITHIN: Duration = Duration::from_secs(10);
+/// A node silent this long is listed as not alive. Generous: the sync
+/// thread sends no heartbeat while it compiles what another node deployed
+/// (an 18 MB Python handler takes about 10 s on a busy 2-core machine).
+pub const ALIVE_WITHIN: Duration = Duration::from_secs(30);
 /// How long to wait before listening again after the listener failed.
 const RELISTEN_AFTER: Duration = Duration::from_secs(2);
 

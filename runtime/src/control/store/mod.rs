@@ -157,6 +157,9 @@ pub trait Listener: Send {
     fn wait(&mut self, timeout: Duration) -> anyhow::Result<bool>;
 }
 
+/// Opens a [`Listener`].
+pub type ListenerSource = Box<dyn FnOnce() -> anyhow::Result<Box<dyn Listener>> + Send>;
+
 /// The control plane's persistent state (see the module docs). Methods take
 /// `&mut self`: the control plane holds the store behind one lock.
 pub trait Store: Send {
@@ -164,8 +167,9 @@ pub trait Store: Send {
     fn describe(&self) -> String;
     /// The change counter (see the module docs).
     fn generation(&mut self) -> StoreResult<i64>;
-    /// A listener for change announcements, if this store has them.
-    fn listener(&self) -> Option<anyhow::Result<Box<dyn Listener>>>;
+    /// How to open a listener for change announcements, if this store has
+    /// them (it connects when called: the caller does so without the store's lock).
+    fn listener(&self) -> Option<ListenerSource>;
 
     /// All tenants, by name.
     fn tenants(&mut self) -> StoreResult<Vec<TenantRow>>;

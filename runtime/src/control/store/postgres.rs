@@ -20,7 +20,8 @@ use postgres::{Client, Config};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
-    ActiveHandler, ActiveKeyRow, KeyRow, Listener, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow, VersionRow, now,
+    ActiveHandler, ActiveKeyRow, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow,
+    VersionRow, now,
 };
 use crate::control::keys::sha256_hex;
 use crate::control::limits::LimitOverrides;
@@ -100,7 +101,11 @@ impl PgStore {
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_secs(3));
         }
-        config.keepalives(true).keepalives_idle(Duration::from_secs(10));
+        // A database that vanishes without closing the connection is noticed
+        // in seconds, not after the kernel's retransmissions (~15 min).
+        config.keepalives(true).keepalives_idle(Duration::from_secs(10)).keepalives_interval(Duration::from_secs(2)).keepalives_retries(3);
+        config.tcp_user_timeout(Duration::from_secs(15));
+        config.options("-c statement_timeout=30000 -c lock_timeout=10000");
         config.application_name("facegate");
         let described = describe(&config);
         let mut store = Self { config, tls, described, client: None };
@@ -122,6 +127,19 @@ impl PgStore {
                 *client = None;
             }
             result
+        })
+    }
+
+    /// Runs a change in one transaction that first locks the generation row:
+    /// changes made through several nodes queue there, in one order, instead
+    /// of deadlocking on each other's rows (the triggers bump the row anyway).
+    fn write<T: Send>(&mut self, f: impl FnOnce(&mut postgres::Transaction<'_>) -> StoreResult<T> + Send) -> StoreResult<T> {
+        self.with(|c| {
+            let mut tx = c.transaction().map_err(db_error)?;
+            tx.execute("SELECT n FROM generation WHERE id = 1 FOR UPDATE", &[]).map_err(db_error)?;
+            let out = f(&mut tx)?;
+            tx.commit().map_err(db_error)?;
+            Ok(out)
         })
     }
 
@@ -176,6 +194,11 @@ fn db_error(e: postgres::Error) -> StoreError {
     if e.code() == Some(&SqlState::ADMIN_SHUTDOWN) || e.code() == Some(&SqlState::CANNOT_CONNECT_NOW) {
         return StoreError::Unavailable(with_causes(&e));
     }
+    let retryable =
+        [&SqlState::T_R_DEADLOCK_DETECTED, &SqlState::T_R_SERIALIZATION_FAILURE, &SqlState::LOCK_NOT_AVAILABLE, &SqlState::QUERY_CANCELED];
+    if e.code().is_some_and(|code| retryable.contains(&code)) {
+        return StoreError::Busy(format!("the store is busy with another change; retry: {}", with_causes(&e)));
+    }
     StoreError::Internal(e.into())
 }
 
@@ -226,12 +249,14 @@ impl Store for PgStore {
         self.with(|c| Ok(c.query_one("SELECT n FROM generation WHERE id = 1", &[]).map_err(db_error)?.get(0)))
     }
 
-    fn listener(&self) -> Option<anyhow::Result<Box<dyn Listener>>> {
+    fn listener(&self) -> Option<ListenerSource> {
         let (config, tls) = (self.config.clone(), self.tls.clone());
-        Some(off_runtime(move || {
-            let mut client = config.connect(tls)?;
-            client.batch_execute(&format!("LISTEN {CHANNEL}"))?;
-            Ok(Box::new(PgListener { client }) as Box<dyn Listener>)
+        Some(Box::new(move || {
+            off_runtime(move || {
+                let mut client = config.connect(tls)?;
+                client.batch_execute(&format!("LISTEN {CHANNEL}"))?;
+                Ok(Box::new(PgListener { client }) as Box<dyn Listener>)
+            })
         }))
     }
 
@@ -245,7 +270,7 @@ impl Store for PgStore {
 
     fn create_tenant(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()> {
         let limits = serde_json::to_string(overrides).map_err(anyhow::Error::from)?;
-        let inserted = self.with(|c| {
+        let inserted = self.write(|c| {
             c.execute(
                 "INSERT INTO tenants (name, limits, created_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
                 &[&name, &limits, &now()],
@@ -260,7 +285,7 @@ impl Store for PgStore {
 
     fn set_limits(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()> {
         let limits = serde_json::to_string(overrides).map_err(anyhow::Error::from)?;
-        let updated = self.with(|c| c.execute("UPDATE tenants SET limits = $2 WHERE name = $1", &[&name, &limits]).map_err(db_error))?;
+        let updated = self.write(|c| c.execute("UPDATE tenants SET limits = $2 WHERE name = $1", &[&name, &limits]).map_err(db_error))?;
         if updated == 0 {
             return Err(StoreError::NotFound(format!("no tenant {name:?}")));
         }
@@ -268,7 +293,7 @@ impl Store for PgStore {
     }
 
     fn delete_tenant(&mut self, name: &str) -> StoreResult<()> {
-        if self.with(|c| c.execute("DELETE FROM tenants WHERE name = $1", &[&name]).map_err(db_error))? == 0 {
+        if self.write(|c| c.execute("DELETE FROM tenants WHERE name = $1", &[&name]).map_err(db_error))? == 0 {
             return Err(StoreError::NotFound(format!("no tenant {name:?}")));
         }
         Ok(())
@@ -295,15 +320,13 @@ impl Store for PgStore {
 
     fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str) -> StoreResult<i64> {
         let created_at = now();
-        self.with(|c| {
-            let mut tx = c.transaction().map_err(db_error)?;
-            tenant_exists(&mut tx, tenant, "FOR SHARE")?;
+        self.write(|tx| {
+            tenant_exists(tx, tenant, "FOR SHARE")?;
             tx.execute(
                 "INSERT INTO api_keys (id, tenant, secret_sha256, created_at) VALUES ($1, $2, $3, $4)",
                 &[&id, &tenant, &secret_sha256, &created_at],
             )
-            .map_err(db_error)?;
-            tx.commit().map_err(db_error)
+            .map_err(db_error)
         })?;
         Ok(created_at)
     }
@@ -326,7 +349,7 @@ impl Store for PgStore {
     }
 
     fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<()> {
-        let updated = self.with(|c| {
+        let updated = self.write(|c| {
             c.execute("UPDATE api_keys SET revoked_at = $3 WHERE tenant = $1 AND id = $2 AND revoked_at IS NULL", &[&tenant, &id, &now()])
                 .map_err(db_error)
         })?;
@@ -339,10 +362,9 @@ impl Store for PgStore {
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
         let NewVersion { tenant, handler, sha256, component, activate } = new;
         let size = i64::try_from(component.len()).map_err(anyhow::Error::from)?;
-        self.with(|c| {
-            let mut tx = c.transaction().map_err(db_error)?;
+        self.write(|tx| {
             // FOR SHARE: the tenant cannot be deleted under this upload.
-            tenant_exists(&mut tx, tenant, "FOR SHARE")?;
+            tenant_exists(tx, tenant, "FOR SHARE")?;
             tx.execute(
                 "INSERT INTO components (sha256, bytes, created_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
                 &[&sha256, &component, &now()],
@@ -365,7 +387,6 @@ impl Store for PgStore {
                 tx.execute("UPDATE handlers SET active_version = $3 WHERE tenant = $1 AND name = $2", &[&tenant, &handler, &version])
                     .map_err(db_error)?;
             }
-            tx.commit().map_err(db_error)?;
             Ok(version)
         })
     }
@@ -408,8 +429,7 @@ impl Store for PgStore {
     }
 
     fn activate(&mut self, tenant: &str, handler: &str, version: i64) -> StoreResult<Option<i64>> {
-        self.with(|c| {
-            let mut tx = c.transaction().map_err(db_error)?;
+        self.write(|tx| {
             let previous: Option<i64> = tx
                 .query_opt("SELECT active_version FROM handlers WHERE tenant = $1 AND name = $2 FOR UPDATE", &[&tenant, &handler])
                 .map_err(db_error)?
@@ -423,7 +443,6 @@ impl Store for PgStore {
             }
             tx.execute("UPDATE handlers SET active_version = $3 WHERE tenant = $1 AND name = $2", &[&tenant, &handler, &version])
                 .map_err(db_error)?;
-            tx.commit().map_err(db_error)?;
             Ok(previous)
         })
     }

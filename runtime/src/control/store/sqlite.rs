@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::{
-    ActiveHandler, ActiveKeyRow, DB_FILE, KeyRow, Listener, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow, VersionRow, now,
+    ActiveHandler, ActiveKeyRow, DB_FILE, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow,
+    VersionRow, now,
 };
 use crate::control::blobs::Blobs;
 use crate::control::limits::LimitOverrides;
@@ -160,7 +161,7 @@ impl Store for SqliteStore {
         Ok(self.conn.query_row("SELECT n FROM generation WHERE id = 1", [], |r| r.get(0))?)
     }
 
-    fn listener(&self) -> Option<anyhow::Result<Box<dyn Listener>>> {
+    fn listener(&self) -> Option<ListenerSource> {
         None
     }
 

@@ -168,7 +168,7 @@ fn nodes_report_and_are_forgotten() {
 fn postgres_announces_changes_to_listeners() {
     let url = fresh_database("listen");
     let mut store = postgres::PgStore::open(&url).unwrap();
-    let mut listener = store.listener().unwrap().unwrap();
+    let mut listener = (store.listener().unwrap())().unwrap();
     assert!(!listener.wait(std::time::Duration::from_millis(50)).unwrap(), "nothing changed yet");
     store.create_tenant("acme", &LimitOverrides::default()).unwrap();
     assert!(listener.wait(std::time::Duration::from_secs(5)).unwrap(), "the change is announced");
