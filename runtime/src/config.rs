@@ -17,6 +17,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 10_000;
 /// Default largest request body, bytes (16 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+/// Default `--memory-keep-resident-kib`: what a detection request's decode,
+/// letterbox and tensor touch for a phone photo, give or take.
+pub const DEFAULT_MEMORY_KEEP_RESIDENT_KIB: usize = 4096;
 /// Default linear-memory limit of one handler instance, MiB.
 pub const DEFAULT_MEMORY_LIMIT_MIB: usize = 256;
 /// Default most handler instances alive at once (requests in flight).
@@ -121,6 +124,13 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_MEMORY_LIMIT_MIB", default_value_t = DEFAULT_MEMORY_LIMIT_MIB)]
     pub memory_limit_mib: usize,
 
+    /// Bytes of each linear memory kept mapped when its instance ends (KiB),
+    /// reset with `memset` instead of being handed back to the kernel: the
+    /// next request in that slot takes no page faults for them. Costs up to
+    /// this much resident memory per instance slot in use; 0 hands it all back.
+    #[arg(long, env = "FACEGATE_MEMORY_KEEP_RESIDENT_KIB", default_value_t = DEFAULT_MEMORY_KEEP_RESIDENT_KIB)]
+    pub memory_keep_resident_kib: usize,
+
     /// Most handler instances alive at once, all tenants; further requests get 503.
     #[arg(long, env = "FACEGATE_MAX_INSTANCES", default_value_t = DEFAULT_MAX_INSTANCES)]
     pub max_instances: u32,
@@ -155,6 +165,13 @@ pub struct ServeConfig {
     /// in proportion, so serving keeps its cores while an upload compiles.
     #[arg(long, env = "FACEGATE_COMPILE_NICE", default_value_t = DEFAULT_COMPILE_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
     pub compile_nice: i32,
+
+    /// Whether this node shares the components it compiles with the other
+    /// nodes of a cluster, and loads theirs, through the store (native code,
+    /// so sealed with a key derived from the admin token, which every node
+    /// must then be given alike). `false`: each node compiles each deploy itself.
+    #[arg(long, env = "FACEGATE_SHARE_ARTIFACTS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub share_artifacts: bool,
 
     /// Longest an upload's compilation may take (ms); past it the upload is refused.
     #[arg(long, env = "FACEGATE_COMPILE_TIMEOUT_MS", default_value_t = DEFAULT_COMPILE_TIMEOUT_MS)]

@@ -30,6 +30,8 @@ pub struct EngineLimits {
     pub max_instances: u32,
     /// Largest linear memory of one instance, bytes.
     pub memory_limit: usize,
+    /// Bytes of each linear memory kept resident between instances (`--memory-keep-resident-kib`).
+    pub keep_resident: usize,
 }
 
 /// Builds the engine: component model, async host calls, epoch interruption,
@@ -63,7 +65,13 @@ fn pooling(limits: EngineLimits) -> PoolingAllocationConfig {
         .max_core_instances_per_component(CORE_INSTANCES_PER_COMPONENT)
         .max_memories_per_component(MEMORIES_PER_COMPONENT)
         .max_tables_per_component(TABLES_PER_COMPONENT)
-        .max_memory_size(limits.memory_limit);
+        .max_memory_size(limits.memory_limit)
+        // Each request instantiates afresh: keeping the first pages of a slot
+        // mapped (reset by memset, only the pages touched where the kernel
+        // can tell, PAGEMAP_SCAN) spares it the page faults and the
+        // madvise/TLB flush of handing them back and taking them again.
+        .linear_memory_keep_resident(limits.keep_resident)
+        .pagemap_scan(wasmtime::Enabled::Auto);
     pool
 }
 

@@ -121,7 +121,11 @@ impl Gateway {
             anyhow::bail!("the admin token must be at least {MIN_ADMIN_TOKEN_LEN} characters");
         }
         let memory_limit = config.memory_limit_mib << 20;
-        let engine = engine::build(EngineLimits { max_instances: config.max_instances, memory_limit })?;
+        let engine = engine::build(EngineLimits {
+            max_instances: config.max_instances,
+            memory_limit,
+            keep_resident: config.memory_keep_resident_kib << 10,
+        })?;
         let ticker = EpochTicker::start(&engine);
         let sandbox = Arc::new(Sandbox::new(engine, models.clone())?);
         // Per-tenant counters the control plane clears when a tenant is deleted.
@@ -134,6 +138,8 @@ impl Gateway {
             weights: config.engine.tenant_weights.iter().cloned().collect(),
             counters,
             pipeline: read_pipeline(&config.pipeline_component),
+            // Nodes given the same admin token share what they compile (see control::components).
+            artifact_key: config.admin_token.as_deref().filter(|_| config.share_artifacts).map(control::ArtifactKey::derive),
         };
         let store = control::store::open(config.store.as_deref(), &config.data_dir)?;
         let control = ControlPlane::open(store, &config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;

@@ -23,11 +23,12 @@ pub mod validate;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use self::blobs::Blobs;
+use self::components::Compile;
 use anyhow::Context;
 use bytes::Bytes;
 
@@ -43,7 +44,7 @@ use crate::sandbox::Sandbox;
 use facegate_host_gpu::Models;
 
 pub use self::api::{Activated, CheckReport, CreatedKey, Deployed, HandlerInfo, SeededKey, TenantInfo, VersionsInfo};
-pub use self::components::engine_id;
+pub use self::components::{ArtifactKey, engine_id};
 pub use self::live::{Live, TenantEntry, TenantGate};
 pub use self::seed::write_secret;
 
@@ -61,6 +62,9 @@ pub struct ControlSettings {
     pub counters: Vec<Arc<dyn TenantCounters>>,
     /// The pipeline component (`--pipeline-component`), linked into handlers that import it.
     pub pipeline: Option<Arc<[u8]>>,
+    /// Signs the artifacts this node shares with the other nodes of a
+    /// cluster and checks theirs (from the admin token); `None` shares none.
+    pub artifact_key: Option<ArtifactKey>,
 }
 
 /// The control plane (see the module docs).
@@ -72,6 +76,8 @@ pub struct ControlPlane {
     generation: AtomicI64,
     /// Unix ms when the snapshot was last known current (built, or the generation checked).
     synced_at_ms: AtomicI64,
+    /// A component the snapshot waited for has been compiled: the next sync rebuilds it.
+    recheck: AtomicBool,
     blobs: Blobs,
     sandbox: Arc<Sandbox>,
     models: Models,
@@ -82,6 +88,7 @@ pub struct ControlPlane {
     weights: HashMap<String, u32>,
     counters: Vec<Arc<dyn TenantCounters>>,
     pipeline: Option<Arc<[u8]>>,
+    artifact_key: Option<ArtifactKey>,
     live: RwLock<Arc<Live>>,
 }
 
@@ -95,7 +102,7 @@ impl ControlPlane {
         models: Models,
         settings: ControlSettings,
     ) -> anyhow::Result<Self> {
-        let ControlSettings { defaults, max_instances, compile, weights, counters, pipeline } = settings;
+        let ControlSettings { defaults, max_instances, compile, weights, counters, pipeline, artifact_key } = settings;
         create_private_dir(data_dir)?;
         if let Err(e) = validate_defaults(&defaults, max_instances) {
             anyhow::bail!(
@@ -114,6 +121,7 @@ impl ControlPlane {
             db: Mutex::new(store),
             generation: AtomicI64::new(-1),
             synced_at_ms: AtomicI64::new(0),
+            recheck: AtomicBool::new(false),
             blobs,
             sandbox,
             models,
@@ -124,9 +132,10 @@ impl ControlPlane {
             weights,
             counters,
             pipeline,
+            artifact_key,
             live: RwLock::new(Arc::new(Live::default())),
         };
-        control.refresh(&mut **control.db(), Vec::new())?;
+        control.refresh(&mut **control.db(), Vec::new(), Compile::Now)?;
         Ok(control)
     }
 
@@ -136,16 +145,22 @@ impl ControlPlane {
     }
 
     /// Rebuilds the snapshot if the store changed since it was built (a
-    /// change made through another node); returns whether it did.
-    pub fn sync(&self) -> StoreResult<bool> {
+    /// change made through another node) or a component it waited for was
+    /// compiled since. A component this node has neither cached nor found
+    /// compiled by another node is not compiled here: its handler keeps the
+    /// version it served (a new handler waits), and the component is listed
+    /// in [`Synced::to_compile`] for [`Self::precompile`]. So a compile
+    /// never holds back the rest of a change, a revoked key least of all.
+    pub fn sync(&self) -> StoreResult<Synced> {
         let mut db = self.db();
         let generation = db.generation()?;
-        if generation == self.generation.load(Ordering::Acquire) {
+        let recheck = self.recheck.swap(false, Ordering::AcqRel);
+        if generation == self.generation.load(Ordering::Acquire) && !recheck {
             self.synced_at_ms.store(now_ms(), Ordering::Release);
-            return Ok(false);
+            return Ok(Synced::default());
         }
-        self.refresh(&mut **db, Vec::new())?;
-        Ok(true)
+        let to_compile = self.refresh(&mut **db, Vec::new(), Compile::Later)?;
+        Ok(Synced { changed: true, to_compile })
     }
 
     /// How long since the snapshot was last known to match the store.
@@ -306,6 +321,7 @@ impl ControlPlane {
             outgoing_http,
             bytes,
             pipeline: self.pipeline.clone(),
+            artifact_key: self.artifact_key.clone(),
         };
         let prepared = self.compile.run(move || upload.prepare()).map_err(|e| match e {
             CompileError::TooSlow(_) | CompileError::Busy => StoreError::Busy(e.to_string()),
@@ -314,7 +330,9 @@ impl ControlPlane {
         // A grant changed while this compiled: the refresh links it anew (see `refresh`).
         let mut db = self.db();
         let (sha256, component) = (prepared.sha256, prepared.component);
-        let version = db.add_version(NewVersion { tenant, handler: &handler, sha256: &sha256, component: &component, activate })?;
+        let artifact = prepared.shared.as_ref();
+        let version =
+            db.add_version(NewVersion { tenant, handler: &handler, sha256: &sha256, component: &component, activate, artifact })?;
         let mut linked = prepared.linked;
         linked.version = version;
         let preloaded = if activate { vec![Arc::new(linked)] } else { Vec::new() };
@@ -364,15 +382,16 @@ impl ControlPlane {
     /// logged, not reported as the change failing; the sync thread retries
     /// (the generation it holds is still the old one).
     fn refresh_after_commit(&self, db: &mut dyn Store, preloaded: Vec<Arc<Handler>>) {
-        if let Err(e) = self.refresh(db, preloaded) {
+        if let Err(e) = self.refresh(db, preloaded, Compile::Now) {
             tracing::warn!(error = %e, "change stored; the snapshot follows when the store answers again");
         }
     }
 
     /// Builds a new snapshot from the database and swaps it in. Handlers
     /// already loaded at the same version are reused, as are tenant gates
-    /// whose limits did not change.
-    fn refresh(&self, db: &mut dyn Store, preloaded: Vec<Arc<Handler>>) -> StoreResult<()> {
+    /// whose limits did not change. Returns the components left to compile
+    /// (under [`Compile::Later`]).
+    fn refresh(&self, db: &mut dyn Store, preloaded: Vec<Arc<Handler>>, compile: Compile) -> StoreResult<Vec<String>> {
         // Read first: a change committed while this runs bumps it again, and the next sync catches it.
         let generation = db.generation()?;
         let old = self.live();
@@ -399,6 +418,7 @@ impl ControlPlane {
                 counters.forget_tenant(gone);
             }
         }
+        let mut to_compile = Vec::new();
         for active in db.active_handlers()? {
             let Some(entry) = live.tenants.get_mut(&active.tenant) else { continue };
             let outgoing_http = entry.gate.limits.outgoing_http;
@@ -408,24 +428,31 @@ impl ControlPlane {
                 .find(|h| *h.tenant == *active.tenant && h.name == active.handler && same(h))
                 .or_else(|| old.handler(&active.tenant, &active.handler).map(|(_, h)| h).filter(same))
                 .cloned();
-            let handler = match reused {
-                Some(handler) => handler,
-                None => match self.load_handler(db, &active, outgoing_http) {
-                    Ok(handler) => Arc::new(handler),
-                    Err(e) => {
-                        // The version being served stays (if its grant did not change); a change made elsewhere
-                        // that this node cannot load must not take the handler away.
-                        let kept =
-                            old.handler(&active.tenant, &active.handler).map(|(_, h)| h).filter(|h| h.outgoing_http == outgoing_http);
-                        tracing::error!(tenant = %active.tenant, handler = %active.handler, version = active.version, kept = ?kept.map(|h| h.version), error = %e, "cannot load handler version");
-                        match kept {
-                            Some(handler) => Arc::clone(handler),
-                            None => continue,
-                        }
-                    }
-                },
+            let loaded = match reused {
+                Some(handler) => Ok(Some(handler)),
+                None => self.load_handler_if(db, &active, outgoing_http, compile).map(|h| h.map(Arc::new)),
             };
-            entry.handlers.insert(active.handler, handler);
+            // The version being served stays (if its grant did not change)
+            // while the new one compiles, or when it cannot be loaded: a
+            // change made elsewhere must not take the handler away.
+            let kept =
+                || old.handler(&active.tenant, &active.handler).map(|(_, h)| h).filter(|h| h.outgoing_http == outgoing_http).cloned();
+            let handler = match loaded {
+                Ok(Some(handler)) => Some(handler),
+                Ok(None) => {
+                    tracing::info!(tenant = %active.tenant, handler = %active.handler, version = active.version, "compiling a version deployed elsewhere; serving the previous one meanwhile");
+                    to_compile.push(active.sha256.clone());
+                    kept()
+                }
+                Err(e) => {
+                    let kept = kept();
+                    tracing::error!(tenant = %active.tenant, handler = %active.handler, version = active.version, kept = ?kept.as_ref().map(|h| h.version), error = %e, "cannot load handler version");
+                    kept
+                }
+            };
+            if let Some(handler) = handler {
+                entry.handlers.insert(active.handler, handler);
+            }
         }
         for (id, tenant, sha) in db.active_keys()? {
             if let Some(secret_sha256) = keys::digest_from_hex(&sha) {
@@ -435,8 +462,17 @@ impl ControlPlane {
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         self.generation.store(generation, Ordering::Release);
         self.synced_at_ms.store(now_ms(), Ordering::Release);
-        Ok(())
+        Ok(to_compile)
     }
+}
+
+/// What one [`ControlPlane::sync`] did.
+#[derive(Debug, Default)]
+pub struct Synced {
+    /// Whether the snapshot was rebuilt.
+    pub changed: bool,
+    /// Components of active versions this node must compile before it serves them.
+    pub to_compile: Vec<String>,
 }
 
 /// The server's defaults must themselves be a valid tenant's limits.

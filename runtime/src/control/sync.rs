@@ -3,28 +3,33 @@
 //! One thread per gateway: it waits for a change announcement (PostgreSQL
 //! `LISTEN`) or the poll interval, whichever comes first, then compares the
 //! store's generation with its snapshot's and rebuilds on a difference
-//! (loading — compiling if this node has no cached artifact — what other
-//! nodes deployed). Every heartbeat interval it records the node's id,
-//! address, version, devices and load. When the store is unreachable it
-//! keeps trying; the snapshot it has goes on being served. The thread runs
-//! at the compile threads' lower priority: what it compiles must not slow
-//! the requests this node serves.
+//! (loading what other nodes deployed: this node's cached artifact, or the
+//! one the deploying node shared). Every heartbeat interval it records the
+//! node's id, address, version, devices and load. When the store is
+//! unreachable it keeps trying; the snapshot it has goes on being served.
+//!
+//! A component with no usable artifact (another engine, a node without the
+//! cluster's secret) is compiled by a second thread, so the sync thread
+//! never waits for a compile: the rest of a change (a revoked key, a limit)
+//! applies at once, and the new version is served once it has compiled.
+//! Both threads run at the compile threads' lower priority: what they do
+//! must not slow the requests this node serves.
 
-use std::sync::Arc;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::ControlPlane;
-use super::store::{Listener, NodeLoad, NodeRow, now_ms};
+use super::store::{Listener, NodeLoad, NodeRow, StoreError, now_ms};
 
 /// How often the generation is polled when no announcement wakes the thread.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
 /// How often a node reports itself.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
-/// A node silent this long is listed as not alive. Generous: the sync
-/// thread sends no heartbeat while it compiles what another node deployed
-/// (an 18 MB Python handler takes about 10 s on a busy 2-core machine).
+/// A node silent this long is listed as not alive: many heartbeats missed
+/// (a node whose store connection stalls reports nothing meanwhile).
 pub const ALIVE_WITHIN: Duration = Duration::from_secs(30);
 /// How long to wait before listening again after the listener failed.
 const RELISTEN_AFTER: Duration = Duration::from_secs(2);
@@ -56,7 +61,8 @@ impl SyncHandle {
     pub fn start(control: Arc<ControlPlane>, node: NodeIdentity, load: LoadProbe, nice: i32) -> anyhow::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let id = node.id.clone();
-        let worker = Worker { control: Arc::clone(&control), node, load, stop: Arc::clone(&stop), started_at: now_ms() };
+        let compiler = Compiler::start(Arc::clone(&control), nice)?;
+        let worker = Worker { control: Arc::clone(&control), node, load, stop: Arc::clone(&stop), started_at: now_ms(), compiler };
         let thread = std::thread::Builder::new().name("facegate-sync".into()).spawn(move || {
             crate::compile::lower_priority(nice);
             worker.run();
@@ -83,6 +89,55 @@ struct Worker {
     load: LoadProbe,
     stop: Arc<AtomicBool>,
     started_at: i64,
+    compiler: Compiler,
+}
+
+/// The thread that compiles what the sync left for later, one component at
+/// a time; it ends when its [`Worker`] does (after the compile it is in).
+struct Compiler {
+    queue: mpsc::Sender<String>,
+    /// Queued or compiling now: asked for again by every sync until served.
+    queued: Arc<Mutex<HashSet<String>>>,
+    /// Failed here: not tried again until the node restarts (logged once).
+    failed: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Compiler {
+    fn start(control: Arc<ControlPlane>, nice: i32) -> anyhow::Result<Self> {
+        let (queue, jobs) = mpsc::channel::<String>();
+        let (queued, failed) = (Arc::<Mutex<HashSet<String>>>::default(), Arc::<Mutex<HashSet<String>>>::default());
+        let (done, broken) = (Arc::clone(&queued), Arc::clone(&failed));
+        std::thread::Builder::new().name("facegate-precompile".into()).spawn(move || {
+            crate::compile::lower_priority(nice);
+            for sha in jobs {
+                match control.precompile(&sha) {
+                    Ok(()) | Err(StoreError::Unavailable(_)) => {}
+                    Err(e) => {
+                        tracing::error!(component = %sha, error = %e, "cannot compile a component deployed elsewhere; its handler keeps the version it served");
+                        lock(&broken).insert(sha.clone());
+                    }
+                }
+                lock(&done).remove(&sha);
+            }
+        })?;
+        Ok(Self { queue, queued, failed })
+    }
+
+    /// Queues what is neither queued nor failed already.
+    fn want(&self, components: Vec<String>) {
+        for sha in components {
+            if lock(&self.failed).contains(&sha) || !lock(&self.queued).insert(sha.clone()) {
+                continue;
+            }
+            if self.queue.send(sha).is_err() {
+                tracing::error!("the compile thread of the sync is gone");
+            }
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Worker {
@@ -125,13 +180,14 @@ impl Worker {
     /// One sync; logs when the store is lost and when it is back. Returns reachability.
     fn sync(&self, was_reachable: bool) -> bool {
         match self.control.sync() {
-            Ok(changed) => {
+            Ok(synced) => {
                 if !was_reachable {
                     tracing::info!(store = self.control.store_name(), "control-plane store reachable again; snapshot caught up");
                 }
-                if changed {
+                if synced.changed {
                     tracing::debug!(generation = self.control.generation(), "snapshot rebuilt after a change made elsewhere");
                 }
+                self.compiler.want(synced.to_compile);
                 true
             }
             Err(e) => {

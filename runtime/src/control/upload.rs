@@ -10,10 +10,10 @@ use bytes::Bytes;
 use wasmtime::component::Component;
 
 use super::blobs::Blobs;
-use super::components::write_artifact;
+use super::components::{ArtifactKey, write_artifact};
 use super::compose;
 use super::keys::sha256_hex;
-use super::store::{StoreError, StoreResult};
+use super::store::{SharedArtifact, StoreError, StoreResult};
 use super::validate;
 use crate::handlers::Handler;
 use crate::sandbox::Sandbox;
@@ -29,6 +29,8 @@ pub(super) struct Upload {
     pub bytes: Bytes,
     /// The pipeline component, linked into handlers that import it.
     pub pipeline: Option<Arc<[u8]>>,
+    /// Seals the artifact for the other nodes, if they share them.
+    pub artifact_key: Option<ArtifactKey>,
 }
 
 /// A validated, linked, stored upload, not yet visible.
@@ -39,6 +41,8 @@ pub(super) struct Prepared {
     pub component: Bytes,
     /// Its SHA-256 (hex), its name in the store.
     pub sha256: String,
+    /// Its artifact, sealed for the other nodes (stored with the version).
+    pub shared: Option<SharedArtifact>,
 }
 
 impl Upload {
@@ -56,8 +60,10 @@ impl Upload {
         let linked = Handler::link(linker, &component, &self.tenant, &self.handler, 0, self.outgoing_http).map_err(StoreError::Invalid)?;
         let sha256 = sha256_hex(&bytes);
         // The cache is this node's own; nothing refers to it until a version does.
-        write_artifact(&self.blobs, &self.engine_id, &sha256, &component)?;
-        Ok(Prepared { linked, component: bytes, sha256 })
+        let artifact = write_artifact(&self.blobs, &self.engine_id, &sha256, &component)?;
+        // Sealed here, on the compile thread: an HMAC over megabytes is CPU work too.
+        let shared = self.artifact_key.as_ref().map(|key| key.seal(&self.engine_id, &sha256, artifact));
+        Ok(Prepared { linked, component: bytes, sha256, shared })
     }
 
     fn with_pipeline(&self) -> StoreResult<Bytes> {

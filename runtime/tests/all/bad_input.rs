@@ -43,7 +43,7 @@ fn chunk(kind: &[u8; 4], data: &[u8]) -> Vec<u8> {
 }
 
 /// A valid PNG header declaring `w`×`h` RGB pixels, with a tiny IDAT.
-fn png_claiming(w: u32, h: u32) -> Vec<u8> {
+pub(crate) fn png_claiming(w: u32, h: u32) -> Vec<u8> {
     let mut ihdr = w.to_be_bytes().to_vec();
     ihdr.extend_from_slice(&h.to_be_bytes());
     ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
@@ -55,7 +55,7 @@ fn png_claiming(w: u32, h: u32) -> Vec<u8> {
 }
 
 /// grace_hopper.jpg with its frame header rewritten to claim `w`×`h`.
-fn jpeg_claiming(w: u16, h: u16) -> Vec<u8> {
+pub(crate) fn jpeg_claiming(w: u16, h: u16) -> Vec<u8> {
     let mut jpeg = image("grace_hopper.jpg");
     let sof = jpeg.windows(2).position(|m| m[0] == 0xFF && (0xC0..=0xC2).contains(&m[1])).expect("SOF marker");
     jpeg[sof + 5..sof + 7].copy_from_slice(&h.to_be_bytes());

@@ -41,7 +41,7 @@ impl Server {
             .env_remove("FACEGATE_SEED")
             .env_remove("FACEGATE_STORE")
             .stdout(Stdio::piped())
-            .env("FACEGATE_LOG", "error")
+            .env("FACEGATE_LOG", std::env::var("FACEGATE_TEST_NODE_LOG").unwrap_or_else(|_| "error".into()))
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();

@@ -15,13 +15,14 @@ use std::time::Instant;
 use reqwest::Method;
 use serde_json::{Value, json};
 
+use crate::bad_input::{jpeg_claiming, png_claiming};
 use crate::harness::{REQUEST_TIMEOUT_MS, admin, admin_json, client_with_key, image, root, url};
 use crate::isolation::{one_instance_bound, under_attack};
 
 const LANGUAGES: [(&str, &str); 2] = [("python", "py"), ("js", "js")];
 
 /// Builds `guests/<language>/<example>` once per test run; returns the component and how long the build took.
-fn built(language: &str, example: &str) -> PathBuf {
+pub(crate) fn built(language: &str, example: &str) -> PathBuf {
     static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
     let key = format!("{language}-{example}");
     let mut built = BUILT.get_or_init(Default::default).lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -70,7 +71,23 @@ fn deployed(language: &str, suffix: &str, example: &str) -> String {
 }
 
 fn call(key: &str, handler: &str, method: Method, query: &str, body: Vec<u8>) -> (u16, Vec<(String, String)>, Vec<u8>) {
-    let response = client_with_key(key).request(method, url(&format!("/v1/{handler}?{query}"))).body(body).send().unwrap();
+    call_as(key, handler, method, query, body, None)
+}
+
+/// [`call`] with a `Content-Type`.
+fn call_as(
+    key: &str,
+    handler: &str,
+    method: Method,
+    query: &str,
+    body: Vec<u8>,
+    content_type: Option<&str>,
+) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    let mut request = client_with_key(key).request(method, url(&format!("/v1/{handler}?{query}"))).body(body);
+    if let Some(content_type) = content_type {
+        request = request.header("content-type", content_type);
+    }
+    let response = request.send().unwrap();
     let status = response.status().as_u16();
     let headers = response.headers().iter().map(|(n, v)| (n.as_str().to_owned(), v.to_str().unwrap_or_default().to_owned())).collect();
     (status, headers, response.bytes().unwrap().to_vec())
@@ -96,6 +113,17 @@ fn iou(a: &[f64; 4], b: &[f64; 4]) -> f64 {
     w * h / (area(a) + area(b) - w * h)
 }
 
+/// A `multipart/form-data` body with one file field: `(content type, body)`.
+fn multipart(field: &str, bytes: &[u8]) -> (String, Vec<u8>) {
+    const BOUNDARY: &str = "facegate-test-boundary";
+    let mut body =
+        format!("--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"a.jpg\"\r\nContent-Type: image/jpeg\r\n\r\n")
+            .into_bytes();
+    body.extend_from_slice(bytes);
+    body.extend_from_slice(format!("\r\n--{BOUNDARY}--\r\n").as_bytes());
+    (format!("multipart/form-data; boundary={BOUNDARY}"), body)
+}
+
 fn rust_key() -> String {
     crate::harness::key("demo")
 }
@@ -117,6 +145,12 @@ fn python_and_javascript_detect_find_the_faces_the_rust_detect_finds() {
                 assert!(best >= 0.9, "{language} {name}: {b:?} best IoU {best}");
             }
         }
+        // The same photo as a form's `image` field.
+        let (content_type, form) = multipart("image", &image("grace_hopper.jpg"));
+        let (status, _, rust) = call_as(&rust_key(), "demo/detect", Method::POST, "", form.clone(), Some(&content_type));
+        let (script_status, _, script) = call_as(&key, &format!("scripts/detect-{suffix}"), Method::POST, "", form, Some(&content_type));
+        assert_eq!((status, script_status), (200, 200), "{language} multipart: {}", String::from_utf8_lossy(&script));
+        assert_eq!(boxes(&script).len(), boxes(&rust).len(), "{language} multipart: same count");
     }
 }
 
@@ -144,13 +178,20 @@ fn bad_input_gets_the_rust_statuses_and_json() {
         ("truncated JPEG", Method::POST, "", truncated),
         ("bad threshold", Method::POST, "threshold=7", image("grace_hopper.jpg")),
         ("bad size", Method::POST, "size=100", image("grace_hopper.jpg")),
+        ("bad max_faces", Method::POST, "max_faces=0", image("grace_hopper.jpg")),
+        ("PNG header claiming 30000×30000", Method::POST, "", png_claiming(30_000, 30_000)),
+        ("JPEG header claiming 30000×30000", Method::POST, "", jpeg_claiming(30_000, 30_000)),
+        ("multipart without an image field", Method::POST, "", multipart("photo", &image("grace_hopper.jpg")).1),
         ("GET", Method::GET, "", Vec::new()),
     ];
     for (language, suffix) in LANGUAGES {
         let key = deployed(language, suffix, "detect");
         for (what, method, query, body) in &cases {
-            let (rust_status, rust_headers, rust_body) = call(&rust_key(), "demo/detect", method.clone(), query, body.clone());
-            let (status, headers, script_body) = call(&key, &format!("scripts/detect-{suffix}"), method.clone(), query, body.clone());
+            let content_type = what.starts_with("multipart").then(|| multipart("photo", &[]).0);
+            let rust_call = || call_as(&rust_key(), "demo/detect", method.clone(), query, body.clone(), content_type.as_deref());
+            let (rust_status, rust_headers, rust_body) = rust_call();
+            let script = format!("scripts/detect-{suffix}");
+            let (status, headers, script_body) = call_as(&key, &script, method.clone(), query, body.clone(), content_type.as_deref());
             assert!(rust_status >= 400, "{what}: {rust_status}");
             assert_eq!(status, rust_status, "{language} {what}: {}", String::from_utf8_lossy(&script_body));
             assert_eq!(
@@ -180,6 +221,9 @@ fn runaway_python_and_javascript_handlers_are_stopped() {
             observed.assert_isolated(one_instance_bound());
             let (status, body, elapsed) = observed.attack.into_iter().next().unwrap();
             assert_eq!((status, body["error"]["code"].as_str()), (want_status, Some(want_code)), "{language} {attack}: {body}");
+            let message = body["error"]["message"].as_str().unwrap_or_default();
+            let why = if attack == "loop" { "did not answer within" } else { "memory limit" };
+            assert!(message.contains(why), "{language} {attack}: stopped for the reason a Rust handler is: {body}");
             assert!(elapsed.as_millis() < u128::from(REQUEST_TIMEOUT_MS) + 2_000, "{language} {attack}: {elapsed:?}");
         }
     }

@@ -115,6 +115,24 @@ pub struct NewVersion<'a> {
     pub component: &'a [u8],
     /// Whether the new version becomes the active one.
     pub activate: bool,
+    /// The component precompiled by the uploading node, for the other
+    /// nodes of a cluster (stores that serve one node keep none).
+    pub artifact: Option<&'a SharedArtifact>,
+}
+
+/// A component precompiled by one node, stored for the other nodes whose
+/// engine has the same settings, so that a deploy reaches every node
+/// without each compiling it again. Native code: a node loads it only when
+/// `mac` proves that a node holding the cluster's secret made it (see
+/// `components::ArtifactKey`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedArtifact {
+    /// The engine's identity (`components::engine_id`): nodes with another engine compile for themselves.
+    pub engine: String,
+    /// `Component::serialize`'s output.
+    pub bytes: Vec<u8>,
+    /// HMAC-SHA256 (hex) over the engine, the component's SHA-256 and `bytes`.
+    pub mac: String,
 }
 
 /// A gateway node as it last reported itself.
@@ -203,6 +221,16 @@ pub trait Store: Send {
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64>;
     /// A component's bytes, checked against their hash.
     fn component(&mut self, sha256: &str) -> StoreResult<Vec<u8>>;
+    /// The artifact another node precompiled for `engine`, if this store
+    /// shares them (a single node's store does not: its file cache suffices).
+    fn shared_artifact(&mut self, _component_sha256: &str, _engine: &str) -> StoreResult<Option<SharedArtifact>> {
+        Ok(None)
+    }
+    /// Offers an artifact this node compiled for the component to the other
+    /// nodes (kept if one is there already); a no-op where none are shared.
+    fn share_artifact(&mut self, _component_sha256: &str, _artifact: &SharedArtifact) -> StoreResult<()> {
+        Ok(())
+    }
     /// A tenant's handlers with their active versions.
     fn handlers(&mut self, tenant: &str) -> StoreResult<Vec<(String, Option<i64>)>>;
     /// A handler's versions (oldest first) and its active version.

@@ -20,8 +20,8 @@ use postgres::{Client, Config};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
-    ActiveHandler, ActiveKeyRow, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow,
-    VersionRow, now,
+    ActiveHandler, ActiveKeyRow, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError, StoreResult,
+    TenantRow, VersionRow, now,
 };
 use crate::control::keys::sha256_hex;
 use crate::control::limits::LimitOverrides;
@@ -33,7 +33,7 @@ const CHANNEL: &str = "facegate_changes";
 const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1];
+const MIGRATIONS: &[&str] = &[V1, V2];
 
 const V1: &str = "
 CREATE TABLE tenants (
@@ -84,6 +84,20 @@ CREATE TRIGGER tenants_changed AFTER INSERT OR UPDATE OR DELETE ON tenants FOR E
 CREATE TRIGGER api_keys_changed AFTER INSERT OR UPDATE OR DELETE ON api_keys FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
 CREATE TRIGGER handlers_changed AFTER INSERT OR UPDATE OR DELETE ON handlers FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
 CREATE TRIGGER versions_changed AFTER INSERT OR UPDATE OR DELETE ON versions FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
+";
+
+/// Version 2: components precompiled by one node, for the nodes whose
+/// engine matches (see [`SharedArtifact`]). Not watched: an artifact
+/// changes nothing that is served.
+const V2: &str = "
+CREATE TABLE artifacts (
+    component_sha256 TEXT NOT NULL REFERENCES components(sha256) ON DELETE CASCADE,
+    engine TEXT NOT NULL,
+    bytes BYTEA NOT NULL,
+    mac TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    PRIMARY KEY (component_sha256, engine)
+);
 ";
 
 /// The PostgreSQL store (see the module docs).
@@ -232,6 +246,16 @@ fn migrate(client: &mut Client) -> StoreResult<()> {
     tx.commit().map_err(db_error)
 }
 
+/// Stores an artifact; one already there for the component and engine stays.
+fn insert_artifact(c: &mut impl postgres::GenericClient, component_sha256: &str, artifact: &SharedArtifact) -> StoreResult<()> {
+    c.execute(
+        "INSERT INTO artifacts (component_sha256, engine, bytes, mac, created_at) VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+        &[&component_sha256, &artifact.engine, &artifact.bytes, &artifact.mac, &now()],
+    )
+    .map_err(db_error)?;
+    Ok(())
+}
+
 fn tenant_exists(c: &mut impl postgres::GenericClient, name: &str, lock: &str) -> StoreResult<()> {
     let sql = format!("SELECT 1 FROM tenants WHERE name = $1 {lock}");
     match c.query_opt(sql.as_str(), &[&name]).map_err(db_error)? {
@@ -360,7 +384,7 @@ impl Store for PgStore {
     }
 
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
-        let NewVersion { tenant, handler, sha256, component, activate } = new;
+        let NewVersion { tenant, handler, sha256, component, activate, artifact } = new;
         let size = i64::try_from(component.len()).map_err(anyhow::Error::from)?;
         self.write(|tx| {
             // FOR SHARE: the tenant cannot be deleted under this upload.
@@ -370,6 +394,10 @@ impl Store for PgStore {
                 &[&sha256, &component, &now()],
             )
             .map_err(db_error)?;
+            // In the same transaction: a node told of the version finds its artifact.
+            if let Some(artifact) = artifact {
+                insert_artifact(tx, sha256, artifact)?;
+            }
             tx.execute("INSERT INTO handlers (tenant, name) VALUES ($1, $2) ON CONFLICT DO NOTHING", &[&tenant, &handler])
                 .map_err(db_error)?;
             // FOR UPDATE: uploads of one handler through several nodes number their versions in turn.
@@ -400,6 +428,20 @@ impl Store for PgStore {
             return Err(StoreError::Internal(anyhow::anyhow!("component {sha256} is corrupt: sha256 {actual}")));
         }
         Ok(bytes)
+    }
+
+    fn shared_artifact(&mut self, component_sha256: &str, engine: &str) -> StoreResult<Option<SharedArtifact>> {
+        self.with(|c| {
+            let row = c
+                .query_opt("SELECT bytes, mac FROM artifacts WHERE component_sha256 = $1 AND engine = $2", &[&component_sha256, &engine])
+                .map_err(db_error)?;
+            Ok(row.map(|r| SharedArtifact { engine: engine.to_owned(), bytes: r.get(0), mac: r.get(1) }))
+        })
+    }
+
+    fn share_artifact(&mut self, component_sha256: &str, artifact: &SharedArtifact) -> StoreResult<()> {
+        // No generation lock: an artifact changes nothing that is served.
+        self.with(|c| insert_artifact(c, component_sha256, artifact))
     }
 
     fn handlers(&mut self, tenant: &str) -> StoreResult<Vec<(String, Option<i64>)>> {

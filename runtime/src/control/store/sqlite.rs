@@ -255,7 +255,8 @@ impl Store for SqliteStore {
     }
 
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
-        let NewVersion { tenant, handler, sha256, component, activate } = new;
+        // One node: its own file cache holds the artifact (no sharing).
+        let NewVersion { tenant, handler, sha256, component, activate, artifact: _ } = new;
         self.tenant(tenant)?;
         // The file first (atomic, fsynced): nothing refers to it until the row commits.
         self.blobs.put_component(sha256, component)?;

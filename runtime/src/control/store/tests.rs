@@ -33,7 +33,7 @@ fn fresh_database(name: &str) -> String {
 }
 
 fn version<'a>(tenant: &'a str, handler: &'a str, component: &'a [u8], sha: &'a str, activate: bool) -> NewVersion<'a> {
-    NewVersion { tenant, handler, sha256: sha, component, activate }
+    NewVersion { tenant, handler, sha256: sha, component, activate, artifact: None }
 }
 
 #[test]
@@ -135,6 +135,35 @@ fn every_change_bumps_the_generation_and_nothing_else_does() {
         s.set_meta("k", "v").unwrap();
         s.heartbeat(&node("n1", 1)).unwrap();
         assert_eq!(s.generation().unwrap(), before, "{kind}: heartbeats and meta are not changes to the snapshot");
+    }
+}
+
+#[test]
+fn postgres_shares_artifacts_per_engine_and_sqlite_keeps_none() {
+    for mut store in stores("artifacts") {
+        let s = &mut *store;
+        let shared = s.describe().starts_with("postgres");
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        let (a, b) = (b"component a".as_slice(), b"component b".as_slice());
+        let (sa, sb) = (sha256_hex(a), sha256_hex(b));
+        let artifact = |engine: &str, code: &[u8]| SharedArtifact { engine: engine.into(), bytes: code.to_vec(), mac: "m".into() };
+        let with_upload = artifact("e1", b"code a");
+        s.add_version(NewVersion { artifact: Some(&with_upload), ..version("acme", "detect", a, &sa, true) }).unwrap();
+        s.add_version(version("acme", "blur", b, &sb, true)).unwrap();
+        let before = s.generation().unwrap();
+        s.share_artifact(&sb, &artifact("e1", b"code b")).unwrap();
+        s.share_artifact(&sb, &artifact("e1", b"a second compile")).unwrap();
+        s.share_artifact(&sb, &artifact("e2", b"code b, engine 2")).unwrap();
+        if shared {
+            assert_eq!(s.shared_artifact(&sa, "e1").unwrap(), Some(with_upload.clone()), "stored with the version");
+            assert_eq!(s.shared_artifact(&sb, "e1").unwrap().unwrap().bytes, b"code b", "the first one shared stays");
+            assert_eq!(s.shared_artifact(&sb, "e2").unwrap().unwrap().bytes, b"code b, engine 2", "one per engine");
+            assert_eq!(s.shared_artifact(&sa, "e2").unwrap(), None, "nothing compiled for that engine");
+            assert_eq!(s.generation().unwrap(), before, "sharing an artifact is not a change to serve");
+        } else {
+            assert_eq!(s.shared_artifact(&sa, "e1").unwrap(), None, "one node: its file cache only");
+        }
+        s.delete_tenant("acme").unwrap();
     }
 }
 
