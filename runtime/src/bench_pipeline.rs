@@ -47,8 +47,12 @@ struct GatewaySteps {
 pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> {
     let samples = samples(&config.images)?;
     let models = crate::load_models(&config.serve.engine)?;
-    let (addr, keys, _server) = start_seeded(&config.serve.seed_dir, &config.serve.engine, models, 98, |_| {}).await?;
+    let (addr, keys, _server) = start_seeded(&config.serve.seed_dir, &config.serve.engine, models.clone(), 98, |_| {}).await?;
     let key = keys.get("demo").context("the seed has no demo tenant")?.clone();
+    // The same gateway, but memory slots hand every page back between requests.
+    let (addr_cold, keys_cold, _cold) =
+        start_seeded(&config.serve.seed_dir, &config.serve.engine, models, 97, |c| c.memory_keep_resident_kib = 0).await?;
+    let key_cold = keys_cold.get("demo").context("the seed has no demo tenant")?.clone();
     println!(
         "\n== pipeline: CPU ms per request outside inference, demo/detect?size={} one at a time, median of {iterations} ==",
         config.side
@@ -81,7 +85,42 @@ pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> 
     println!(
         "(wasm pre: decode + letterbox in detect; full-size: the same in crop, which decodes the whole image; wasm/nat: native CPU time ÷ wasm pre, the same SDK code; 1 = as fast as native)"
     );
+    println!(
+        "\n== memory slots: the first {} KiB kept resident between requests vs every page handed back (--memory-keep-resident-kib 0); ms outside inference per request, medians of {ROUNDS} interleaved rounds ==",
+        crate::config::DEFAULT_MEMORY_KEEP_RESIDENT_KIB
+    );
+    println!("{:<28} {:>9} {:>9} {:>9} {:>9} {:>8}", "image", "pre kept", "pre back", "all kept", "all back", "back/kept");
+    for sample in &samples {
+        let (mut kept, mut back) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            kept.push(through_gateway(addr, &key, "detect", &sample.bytes, config.side, iterations).await?);
+            back.push(through_gateway(addr_cold, &key_cold, "detect", &sample.bytes, config.side, iterations).await?);
+        }
+        let pre = |runs: &[GatewaySteps]| median(runs.iter().map(|s| s.decode + s.preprocess).collect());
+        let outside = |runs: &[GatewaySteps]| median(runs.iter().map(GatewaySteps::outside_inference).collect());
+        let (kept_all, back_all) = (outside(&kept), outside(&back));
+        println!(
+            "{:<28} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.3}",
+            sample.name,
+            pre(&kept),
+            pre(&back),
+            kept_all,
+            back_all,
+            back_all / kept_all
+        );
+    }
+    println!("(pre: decode + letterbox; all: everything but inference — decode, letterbox, post-processing, HTTP, instantiation)");
     Ok(())
+}
+
+/// Interleaved rounds of the keep-resident comparison.
+const ROUNDS: usize = 3;
+
+impl GatewaySteps {
+    /// The request's time outside inference.
+    fn outside_inference(&self) -> f64 {
+        self.decode + self.preprocess + self.postprocess + self.other
+    }
 }
 
 /// The images measured: each `--image` given, then the kinds the issue names,

@@ -19,7 +19,7 @@ pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 /// Default `--memory-keep-resident-kib`: what a detection request's decode,
 /// letterbox and tensor touch for a phone photo, give or take.
-pub const DEFAULT_MEMORY_KEEP_RESIDENT_KIB: usize = 4096;
+pub const DEFAULT_MEMORY_KEEP_RESIDENT_KIB: usize = 8192;
 /// Default linear-memory limit of one handler instance, MiB.
 pub const DEFAULT_MEMORY_LIMIT_MIB: usize = 256;
 /// Default most handler instances alive at once (requests in flight).
