@@ -67,11 +67,12 @@ fn pooling(limits: EngineLimits) -> PoolingAllocationConfig {
         .max_tables_per_component(TABLES_PER_COMPONENT)
         .max_memory_size(limits.memory_limit)
         // Each request instantiates afresh: keeping the first pages of a slot
-        // mapped (reset by memset, only the pages touched where the kernel
-        // can tell, PAGEMAP_SCAN) spares it the page faults and the
-        // madvise/TLB flush of handing them back and taking them again.
-        .linear_memory_keep_resident(limits.keep_resident)
-        .pagemap_scan(wasmtime::Enabled::Auto);
+        // mapped (zeroed by memset) spares the next instance the page faults
+        // and the madvise/TLB flush of handing them back and taking them
+        // again. Not with PAGEMAP_SCAN: wasmtime 48's scan resets only pages
+        // resident in RAM, so a dirty page swapped out would reach the next
+        // instance (another tenant's) with its contents.
+        .linear_memory_keep_resident(limits.keep_resident);
     pool
 }
 

@@ -117,25 +117,35 @@ impl ControlPlane {
         if let Some(component) = self.compiled_component(db, sha256) {
             return Ok(component);
         }
-        let (component, shared) = self.compile_component(sha256, &db.component(sha256)?)?;
-        self.share(db, sha256, shared);
+        let (component, artifact) = self.compile_component(sha256, &db.component(sha256)?)?;
+        if let Some(artifact) = artifact {
+            self.share(db, sha256, artifact);
+        }
         Ok(component)
     }
 
     /// Compiles a component another node deployed into this node's cache,
-    /// without holding the store's lock while it compiles; the next sync
-    /// serves it. Runs on the sync thread's compile thread.
+    /// without holding the store's lock while it compiles, and offers it to
+    /// the others; the next sync serves it (see [`Self::recheck_soon`]).
+    /// Runs on the sync's compile thread. [`StoreError::Invalid`]: this node
+    /// cannot compile or cache it, and trying again will not help;
+    /// anything else is the store's and may pass.
     pub fn precompile(&self, sha256: &str) -> StoreResult<()> {
-        let bytes = self.db().component(sha256).inspect_err(|e| {
-            if matches!(e, StoreError::Unavailable(_)) {
-                // Asked for again by the sync after the next one.
-                self.recheck.store(true, std::sync::atomic::Ordering::Release);
-            }
-        })?;
-        let (_, shared) = self.compile_component(sha256, &bytes)?;
-        self.share(&mut **self.db(), sha256, shared);
-        self.recheck.store(true, std::sync::atomic::Ordering::Release);
+        let bytes = self.db().component(sha256)?;
+        let (_, artifact) = self.compile_component(sha256, &bytes).map_err(|e| StoreError::Invalid(e.to_string()))?;
+        // A compile the cache cannot keep would be compiled again by every sync.
+        let artifact =
+            artifact.ok_or_else(|| StoreError::Invalid(format!("component {sha256} compiled, but its artifact cannot be cached")))?;
+        if self.artifact_key.is_some() {
+            self.share(&mut **self.db(), sha256, artifact);
+        }
         Ok(())
+    }
+
+    /// Makes the next sync rebuild the snapshot though the store did not
+    /// change: a component it waited for has been compiled (or may be now).
+    pub fn recheck_soon(&self) {
+        self.recheck.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// This node's cached artifact, else one another node shared; `None` means compiling.
@@ -151,26 +161,23 @@ impl ControlPlane {
         self.shared_component(db, sha256)
     }
 
-    /// Compiles verified component bytes and caches the artifact; returns it
-    /// sealed for the other nodes too, where they share them.
-    fn compile_component(&self, sha256: &str, bytes: &[u8]) -> StoreResult<(Component, Option<SharedArtifact>)> {
+    /// Compiles verified component bytes and caches the artifact; returns
+    /// the artifact too, unless the cache could not keep it.
+    fn compile_component(&self, sha256: &str, bytes: &[u8]) -> StoreResult<(Component, Option<Vec<u8>>)> {
         let component = Component::new(self.sandbox.engine(), bytes).map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
-        // Caching and sharing only save the next compile: a full disk must not stop serving.
-        let shared = match write_artifact(&self.blobs, &self.engine_id, sha256, &component) {
-            Ok(artifact) => self.artifact_key.as_ref().map(|key| key.seal(&self.engine_id, sha256, artifact)),
-            Err(e) => {
-                tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached");
-                None
-            }
-        };
-        Ok((component, shared))
+        // The cache only saves the next compile: a full disk must not stop serving.
+        let artifact = write_artifact(&self.blobs, &self.engine_id, sha256, &component)
+            .map_err(|e| tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached"))
+            .ok();
+        Ok((component, artifact))
     }
 
-    /// Offers what this node compiled to the others (best effort).
-    fn share(&self, db: &mut dyn Store, sha256: &str, shared: Option<SharedArtifact>) {
-        if let Some(artifact) = shared
-            && let Err(e) = db.share_artifact(sha256, &artifact)
-        {
+    /// Offers what this node compiled to the others, sealed (best effort;
+    /// nothing without a key). It replaces what the store had for this
+    /// engine: that was unusable here, or this node would not have compiled.
+    fn share(&self, db: &mut dyn Store, sha256: &str, artifact: Vec<u8>) {
+        let Some(key) = &self.artifact_key else { return };
+        if let Err(e) = db.share_artifact(sha256, &key.seal(&self.engine_id, sha256, artifact)) {
             tracing::debug!(error = %e, "precompiled artifact not shared");
         }
     }

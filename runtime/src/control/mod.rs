@@ -159,7 +159,12 @@ impl ControlPlane {
             self.synced_at_ms.store(now_ms(), Ordering::Release);
             return Ok(Synced::default());
         }
-        let to_compile = self.refresh(&mut **db, Vec::new(), Compile::Later)?;
+        let to_compile = self.refresh(&mut **db, Vec::new(), Compile::Later).inspect_err(|_| {
+            if recheck {
+                // Not rebuilt: the compiled version is still to be swapped in.
+                self.recheck_soon();
+            }
+        })?;
         Ok(Synced { changed: true, to_compile })
     }
 

@@ -12,8 +12,9 @@
 //! cluster's secret) is compiled by a second thread, so the sync thread
 //! never waits for a compile: the rest of a change (a revoked key, a limit)
 //! applies at once, and the new version is served once it has compiled.
-//! Both threads run at the compile threads' lower priority: what they do
-//! must not slow the requests this node serves.
+//! The compile thread runs at the compile threads' lower priority: it must
+//! not slow the requests this node serves; the sync thread, which compiles
+//! nothing, runs at the server's, so changes are not held back by load.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -63,10 +64,9 @@ impl SyncHandle {
         let id = node.id.clone();
         let compiler = Compiler::start(Arc::clone(&control), nice)?;
         let worker = Worker { control: Arc::clone(&control), node, load, stop: Arc::clone(&stop), started_at: now_ms(), compiler };
-        let thread = std::thread::Builder::new().name("facegate-sync".into()).spawn(move || {
-            crate::compile::lower_priority(nice);
-            worker.run();
-        })?;
+        // At the server's priority: the sync no longer compiles, and what it
+        // does (store reads, loading artifacts) should not wait behind serving.
+        let thread = std::thread::Builder::new().name("facegate-sync".into()).spawn(move || worker.run())?;
         Ok(Self { stop, thread: Some(thread), control, id })
     }
 }
@@ -110,14 +110,17 @@ impl Compiler {
         std::thread::Builder::new().name("facegate-precompile".into()).spawn(move || {
             crate::compile::lower_priority(nice);
             for sha in jobs {
-                match control.precompile(&sha) {
-                    Ok(()) | Err(StoreError::Unavailable(_)) => {}
-                    Err(e) => {
-                        tracing::error!(component = %sha, error = %e, "cannot compile a component deployed elsewhere; its handler keeps the version it served");
-                        lock(&broken).insert(sha.clone());
-                    }
+                let outcome = control.precompile(&sha);
+                if let Err(e) = &outcome {
+                    tracing::error!(component = %sha, error = %e, "cannot compile a component deployed elsewhere; its handler keeps the version it served");
+                }
+                // Failed for good, or done (or failed in the store: the next sync lists it again).
+                if let Err(StoreError::Invalid(_)) = outcome {
+                    lock(&broken).insert(sha.clone());
                 }
                 lock(&done).remove(&sha);
+                // After it left the queue, so that sync may ask for it again.
+                control.recheck_soon();
             }
         })?;
         Ok(Self { queue, queued, failed })

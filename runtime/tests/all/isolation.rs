@@ -331,7 +331,7 @@ fn busy_tenants_share_device_time_whatever_their_image_sizes() {
     };
     let (before, after) = std::thread::scope(|s| {
         // Enough clients that both tenants always have calls waiting.
-        for (tenant, side, clients) in [("large", 640, 4), ("modest", 320, 12)] {
+        for (tenant, side, clients) in [("large", 640, 4), ("modest", 320, 16)] {
             for _ in 0..clients {
                 let (client, stop) = (client_with_key(&key(tenant)), &stop);
                 s.spawn(move || {

@@ -84,6 +84,15 @@ impl Server {
         (response.status().as_u16(), version)
     }
 
+    /// What t/h answers to a GET (no image, so no inference: a quick look at
+    /// which version this node serves, even on a loaded machine): the status
+    /// and the version that answered.
+    pub fn probe(&self, key: &str) -> (u16, Option<i64>) {
+        let response = client_with_key(key).get(format!("http://{}/v1/t/h", self.addr)).send().unwrap();
+        let version = response.headers().get("x-facegate-handler-version").map(|v| v.to_str().unwrap().parse().unwrap());
+        (response.status().as_u16(), version)
+    }
+
     /// Starts an upload of t/h over a raw socket: the head and `sent` bytes of `body`.
     pub fn start_upload(&self, body: &[u8], sent: usize) -> TcpStream {
         let mut stream = TcpStream::connect(self.addr).unwrap();

@@ -227,7 +227,8 @@ pub trait Store: Send {
         Ok(None)
     }
     /// Offers an artifact this node compiled for the component to the other
-    /// nodes (kept if one is there already); a no-op where none are shared.
+    /// nodes, in place of one there for the same engine (which this node
+    /// could not use); a no-op where none are shared.
     fn share_artifact(&mut self, _component_sha256: &str, _artifact: &SharedArtifact) -> StoreResult<()> {
         Ok(())
     }

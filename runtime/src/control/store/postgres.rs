@@ -246,7 +246,7 @@ fn migrate(client: &mut Client) -> StoreResult<()> {
     tx.commit().map_err(db_error)
 }
 
-/// Stores an artifact; one already there for the component and engine stays.
+/// Stores an upload's artifact; one already there for the component and engine stays.
 fn insert_artifact(c: &mut impl postgres::GenericClient, component_sha256: &str, artifact: &SharedArtifact) -> StoreResult<()> {
     c.execute(
         "INSERT INTO artifacts (component_sha256, engine, bytes, mac, created_at) VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
@@ -441,7 +441,16 @@ impl Store for PgStore {
 
     fn share_artifact(&mut self, component_sha256: &str, artifact: &SharedArtifact) -> StoreResult<()> {
         // No generation lock: an artifact changes nothing that is served.
-        self.with(|c| insert_artifact(c, component_sha256, artifact))
+        // It replaces the row: a node shares only after it found none it could use.
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO artifacts (component_sha256, engine, bytes, mac, created_at) VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (component_sha256, engine) DO UPDATE SET bytes = EXCLUDED.bytes, mac = EXCLUDED.mac, created_at = EXCLUDED.created_at",
+                &[&component_sha256, &artifact.engine, &artifact.bytes, &artifact.mac, &now()],
+            )
+            .map_err(db_error)?;
+            Ok(())
+        })
     }
 
     fn handlers(&mut self, tenant: &str) -> StoreResult<Vec<(String, Option<i64>)>> {

@@ -156,10 +156,13 @@ fn postgres_shares_artifacts_per_engine_and_sqlite_keeps_none() {
         s.share_artifact(&sb, &artifact("e2", b"code b, engine 2")).unwrap();
         if shared {
             assert_eq!(s.shared_artifact(&sa, "e1").unwrap(), Some(with_upload.clone()), "stored with the version");
-            assert_eq!(s.shared_artifact(&sb, "e1").unwrap().unwrap().bytes, b"code b", "the first one shared stays");
+            assert_eq!(s.shared_artifact(&sb, "e1").unwrap().unwrap().bytes, b"a second compile", "a node shares what it could not load");
+            assert_eq!(s.generation().unwrap(), before, "sharing an artifact is not a change to serve");
+            let again = artifact("e1", b"the same upload again");
+            s.add_version(NewVersion { artifact: Some(&again), ..version("acme", "detect", a, &sa, true) }).unwrap();
+            assert_eq!(s.shared_artifact(&sa, "e1").unwrap().unwrap().bytes, b"code a", "an upload keeps the artifact there");
             assert_eq!(s.shared_artifact(&sb, "e2").unwrap().unwrap().bytes, b"code b, engine 2", "one per engine");
             assert_eq!(s.shared_artifact(&sa, "e2").unwrap(), None, "nothing compiled for that engine");
-            assert_eq!(s.generation().unwrap(), before, "sharing an artifact is not a change to serve");
         } else {
             assert_eq!(s.shared_artifact(&sa, "e1").unwrap(), None, "one node: its file cache only");
         }
