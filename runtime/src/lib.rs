@@ -138,8 +138,13 @@ impl Gateway {
             weights: config.engine.tenant_weights.iter().cloned().collect(),
             counters,
             pipeline: read_pipeline(&config.pipeline_component),
-            // Nodes given the same admin token share what they compile (see control::components).
-            artifact_key: config.admin_token.as_deref().filter(|_| config.share_artifacts).map(control::ArtifactKey::derive),
+            // Nodes given the same admin token share what they compile (see
+            // control::components); one node's store needs no sealed copies.
+            artifact_key: config
+                .admin_token
+                .as_deref()
+                .filter(|_| config.share_artifacts && control::store::is_shared(config.store.as_deref()))
+                .map(control::ArtifactKey::derive),
         };
         let store = control::store::open(config.store.as_deref(), &config.data_dir)?;
         let control = ControlPlane::open(store, &config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;

@@ -266,12 +266,18 @@ pub fn rollback_target(store: &mut dyn Store, tenant: &str, handler: &str) -> St
         .ok_or_else(|| StoreError::Conflict(format!("{tenant}/{handler} has no version older than {active}")))
 }
 
+/// Whether the store `url` names is shared by several nodes (PostgreSQL),
+/// so that they share compiled artifacts through it.
+pub fn is_shared(url: Option<&str>) -> bool {
+    url.is_some_and(|url| url.starts_with("postgres://") || url.starts_with("postgresql://"))
+}
+
 /// Opens the store `url` names (`postgres://…` or `postgresql://…`), or the
 /// SQLite store in `data_dir` when there is none.
 pub fn open(url: Option<&str>, data_dir: &Path) -> anyhow::Result<Box<dyn Store>> {
     match url {
         None => Ok(Box::new(sqlite::SqliteStore::open(data_dir)?)),
-        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => Ok(Box::new(postgres::PgStore::open(url)?)),
+        Some(url) if is_shared(Some(url)) => Ok(Box::new(postgres::PgStore::open(url)?)),
         Some(url) if url.starts_with("sqlite:") => Ok(Box::new(sqlite::SqliteStore::open(Path::new(&url["sqlite:".len()..]))?)),
         Some(other) => anyhow::bail!(
             "unsupported store {:?}: use postgres://user@host/db, sqlite:<data directory>, or no --store for SQLite in --data-dir",
