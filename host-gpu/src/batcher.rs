@@ -14,7 +14,7 @@ use crate::backend::{Backend, BackendError};
 use crate::error::InferError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::model::ModelSpec;
-use crate::queue::{Entry, QueueConfig, Readiness, Reply, State};
+use crate::queue::{Entry, QueueConfig, Readiness, Reply, State, sample_cost};
 use crate::sizing::{BatchSizer, Sizing};
 use crate::tensor::Tensor;
 
@@ -142,8 +142,8 @@ impl Batcher {
     }
 
     /// Sets a tenant's fairness weight (default 1; 0 counts as 1): busy
-    /// tenants share device time, estimated by input size, in proportion to
-    /// their weights (see [`crate::queue`]).
+    /// tenants share device time, as measured, in proportion to their
+    /// weights (see [`crate::queue`]).
     pub fn set_tenant_weight(&self, tenant: &str, weight: u32) {
         self.shared.lock().set_weight(tenant.into(), weight);
     }
@@ -153,9 +153,8 @@ impl Batcher {
         self.shared.lock().weight(tenant)
     }
 
-    /// Forgets a tenant (when it is deleted): its weight, its credit and its
-    /// place in the round-robin, so a later tenant of the same name starts
-    /// afresh at weight 1. Its calls still waiting are answered
+    /// Forgets a tenant (when it is deleted): its weight and its service
+    /// count, so a later tenant of the same name starts afresh at weight 1. Its calls still waiting are answered
     /// [`InferError::ShuttingDown`] at once rather than run: a deleted
     /// tenant gets no more device time, its calls free their queue space,
     /// and no state of it lingers for a namesake to inherit. Calls already
@@ -242,11 +241,16 @@ fn spawn_workers(
 
 fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut sizer: BatchSizer) {
     shared.metrics.record_sizing(index, sizer.chosen(&[]), sizer.learning(&[]));
+    let mut rate = DeviceRate::default();
     while let Some((batch, waiting)) = wait_for_batch(shared, &sizer) {
         let shape = batch[0].input.shape().to_vec();
         sizer.note_waiting(&shape, waiting);
+        let charged: Vec<(Arc<str>, u64)> = batch.iter().map(|e| (Arc::clone(&e.tenant), sample_cost(e.input.shape()))).collect();
         let cpu_before = cpu_time_before(backend.as_ref());
         let (size, elapsed, ok) = run_batch(shared, index, backend.as_mut(), batch);
+        if ok {
+            charge_measured(shared, &mut rate, &charged, elapsed);
+        }
         let cost = match (backend.runs_on_cpu(), cpu_before, cpu_time_after(backend.as_ref())) {
             (true, Some(before), Some(after)) => after.saturating_sub(before),
             _ => elapsed,
@@ -256,6 +260,56 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
             sizer.record(&shape, size, cost);
         }
         shared.metrics.record_sizing(index, sizer.chosen(&shape), sizer.learning(&shape));
+    }
+}
+
+/// A device's usual speed, in cost units ([`sample_cost`]) per second of
+/// device time, learned from its batches: it turns a batch's measured time
+/// into what each of its calls cost.
+#[derive(Debug, Default)]
+struct DeviceRate {
+    /// Moving average; `None` until the warm-up batches have passed.
+    units_per_second: Option<f64>,
+    /// Batches seen so far (up to [`DeviceRate::WARM_UP`]).
+    seen: u32,
+}
+
+impl DeviceRate {
+    /// First batches of a device (engine warm-up) teach and charge nothing.
+    const WARM_UP: u32 = 3;
+    /// Weight of each new batch in the moving average.
+    const ALPHA: f64 = 0.05;
+    /// Most a batch's measured cost may stray from its estimate, either
+    /// way: bounds what one stalled batch (the host busy elsewhere) charges.
+    const MAX_FACTOR: f64 = 4.0;
+
+    /// Measured over estimated cost of a batch of `estimated` cost units
+    /// that took `elapsed`, within `1/MAX_FACTOR..=MAX_FACTOR`; `None`
+    /// while warming up. Learns from the batch.
+    fn factor(&mut self, estimated: u64, elapsed: Duration) -> Option<f64> {
+        let seconds = elapsed.as_secs_f64();
+        if estimated == 0 || seconds <= 0.0 {
+            return None;
+        }
+        let observed = estimated as f64 / seconds;
+        if self.seen < Self::WARM_UP {
+            self.seen += 1;
+            return None;
+        }
+        let rate = self.units_per_second.unwrap_or(observed);
+        self.units_per_second = Some(rate + Self::ALPHA * (observed - rate));
+        Some((rate / observed).clamp(1.0 / Self::MAX_FACTOR, Self::MAX_FACTOR))
+    }
+}
+
+/// Replaces the estimated charges of a batch that ran with its calls'
+/// shares of the measured device time (see [`State::correct_charge`]).
+fn charge_measured(shared: &Shared, rate: &mut DeviceRate, charged: &[(Arc<str>, u64)], elapsed: Duration) {
+    let estimated: u64 = charged.iter().map(|(_, cost)| cost).sum();
+    let Some(factor) = rate.factor(estimated, elapsed) else { return };
+    let mut state = shared.lock();
+    for (tenant, cost) in charged {
+        state.correct_charge(tenant, *cost, (*cost as f64 * factor).round() as u64);
     }
 }
 
@@ -303,6 +357,7 @@ fn wait_for_batch(shared: &Shared, sizer: &BatchSizer) -> Option<(Vec<Entry>, us
             Readiness::Ready => {
                 let waiting = state.front_shape_count();
                 let formed = state.next_batch(now, limit);
+
                 let more = !state.is_empty();
                 drop(state);
                 if more {
@@ -336,7 +391,7 @@ fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Ve
     let result = result.and_then(|outputs| check_len(outputs, batch.len()));
     let (size, elapsed, ok) = (batch.len(), started.elapsed(), result.is_ok());
     shared.metrics.record_batch(index, size, elapsed, ok);
-    shared.metrics.charge_tenants(elapsed, batch.iter().map(|e| (&*e.tenant, crate::queue::sample_cost(e.input.shape()))));
+    shared.metrics.charge_tenants(elapsed, batch.iter().map(|e| (&*e.tenant, sample_cost(e.input.shape()))));
     match result {
         Ok(outputs) => {
             for (entry, output) in batch.into_iter().zip(outputs) {
@@ -358,5 +413,37 @@ fn check_len(outputs: Vec<Vec<Tensor>>, expected: usize) -> Result<Vec<Vec<Tenso
         Ok(outputs)
     } else {
         Err(BackendError(format!("backend returned {} results for {expected} inputs", outputs.len())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn device_rate_charges_nothing_while_warming_up() {
+        let mut rate = DeviceRate::default();
+        for _ in 0..DeviceRate::WARM_UP {
+            assert_eq!(rate.factor(1000, 900 * MS), None, "a slow first run teaches nothing");
+        }
+        assert_eq!(rate.factor(1000, 10 * MS), Some(1.0), "the first measured batch is the rate");
+        assert_eq!(rate.factor(0, 10 * MS), None);
+        assert_eq!(rate.factor(1000, Duration::ZERO), None);
+    }
+
+    #[test]
+    fn device_rate_charges_slow_batches_more_within_bounds() {
+        let mut rate = DeviceRate::default();
+        for _ in 0..DeviceRate::WARM_UP + 1 {
+            rate.factor(1000, 10 * MS);
+        }
+        let slow = rate.factor(1000, 20 * MS).unwrap();
+        assert!((slow - 2.0).abs() < 1e-9, "twice the time, twice the cost: {slow}");
+        let fast = rate.factor(1000, 5 * MS).unwrap();
+        assert!(fast < 0.6, "half the time, about half the cost: {fast}");
+        assert_eq!(rate.factor(1000, 10_000 * MS), Some(DeviceRate::MAX_FACTOR), "a stalled batch is charged at most 4×");
+        assert_eq!(rate.factor(1000, Duration::from_micros(1)), Some(1.0 / DeviceRate::MAX_FACTOR));
     }
 }

@@ -27,7 +27,7 @@ pub struct TenantLimits {
     pub max_body_bytes: usize,
     /// `face-detect.infer` calls one request may make.
     pub max_infer_calls: u32,
-    /// Share of device batches when tenants compete (deficit round-robin weight).
+    /// Share of device time when tenants compete (fair-queueing weight).
     pub weight: u32,
     /// Whether handlers may import `wasi:http/outgoing-handler` and send requests.
     pub outgoing_http: bool,

@@ -305,9 +305,13 @@ fn slow_uploads_do_not_pin_instance_slots() {
 }
 
 /// Two busy tenants of equal weight get equal device time, though one sends
-/// 640² images and the other 320² ones (4× fewer pixels): the gateway
-/// charges each sample its pixels, and reports device time per tenant.
-/// Charging samples instead would give the 640² tenant about 4× the time.
+/// 640² images and the other 320² ones (4× fewer pixels), the device takes
+/// the small ones one per batch and the large ones up to four, and the
+/// large tenant's few clients let its queue drain after each of its
+/// batches: the gateway charges each call its share of the measured device
+/// time, and reports device time per tenant. Charging samples instead
+/// would give the 640² tenant about 4× the time; the deficit round-robin
+/// this gateway used before gave it 1.1–1.75× here.
 #[test]
 fn busy_tenants_share_device_time_whatever_their_image_sizes() {
     let seed = harness::fresh_dir("fair-seed");
@@ -353,7 +357,7 @@ fn busy_tenants_share_device_time_whatever_their_image_sizes() {
     let (large, modest) = (after.0 - before.0, after.1 - before.1);
     assert!(large > 0.5 && modest > 0.5, "both tenants ran: {large:.2} s and {modest:.2} s of device time");
     let ratio = large / modest;
-    assert!((0.6..1.7).contains(&ratio), "device time 640²/320² tenant: {ratio:.2} ({large:.2} s vs {modest:.2} s)");
+    assert!((0.7..1.4).contains(&ratio), "device time 640²/320² tenant: {ratio:.2} ({large:.2} s vs {modest:.2} s)");
 }
 
 /// Large tensors (4× a 640² image's pixels, two calls a request) are served
