@@ -145,6 +145,12 @@ impl Gateway {
                 .as_deref()
                 .filter(|_| config.share_artifacts && control::store::is_shared(config.store.as_deref()))
                 .map(control::ArtifactKey::derive),
+            // One node's store is local and answers at once: one connection does.
+            compile_store: if control::store::is_shared(config.store.as_deref()) {
+                Some(control::store::open(config.store.as_deref(), &config.data_dir)?)
+            } else {
+                None
+            },
         };
         let store = control::store::open(config.store.as_deref(), &config.data_dir)?;
         let control = ControlPlane::open(store, &config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;

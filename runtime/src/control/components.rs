@@ -131,13 +131,13 @@ impl ControlPlane {
     /// cannot compile or cache it, and trying again will not help;
     /// anything else is the store's and may pass.
     pub fn precompile(&self, sha256: &str) -> StoreResult<()> {
-        let bytes = self.db().component(sha256)?;
+        let bytes = self.compile_db().component(sha256)?;
         let (_, artifact) = self.compile_component(sha256, &bytes).map_err(|e| StoreError::Invalid(e.to_string()))?;
         // A compile the cache cannot keep would be compiled again by every sync.
         let artifact =
             artifact.ok_or_else(|| StoreError::Invalid(format!("component {sha256} compiled, but its artifact cannot be cached")))?;
         if self.artifact_key.is_some() {
-            self.share(&mut **self.db(), sha256, artifact);
+            self.share(&mut **self.compile_db(), sha256, artifact);
         }
         Ok(())
     }

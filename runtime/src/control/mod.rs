@@ -65,12 +65,18 @@ pub struct ControlSettings {
     /// Signs the artifacts this node shares with the other nodes of a
     /// cluster and checks theirs (from the admin token); `None` shares none.
     pub artifact_key: Option<ArtifactKey>,
+    /// A second connection to the same store for the background compiler's
+    /// bulk reads and writes (an 18 MB component, a 38 MB artifact), so the
+    /// sync never waits behind them for the store; `None` shares the main one.
+    pub compile_store: Option<Box<dyn Store>>,
 }
 
 /// The control plane (see the module docs).
 pub struct ControlPlane {
     data_dir: PathBuf,
     db: Mutex<Box<dyn Store>>,
+    /// The compiler's own connection ([`ControlSettings::compile_store`]).
+    compile_db: Option<Mutex<Box<dyn Store>>>,
     described: String,
     /// Store generation the snapshot was built at.
     generation: AtomicI64,
@@ -102,7 +108,7 @@ impl ControlPlane {
         models: Models,
         settings: ControlSettings,
     ) -> anyhow::Result<Self> {
-        let ControlSettings { defaults, max_instances, compile, weights, counters, pipeline, artifact_key } = settings;
+        let ControlSettings { defaults, max_instances, compile, weights, counters, pipeline, artifact_key, compile_store } = settings;
         create_private_dir(data_dir)?;
         if let Err(e) = validate_defaults(&defaults, max_instances) {
             anyhow::bail!(
@@ -119,6 +125,7 @@ impl ControlPlane {
             data_dir: data_dir.to_owned(),
             described: store.describe(),
             db: Mutex::new(store),
+            compile_db: compile_store.map(Mutex::new),
             generation: AtomicI64::new(-1),
             synced_at_ms: AtomicI64::new(0),
             recheck: AtomicBool::new(false),
@@ -209,6 +216,14 @@ impl ControlPlane {
 
     fn db(&self) -> MutexGuard<'_, Box<dyn Store>> {
         self.db.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The background compiler's connection: its own where it has one.
+    fn compile_db(&self) -> MutexGuard<'_, Box<dyn Store>> {
+        match &self.compile_db {
+            Some(db) => db.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+            None => self.db(),
+        }
     }
 
     /// All tenants.
