@@ -248,14 +248,16 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
         let charged: Vec<(Arc<str>, u64)> = batch.iter().map(|e| (Arc::clone(&e.tenant), sample_cost(e.input.shape()))).collect();
         let cpu_before = cpu_time_before(backend.as_ref());
         let (size, elapsed, ok) = run_batch(shared, index, backend.as_mut(), batch);
-        if ok {
-            charge_measured(shared, &mut rate, &charged, elapsed);
-        }
+        // On a CPU, the CPU time of the batch's threads: the wall clock also
+        // counts what other work on the host (a tenant's handlers) took.
         let cost = match (backend.runs_on_cpu(), cpu_before, cpu_time_after(backend.as_ref())) {
             (true, Some(before), Some(after)) => after.saturating_sub(before),
             _ => elapsed,
         };
         // A zero cost is a clock that failed (say, a pool thread gone).
+        if !cost.is_zero() {
+            charge_measured(shared, &mut rate, &charged, cost, ok);
+        }
         if ok && !cost.is_zero() {
             sizer.record(&shape, size, cost);
         }
@@ -268,8 +270,11 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
 /// into what each of its calls cost.
 #[derive(Debug, Default)]
 struct DeviceRate {
-    /// Moving average; `None` until the warm-up batches have passed.
-    units_per_second: Option<f64>,
+    /// Decaying sums of the cost units and the seconds of the batches seen
+    /// since warm-up: their ratio is the rate, weighted by time (a run of
+    /// quick batches does not outweigh one long one).
+    units: f64,
+    seconds: f64,
     /// Batches seen so far (up to [`DeviceRate::WARM_UP`]).
     seen: u32,
 }
@@ -277,36 +282,51 @@ struct DeviceRate {
 impl DeviceRate {
     /// First batches of a device (engine warm-up) teach and charge nothing.
     const WARM_UP: u32 = 3;
-    /// Weight of each new batch in the moving average.
-    const ALPHA: f64 = 0.05;
-    /// Most a batch's measured cost may stray from its estimate, either
-    /// way: bounds what one stalled batch (the host busy elsewhere) charges.
-    const MAX_FACTOR: f64 = 4.0;
+    /// What each batch keeps of the sums before it.
+    const KEEP: f64 = 0.95;
+    /// Most a batch may be charged over its estimate: bounds what one
+    /// stalled batch (the host busy elsewhere) costs its tenants, yet
+    /// leaves calls of a shape the device runs far slower per pixel
+    /// charged for most of their time.
+    const MAX_FACTOR: f64 = 16.0;
+    /// Least a batch may be charged, as a fraction of its estimate.
+    const MIN_FACTOR: f64 = 0.25;
 
     /// Measured over estimated cost of a batch of `estimated` cost units
-    /// that took `elapsed`, within `1/MAX_FACTOR..=MAX_FACTOR`; `None`
-    /// while warming up. Learns from the batch.
-    fn factor(&mut self, estimated: u64, elapsed: Duration) -> Option<f64> {
-        let seconds = elapsed.as_secs_f64();
+    /// that took `took`, within `MIN_FACTOR..=MAX_FACTOR`; `None` while
+    /// warming up. Learns from the batch if `learn`.
+    fn factor(&mut self, estimated: u64, took: Duration, learn: bool) -> Option<f64> {
+        let seconds = took.as_secs_f64();
         if estimated == 0 || seconds <= 0.0 {
             return None;
         }
-        let observed = estimated as f64 / seconds;
         if self.seen < Self::WARM_UP {
-            self.seen += 1;
+            self.seen += u32::from(learn);
             return None;
         }
-        let rate = self.units_per_second.unwrap_or(observed);
-        self.units_per_second = Some(rate + Self::ALPHA * (observed - rate));
-        Some((rate / observed).clamp(1.0 / Self::MAX_FACTOR, Self::MAX_FACTOR))
+        let units = estimated as f64;
+        if self.seconds <= 0.0 && !learn {
+            return None;
+        }
+        let (rate_units, rate_seconds) = if self.seconds > 0.0 { (self.units, self.seconds) } else { (units, seconds) };
+        if learn {
+            self.units = self.units * Self::KEEP + units;
+            self.seconds = self.seconds * Self::KEEP + seconds;
+        }
+        let measured = seconds * rate_units / rate_seconds;
+        Some((measured / units).clamp(Self::MIN_FACTOR, Self::MAX_FACTOR))
     }
 }
 
 /// Replaces the estimated charges of a batch that ran with its calls'
-/// shares of the measured device time (see [`State::correct_charge`]).
-fn charge_measured(shared: &Shared, rate: &mut DeviceRate, charged: &[(Arc<str>, u64)], elapsed: Duration) {
+/// shares of the measured device time `took` (see
+/// [`State::correct_charge`]). A failed batch teaches nothing and is
+/// charged at least its estimate: failing is no way to get device time
+/// cheap.
+fn charge_measured(shared: &Shared, rate: &mut DeviceRate, charged: &[(Arc<str>, u64)], took: Duration, ok: bool) {
     let estimated: u64 = charged.iter().map(|(_, cost)| cost).sum();
-    let Some(factor) = rate.factor(estimated, elapsed) else { return };
+    let Some(factor) = rate.factor(estimated, took, ok) else { return };
+    let factor = if ok { factor } else { factor.max(1.0) };
     let mut state = shared.lock();
     for (tenant, cost) in charged {
         state.correct_charge(tenant, *cost, (*cost as f64 * factor).round() as u64);
@@ -426,24 +446,45 @@ mod tests {
     fn device_rate_charges_nothing_while_warming_up() {
         let mut rate = DeviceRate::default();
         for _ in 0..DeviceRate::WARM_UP {
-            assert_eq!(rate.factor(1000, 900 * MS), None, "a slow first run teaches nothing");
+            assert_eq!(rate.factor(1000, 900 * MS, true), None, "a slow first run teaches nothing");
         }
-        assert_eq!(rate.factor(1000, 10 * MS), Some(1.0), "the first measured batch is the rate");
-        assert_eq!(rate.factor(0, 10 * MS), None);
-        assert_eq!(rate.factor(1000, Duration::ZERO), None);
+        assert_eq!(rate.factor(1000, 10 * MS, false), None, "a failed batch teaches no rate");
+        assert_eq!(rate.factor(1000, 10 * MS, true), Some(1.0), "the first measured batch is the rate");
+        assert_eq!(rate.factor(0, 10 * MS, true), None);
+        assert_eq!(rate.factor(1000, Duration::ZERO, true), None);
     }
 
     #[test]
     fn device_rate_charges_slow_batches_more_within_bounds() {
         let mut rate = DeviceRate::default();
         for _ in 0..DeviceRate::WARM_UP + 1 {
-            rate.factor(1000, 10 * MS);
+            rate.factor(1000, 10 * MS, true);
         }
-        let slow = rate.factor(1000, 20 * MS).unwrap();
+        let slow = rate.factor(1000, 20 * MS, false).unwrap();
         assert!((slow - 2.0).abs() < 1e-9, "twice the time, twice the cost: {slow}");
-        let fast = rate.factor(1000, 5 * MS).unwrap();
-        assert!(fast < 0.6, "half the time, about half the cost: {fast}");
-        assert_eq!(rate.factor(1000, 10_000 * MS), Some(DeviceRate::MAX_FACTOR), "a stalled batch is charged at most 4×");
-        assert_eq!(rate.factor(1000, Duration::from_micros(1)), Some(1.0 / DeviceRate::MAX_FACTOR));
+        let fast = rate.factor(1000, 5 * MS, false).unwrap();
+        assert!((fast - 0.5).abs() < 1e-9, "half the time, half the cost: {fast}");
+        assert_eq!(rate.factor(1000, 10_000 * MS, false), Some(DeviceRate::MAX_FACTOR), "a stalled batch is charged at most 16×");
+        assert_eq!(rate.factor(1000, Duration::from_micros(1), false), Some(DeviceRate::MIN_FACTOR));
     }
+
+    #[test]
+    fn device_rate_weighs_batches_by_their_time() {
+        let mut rate = DeviceRate::default();
+        for _ in 0..DeviceRate::WARM_UP {
+            rate.factor(1000, 10 * MS, true);
+        }
+        // One long batch at 10 000 units in 400 ms, ten quick ones at 1000 in 10 ms.
+        rate.factor(10_000, 400 * MS, true);
+        for _ in 0..10 {
+            rate.factor(1000, 10 * MS, true);
+        }
+        // About 14 000 units in 0.32 s once decayed: some 43 800 units a
+        // second, so a quick batch is charged about 0.44 of its estimate (an
+        // average of the eleven batches' own rates, 93 000 units a second,
+        // would say 0.93: the quick batches would outweigh the long one).
+        let factor = rate.factor(1000, 10 * MS, false).unwrap();
+        assert!((0.42..0.46).contains(&factor), "factor {factor}");
+    }
+
 }

@@ -11,11 +11,14 @@
 //! cost of every call it has had run divided by its weight. The tenant
 //! served least picks the next batch's shape (that of its oldest call), and
 //! the batch is filled one call at a time, each time from the tenant served
-//! least among those with a call of that shape, which is then charged. So
-//! tenants of one shape interleave within a batch, and a tenant of another
-//! shape waits at most until the others have caught up with it: by then it
-//! is the least served, and the next batch is its shape. Ties go to the
-//! tenant that took a call least recently, then to the one queued first.
+//! least among those that may add a call of that shape, which is then
+//! charged: the picking tenant any of its calls of that shape, the others
+//! only the calls of that shape at the front of their queues. So tenants of
+//! one shape interleave within a batch, and a tenant whose oldest call has
+//! another shape is not charged meanwhile: it waits at most until the
+//! others have caught up with it, then it is the least served and the next
+//! batch is its shape. Ties go to the tenant that took a call least
+//! recently, then to the one queued first.
 //!
 //! The charge is an estimate when the batch is formed; once the batch has
 //! run, [`State::correct_charge`] replaces it with the call's share of the
@@ -303,40 +306,61 @@ impl State {
         wanted.clamp(1, self.config.max_batch.max(1))
     }
 
-    /// The waiting tenant served least that has a call `fits` accepts:
-    /// least service, then least recent turn, then first to start waiting.
-    fn least_served(&self, fits: impl Fn(&VecDeque<Entry>) -> bool) -> Option<Arc<str>> {
+    /// The waiting tenant served least whose queue `fits` accepts: least
+    /// service, then least recent turn, then first to start waiting.
+    fn least_served(&self, fits: impl Fn(&Arc<str>, &VecDeque<Entry>) -> bool) -> Option<Arc<str>> {
         self.order
             .iter()
-            .filter(|t| self.tenants.get(*t).is_some_and(&fits))
+            .filter(|t| self.tenants.get(*t).is_some_and(|q| fits(t, q)))
             .min_by_key(|t| self.accounts.get(*t).map(|a| (a.service, a.last_turn)).unwrap_or_default())
             .cloned()
     }
 
-    /// The next batch's shape: that of the oldest call of the tenant served least.
-    fn next_shape(&self) -> Option<Vec<usize>> {
-        let tenant = self.least_served(|_| true)?;
-        Some(self.tenants.get(&tenant)?.front()?.input.shape().to_vec())
+    /// The tenant whose oldest call picks the next batch's shape (the one
+    /// served least), and that shape.
+    fn picker(&self) -> Option<(Arc<str>, Vec<usize>)> {
+        let tenant = self.least_served(|_, _| true)?;
+        let shape = self.tenants.get(&tenant)?.front()?.input.shape().to_vec();
+        Some((tenant, shape))
     }
 
-    /// Calls waiting with the shape of the next batch (what it could take).
+    /// The next batch's shape: that of the oldest call of the tenant served least.
+    fn next_shape(&self) -> Option<Vec<usize>> {
+        self.picker().map(|(_, shape)| shape)
+    }
+
+    /// How many of a tenant's calls a batch of `shape` may take: for the
+    /// tenant that picked the shape, all of that shape; for the others, the
+    /// run of that shape at the front of their queues, so that a tenant
+    /// whose oldest call has another shape is not charged in this batch,
+    /// falls behind, and picks a batch of its own shape soon.
+    fn takeable(queue: &VecDeque<Entry>, picked: bool, shape: &[usize]) -> usize {
+        if picked {
+            queue.iter().filter(|e| e.input.shape() == shape).count()
+        } else {
+            queue.iter().take_while(|e| e.input.shape() == shape).count()
+        }
+    }
+
+    /// Calls waiting that the next batch could take.
     pub fn front_shape_count(&self) -> usize {
-        let Some(shape) = self.next_shape() else { return 0 };
-        self.tenants.values().flatten().filter(|e| e.input.shape() == shape.as_slice()).count()
+        let Some((picker, shape)) = self.picker() else { return 0 };
+        self.tenants.iter().map(|(tenant, queue)| Self::takeable(queue, *tenant == picker, &shape)).sum()
     }
 
     /// Takes the next batch: drops expired and cancelled calls, then fills
     /// up to `limit(shape)` (at most `max_batch`) calls of one shape, each
-    /// from the tenant served least that has one.
+    /// from the tenant served least that has one it may take (see
+    /// [`State::takeable`]).
     pub fn next_batch(&mut self, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Formed {
         let mut formed = Formed::default();
         self.drop_dead(now, &mut formed);
-        let Some(shape) = self.next_shape() else { return formed };
+        let Some((picker, shape)) = self.picker() else { return formed };
         let cap = self.cap(limit);
         let cost = sample_cost(&shape);
-        let has_shape = |q: &VecDeque<Entry>| q.iter().any(|e| e.input.shape() == shape.as_slice());
         while formed.batch.len() < cap {
-            let Some(entry) = self.least_served(has_shape).and_then(|t| self.take(&t, &shape, cost)) else { break };
+            let next = self.least_served(|tenant, queue| Self::takeable(queue, *tenant == picker, &shape) > 0);
+            let Some(entry) = next.and_then(|t| self.take(&t, &shape, cost)) else { break };
             formed.batch.push(entry);
         }
         self.forget_empty_tenants();
@@ -787,6 +811,26 @@ mod tests {
         state.remove_tenant("slow");
         state.correct_charge("slow", QUANTUM, 3 * QUANTUM);
         assert!(!state.accounts.contains_key("slow"), "no account comes back for a removed tenant");
+    }
+
+    /// A tenant whose oldest call has a shape nobody else sends, and whose
+    /// later calls share a busy neighbour's shape, gets its odd call run
+    /// within two batches, whatever the batch size (were it charged for its
+    /// later calls in the neighbour's batches, it would stay level with the
+    /// neighbour and lose every tie).
+    #[test]
+    fn an_odd_oldest_call_is_not_starved_by_later_calls_of_a_common_shape() {
+        const ODD: [usize; 3] = [480, 640, 3];
+        for max_batch in [4, 6, 7, 8] {
+            let now = Instant::now();
+            let mut state = State::new(QueueConfig { capacity: 1000, tenant_capacity: 1000, ..config(max_batch) });
+            let mut keep = Vec::new();
+            keep.extend(push_n(&mut state, "busy", 40, now));
+            keep.extend(push_shaped(&mut state, "mixed", &ODD, 1, now));
+            keep.extend(push_n(&mut state, "mixed", 40, now));
+            let ran_within = (1..=2).find(|_| state.next_batch(now, FULL).batch.iter().any(|e| e.input.shape() == ODD));
+            assert!(ran_within.is_some(), "batch size {max_batch}: the odd call waited over two batches");
+        }
     }
 
     /// A tenant busy alone banks nothing for a neighbour to make up: one

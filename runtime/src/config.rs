@@ -264,8 +264,9 @@ pub struct EngineConfig {
     #[arg(long, env = "FACEGATE_TENANT_QUEUE_CAPACITY", default_value_t = facegate_host_gpu::DEFAULT_TENANT_CAPACITY)]
     pub tenant_queue_capacity: usize,
 
-    /// A tenant's share of device batches, `TENANT=WEIGHT` (default weight 1;
-    /// with weights 3 and 1, two busy tenants get three samples to one).
+    /// A tenant's share of device time, `TENANT=WEIGHT` (default weight 1;
+    /// with weights 3 and 1, two busy tenants get three times the device
+    /// time to one).
     #[arg(long = "tenant-weight", env = "FACEGATE_TENANT_WEIGHTS", value_delimiter = ',', value_parser = parse_weight)]
     pub tenant_weights: Vec<(String, u32)>,
 }

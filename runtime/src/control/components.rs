@@ -131,7 +131,12 @@ impl ControlPlane {
     /// cannot compile or cache it, and trying again will not help;
     /// anything else is the store's and may pass.
     pub fn precompile(&self, sha256: &str) -> StoreResult<()> {
-        let bytes = self.compile_db().component(sha256)?;
+        // The compiler's connection may sit idle for hours, and a server or
+        // pooler may have closed it meanwhile: one fresh try before failing.
+        let bytes = match self.compile_db().component(sha256) {
+            Err(StoreError::Unavailable(_)) => self.compile_db().component(sha256)?,
+            read => read?,
+        };
         let (_, artifact) = self.compile_component(sha256, &bytes).map_err(|e| StoreError::Invalid(e.to_string()))?;
         // A compile the cache cannot keep would be compiled again by every sync.
         let artifact =
