@@ -486,5 +486,4 @@ mod tests {
         let factor = rate.factor(1000, 10 * MS, false).unwrap();
         assert!((0.42..0.46).contains(&factor), "factor {factor}");
     }
-
 }
