@@ -1,14 +1,17 @@
-//! Durability: the gateway is killed (SIGKILL) while an upload arrives and
-//! while it is being compiled and stored; after a restart the store passes
-//! its integrity check and serves exactly what was active.
+//! Durability and lifecycle: the gateway is killed (SIGKILL) while an
+//! upload arrives and while it is being compiled and stored; after a
+//! restart the store passes its integrity check and serves exactly what
+//! was active. SIGTERM drains it.
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use reqwest::Method;
 use serde_json::json;
 
-use crate::harness::{fresh_dir, guest};
+use crate::harness::{fresh_dir, guest, image};
 use crate::process::Server;
 
 fn assert_store_ok(data: &Path) {
@@ -82,5 +85,45 @@ fn sigkill_during_uploads_loses_nothing_and_serves_no_partial_file() {
     let rebuilt = artifacts.iter().filter(|a| std::fs::read(a).unwrap() != b"not machine code").count();
     assert!(rebuilt >= 1, "the active version's artifact was rebuilt");
     server.kill();
+    assert_store_ok(&data);
+}
+
+/// SIGTERM, what Kubernetes sends a pod it stops (after the preStop
+/// pause), drains the process: a request in flight, its body still
+/// arriving, is answered in full; new connections are refused; the
+/// process exits 0 well before the grace period ends.
+#[test]
+fn sigterm_finishes_the_request_in_flight_then_exits() {
+    let data = fresh_dir("sigterm");
+    let mut server = Server::start(&data);
+    server.json(server.admin(Method::POST, "tenants").json(&json!({ "name": "t" })));
+    let key = server.json(server.admin(Method::POST, "tenants/t/keys"))["key"].as_str().unwrap().to_owned();
+    server.json(server.admin(Method::PUT, "tenants/t/handlers/h").body(std::fs::read(guest("detect")).unwrap()));
+    let photo = image("grace_hopper.jpg");
+    let mut stream = TcpStream::connect(server.addr).unwrap();
+    let head = format!(
+        "POST /v1/t/h HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        photo.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(&photo[..photo.len() / 2]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+
+    let signalled = Instant::now();
+    server.terminate();
+    let refused_by = Instant::now() + Duration::from_secs(5);
+    while TcpStream::connect(server.addr).is_ok() {
+        assert!(Instant::now() < refused_by, "still accepting connections 5 s after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(server.wait_exit(Duration::ZERO).is_none(), "exited with a request in flight");
+    stream.write_all(&photo[photo.len() / 2..]).unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "the request in flight is answered: {answer}");
+    assert!(answer.contains("\"faces\""), "{answer}");
+    let status = server.wait_exit(facegate::http::SHUTDOWN_GRACE).expect("exits once drained");
+    assert!(status.success(), "exit status {status}");
+    assert!(signalled.elapsed() < facegate::http::SHUTDOWN_GRACE, "drained before the grace period ended");
     assert_store_ok(&data);
 }
