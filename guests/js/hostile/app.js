@@ -11,6 +11,7 @@
  * |----------|------------------------------------------------------|----------------------------|
  * | `loop`   | spins forever in pure computation                    | request deadline (timeout) |
  * | `memory` | allocates and fills 1 MiB chunks forever, keeps them | memory-limit trap          |
+ * | `network`| `fetch` of http://127.0.0.1:`port`/healthz           | 200, JSON of the outcome   |
  * | other    | nothing: answers 200 with a small JSON               | 200                        |
  */
 
@@ -34,12 +35,28 @@ function hoard() {
   }
 }
 
+/** Fetches the gateway's own health check; reports what it came to. */
+async function network(port) {
+  try {
+    const response = await fetch(`http://127.0.0.1:${port}/healthz`);
+    return { fetch: `answered ${response.status}` };
+  } catch (error) {
+    return { fetch: `refused: ${error}` };
+  }
+}
+
+function reply(attack, outcomes) {
+  const body = JSON.stringify({ handler: "hostile", language: "javascript", attack, outcomes });
+  return { status: 200, headers: [["content-type", "application/json"]], body: new TextEncoder().encode(body) };
+}
+
 function answer(request) {
-  const attack = new URLSearchParams(queryOf(request)).get("attack") ?? "";
+  const query = new URLSearchParams(queryOf(request));
+  const attack = query.get("attack") ?? "";
   if (attack === "loop") spin();
   if (attack === "memory") hoard();
-  const body = JSON.stringify({ handler: "hostile", language: "javascript", attack });
-  return { status: 200, headers: [["content-type", "application/json"]], body: new TextEncoder().encode(body) };
+  if (attack === "network") return network(query.get("port") ?? "80").then((outcomes) => reply(attack, outcomes));
+  return reply(attack, {});
 }
 
 export const incomingHandler = {

@@ -243,3 +243,30 @@ fn runaway_python_and_javascript_handlers_are_stopped() {
         }
     }
 }
+
+/// Script handlers get no network: a fetch (JavaScript, no outgoing-HTTP
+/// grant) of the gateway's own port, which is listening, is refused; a
+/// TCP connection and a name lookup through Python's `socket` module come
+/// to nothing (componentize-py's Python has no such module today; were
+/// one added, the sockets policy the Rust `hostile` test checks would
+/// refuse it). Either way, no real socket.
+#[test]
+fn python_and_javascript_handlers_get_no_network() {
+    let port = crate::harness::gateway().addr.port();
+    for (language, suffix) in LANGUAGES {
+        let key = deployed(language, suffix, "hostile");
+        let query = format!("attack=network&port={port}");
+        let (status, _, body) = call(&key, &format!("scripts/hostile-{suffix}"), Method::POST, &query, Vec::new());
+        assert_eq!(status, 200, "{language}: {}", String::from_utf8_lossy(&body));
+        let answer: Value = serde_json::from_slice(&body).unwrap();
+        eprintln!("{language}: {answer}");
+        let tried: &[&str] = if language == "python" { &["tcp", "dns"] } else { &["fetch"] };
+        for what in tried {
+            let outcome = answer["outcomes"][what].as_str().unwrap_or_default();
+            assert!(outcome.starts_with("refused") || outcome.starts_with("unavailable"), "{language} {what}: {answer}");
+            if language == "js" {
+                assert!(outcome.contains("NetworkError"), "the fetch was tried and failed on the network: {answer}");
+            }
+        }
+    }
+}
