@@ -15,4 +15,5 @@ mod isolation;
 mod process;
 mod restart;
 mod scripts;
+mod stores;
 mod tls;
