@@ -15,6 +15,7 @@ use image::{DynamicImage, ImageDecoder, ImageReader};
 
 use crate::face_detect::{ElementType, Tensor};
 
+mod reduced_jpeg;
 mod scaled;
 pub use scaled::{ScaledImage, decode_for_letterbox};
 

@@ -4,12 +4,16 @@
 //! smallest scale that still covers the letterboxed image, then resized as
 //! usual. A 12 MP photo for a 640 letterbox decodes at 1/4: the entropy
 //! decoding is the same, the inverse DCT, colour conversion and resize
-//! handle 1/16 of the pixels.
+//! handle 1/16 of the pixels. Baseline JPEGs (what cameras write) go to
+//! this crate's own reduced decoder ([`super::reduced_jpeg`]), which keeps
+//! only the coefficients a scale needs; the rest (progressive, say) to
+//! jpeg-decoder's scaled decode.
 
 use image::metadata::Orientation;
 use image::{DynamicImage, GrayImage};
 use jpeg_decoder::PixelFormat;
 
+use super::reduced_jpeg;
 use super::{
     ImageError, ImageFormat, ImageLimits, RgbImage, check_dimensions, check_header, decode_checked, letterbox_geometry, sniff_format,
 };
@@ -73,22 +77,37 @@ fn decode_jpeg_reduced(bytes: &[u8], limits: &ImageLimits, side: u32) -> Result<
     if !reducible || !matches!(info.pixel_format, PixelFormat::RGB24 | PixelFormat::L8) {
         return Ok(None);
     }
-    let to_u16 = |v: u32| u16::try_from(v).unwrap_or(u16::MAX);
-    let (w, h) = decoder.scale(to_u16(want_w), to_u16(want_h)).map_err(jpeg_error)?;
-    let pixels = decoder.decode().map_err(jpeg_error)?;
-    let (w, h) = (u32::from(w), u32::from(h));
-    let image = match info.pixel_format {
-        PixelFormat::L8 => GrayImage::from_raw(w, h, pixels).map(|g| DynamicImage::ImageLuma8(g).into_rgb8()),
-        _ => RgbImage::from_raw(w, h, pixels),
-    }
-    .ok_or_else(|| ImageError::Invalid("the JPEG decoder returned too few pixels".into()))?;
-    let orientation = decoder.exif_data().and_then(Orientation::from_exif_chunk).unwrap_or(Orientation::NoTransforms);
+    let denom = [8, 4, 2].into_iter().find(|&d| width.div_ceil(d) >= want_w && height.div_ceil(d) >= want_h).unwrap_or(2);
+    let (image, exif) = match reduced_jpeg::decode(bytes, denom as usize, limits.max_alloc).map_err(ImageError::Invalid)? {
+        Some(reduced) => {
+            let (w, h, exif) = (reduced.width, reduced.height, reduced.exif);
+            (rgb_from(w, h, reduced.grey, reduced.pixels)?, exif)
+        }
+        // A feature the reduced decoder leaves to jpeg-decoder (progressive, say).
+        None => {
+            let to_u16 = |v: u32| u16::try_from(v).unwrap_or(u16::MAX);
+            let (w, h) = decoder.scale(to_u16(want_w), to_u16(want_h)).map_err(jpeg_error)?;
+            let pixels = decoder.decode().map_err(jpeg_error)?;
+            (rgb_from(u32::from(w), u32::from(h), info.pixel_format == PixelFormat::L8, pixels)?, decoder.exif_data().map(<[u8]>::to_vec))
+        }
+    };
+    let orientation = exif.as_deref().and_then(Orientation::from_exif_chunk).unwrap_or(Orientation::NoTransforms);
     let mut image = DynamicImage::ImageRgb8(image);
     image.apply_orientation(orientation);
     let turned =
         matches!(orientation, Orientation::Rotate90 | Orientation::Rotate270 | Orientation::Rotate90FlipH | Orientation::Rotate270FlipH);
     let (width, height) = if turned { (height, width) } else { (width, height) };
     Ok(Some(ScaledImage { image: image.into_rgb8(), width, height }))
+}
+
+/// Decoded pixels, grey or RGB, as an RGB image.
+fn rgb_from(width: u32, height: u32, grey: bool, pixels: Vec<u8>) -> Result<RgbImage, ImageError> {
+    let image = if grey {
+        GrayImage::from_raw(width, height, pixels).map(|g| DynamicImage::ImageLuma8(g).into_rgb8())
+    } else {
+        RgbImage::from_raw(width, height, pixels)
+    };
+    image.ok_or_else(|| ImageError::Invalid("the JPEG decoder returned too few pixels".into()))
 }
 
 fn jpeg_error(error: jpeg_decoder::Error) -> ImageError {

@@ -1,0 +1,849 @@
+//! A baseline JPEG decoder that only decodes at 1/2, 1/4 or 1/8 of the
+//! image's size: of each 8×8 block it keeps the lowest 4×4, 2×2 or 1×1 DCT
+//! coefficients and inverts just those (the 8-point inverse DCT evaluated
+//! at the centres of the reduced pixels), so the cost beyond entropy
+//! decoding shrinks with the scale. Entropy decoding, which no scale skips,
+//! runs over the scan with its byte stuffing removed first, so the bit
+//! reader is a plain load and shift.
+//!
+//! It takes what cameras and encoders mostly write: baseline or extended
+//! Huffman, 8-bit, one interleaved scan, grey or YCbCr with sampling
+//! factors of 1 or 2. Anything else (progressive, arithmetic coding, 12-bit,
+//! CMYK, Adobe RGB, several scans) is `Ok(None)`, for a general decoder to
+//! take. Corrupt or truncated data is an error, never a panic.
+
+/// What [`decode`] returns: the reduced pixels.
+#[derive(Debug)]
+pub struct Reduced {
+    /// Width of the reduced image: the original's, divided by the scale, rounded up.
+    pub width: u32,
+    /// Height of the reduced image, likewise.
+    pub height: u32,
+    /// Whether `pixels` are grey (one byte a pixel) rather than RGB.
+    pub grey: bool,
+    /// Row-major pixels.
+    pub pixels: Vec<u8>,
+    /// The EXIF payload (after `Exif\0\0`), if the file has one.
+    pub exif: Option<Vec<u8>>,
+}
+
+/// Zigzag position → (row, column) of the coefficient in its block.
+const ZIGZAG: [(u8, u8); 64] = {
+    let mut table = [(0u8, 0u8); 64];
+    let (mut row, mut col, mut k) = (0i32, 0i32, 0usize);
+    while k < 64 {
+        table[k] = (row as u8, col as u8);
+        // Even diagonals run up and right, odd ones down and left.
+        if (row + col) % 2 == 0 {
+            if col == 7 {
+                row += 1;
+            } else if row == 0 {
+                col += 1;
+            } else {
+                row -= 1;
+                col += 1;
+            }
+        } else if row == 7 {
+            col += 1;
+        } else if col == 0 {
+            row += 1;
+        } else {
+            row += 1;
+            col -= 1;
+        }
+        k += 1;
+    }
+    table
+};
+
+/// Bits a Huffman code is looked up by at once.
+const LOOKUP_BITS: u32 = 10;
+
+/// One Huffman table, canonical codes as JPEG defines them (Annex C).
+#[derive(Clone)]
+struct Huffman {
+    /// For the next `LOOKUP_BITS` bits: `length << 8 | symbol`, or 0 when the code is longer.
+    lookup: Box<[u16; 1 << LOOKUP_BITS]>,
+    /// Per length 1..=16: the largest code of that length (−1 when none).
+    max_code: [i32; 17],
+    /// Per length: what to add to a code to index `symbols`.
+    offset: [i32; 17],
+    symbols: Vec<u8>,
+    /// For the next `LOOKUP_BITS` bits of AC data whose code and value
+    /// bits both fit in them: `(value, run, bits used)`; bits used 0 otherwise.
+    fast_ac: Box<[(i16, u8, u8); 1 << LOOKUP_BITS]>,
+}
+
+impl Huffman {
+    /// Builds a table from a DHT segment's 16 counts and its symbols.
+    fn new(counts: &[u8; 16], symbols: Vec<u8>) -> Result<Self, String> {
+        let mut lookup = Box::new([0u16; 1 << LOOKUP_BITS]);
+        let (mut max_code, mut offset) = ([-1i32; 17], [0i32; 17]);
+        let (mut code, mut index) = (0i32, 0usize);
+        for length in 1..=16u32 {
+            let count = usize::from(counts[length as usize - 1]);
+            offset[length as usize] = index as i32 - code;
+            for _ in 0..count {
+                let symbol = *symbols.get(index).ok_or("a Huffman table lists more codes than symbols")?;
+                if code >= 1 << length {
+                    return Err("a Huffman table has more codes than fit their lengths".into());
+                }
+                if length <= LOOKUP_BITS {
+                    let shift = LOOKUP_BITS - length;
+                    let first = (code as usize) << shift;
+                    for entry in &mut lookup[first..first + (1 << shift)] {
+                        *entry = (length as u16) << 8 | u16::from(symbol);
+                    }
+                }
+                code += 1;
+                index += 1;
+            }
+            if count > 0 {
+                max_code[length as usize] = code - 1;
+            }
+            code <<= 1;
+        }
+        let fast_ac = Box::new(std::array::from_fn(|index| fast_ac_entry(lookup[index], index)));
+        Ok(Self { lookup, max_code, offset, symbols, fast_ac })
+    }
+}
+
+/// `fast_ac`'s run for the end of a block (EOB).
+const END_OF_BLOCK: u8 = 64;
+
+/// The `fast_ac` entry for lookup `index`, whose `lookup` entry is `entry`:
+/// a coefficient, sixteen zeros (ZRL: a run of 15 and a zero), or the end
+/// of the block ([`END_OF_BLOCK`]).
+fn fast_ac_entry(entry: u16, index: usize) -> (i16, u8, u8) {
+    let (length, symbol) = (u32::from(entry >> 8), entry as u8);
+    let (run, size) = (symbol >> 4, u32::from(symbol & 15));
+    match (entry, symbol) {
+        (0, _) => return (0, 0, 0),
+        (_, 0x00) => return (0, END_OF_BLOCK, length as u8),
+        (_, 0xF0) => return (0, 15, length as u8),
+        _ => {}
+    }
+    if size == 0 || length + size > LOOKUP_BITS {
+        return (0, 0, 0);
+    }
+    let bits = ((index >> (LOOKUP_BITS - length - size)) & ((1 << size) - 1)) as i32;
+    let value = if bits < 1 << (size - 1) { bits - (1 << size) + 1 } else { bits };
+    (value as i16, run, (length + size) as u8)
+}
+
+/// Reads bits, most significant first, from entropy-coded data whose
+/// stuffing is already removed; reads past the end give zeros.
+struct Bits<'a> {
+    data: &'a [u8],
+    /// The next byte to load.
+    next: usize,
+    /// Bits not yet consumed, at the top; below them, more of the stream.
+    buffer: u64,
+    /// How many of `buffer`'s top bits are loaded.
+    count: u32,
+}
+
+impl<'a> Bits<'a> {
+    fn new(data: &'a [u8], byte: usize) -> Self {
+        Self { data, next: byte, buffer: 0, count: 0 }
+    }
+
+    /// Bits consumed so far, from the start of `data`.
+    fn position(&self) -> usize {
+        self.next * 8 - self.count as usize
+    }
+
+    /// Loads whole bytes until at least 56 bits are loaded. The bits it
+    /// also ORs in below them are the stream's next ones, so loading them
+    /// again later changes nothing.
+    #[inline(always)]
+    fn refill(&mut self) {
+        let word = match self.data.get(self.next..self.next + 8) {
+            Some(b) => u64::from_be_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
+            None => self.tail_word(),
+        };
+        self.buffer |= word >> self.count;
+        let bytes = (63 - self.count) >> 3;
+        self.next += bytes as usize;
+        self.count += bytes * 8;
+    }
+
+    /// The 8 bytes from `next` near the end, zeros past it.
+    #[cold]
+    fn tail_word(&self) -> u64 {
+        let mut word = [0u8; 8];
+        for (i, b) in word.iter_mut().enumerate() {
+            *b = self.data.get(self.next + i).copied().unwrap_or(0);
+        }
+        u64::from_be_bytes(word)
+    }
+
+    /// The next `n` bits (1..=32), not consumed; at least `n` must be loaded.
+    #[inline(always)]
+    fn peek(&self, n: u32) -> u32 {
+        (self.buffer >> (64 - n)) as u32
+    }
+
+    #[inline(always)]
+    fn skip(&mut self, n: u32) {
+        self.buffer <<= n;
+        self.count -= n;
+    }
+
+    /// A Huffman symbol; leaves at least 16 bits loaded for its value.
+    #[inline(always)]
+    fn symbol(&mut self, table: &Huffman) -> Result<u8, String> {
+        if self.count < 32 {
+            self.refill();
+        }
+        let bits = self.peek(16);
+        let entry = table.lookup[(bits >> (16 - LOOKUP_BITS)) as usize];
+        if entry != 0 {
+            self.skip(u32::from(entry >> 8));
+            return Ok(entry as u8);
+        }
+        for length in LOOKUP_BITS + 1..=16 {
+            let code = (bits >> (16 - length)) as i32;
+            if code <= table.max_code[length as usize] {
+                self.skip(length);
+                let index = (code + table.offset[length as usize]) as usize;
+                return table.symbols.get(index).copied().ok_or_else(|| "corrupt JPEG data: bad Huffman code".to_owned());
+            }
+        }
+        Err("corrupt JPEG data: bad Huffman code".into())
+    }
+
+    /// `size` bits as a signed coefficient (JPEG's EXTEND, F.2.2.1); at
+    /// most 16, and called right after [`Bits::symbol`], which left at
+    /// least 16 loaded.
+    #[inline(always)]
+    fn value(&mut self, size: u8) -> i32 {
+        if size == 0 {
+            return 0;
+        }
+        let size = u32::from(size.min(16));
+        let bits = self.peek(size) as i32;
+        self.skip(size);
+        if bits < 1 << (size - 1) { bits - (1 << size) + 1 } else { bits }
+    }
+}
+
+/// One component of the frame, and where its blocks go.
+#[derive(Clone, Debug)]
+struct Component {
+    id: u8,
+    h: usize,
+    v: usize,
+    quant: usize,
+    dc: usize,
+    ac: usize,
+}
+
+#[derive(Default)]
+struct Tables {
+    quant: [Option<[u16; 64]>; 4],
+    dc: [Option<Huffman>; 4],
+    ac: [Option<Huffman>; 4],
+}
+
+struct Frame {
+    width: usize,
+    height: usize,
+    components: Vec<Component>,
+}
+
+/// Decodes `bytes` at `1/denom` of its size (`denom` 2, 4 or 8); `None`
+/// when the file uses a feature this decoder leaves to others. Fails on
+/// corrupt or truncated data, or when the planes would need more than
+/// `max_bytes`.
+pub fn decode(bytes: &[u8], denom: usize, max_bytes: u64) -> Result<Option<Reduced>, String> {
+    if !matches!(denom, 2 | 4 | 8) || bytes.get(..2) != Some(&[0xFF, 0xD8]) {
+        return Ok(None);
+    }
+    let (mut tables, mut frame, mut restart, mut exif, mut adobe_rgb) = (Tables::default(), None, 0usize, None, false);
+    let mut at = 2;
+    loop {
+        let (marker, segment, next) = next_segment(bytes, at)?;
+        at = next;
+        match marker {
+            0xC0 | 0xC1 => match parse_frame(segment)? {
+                Some(parsed) => frame = Some(parsed),
+                None => return Ok(None),
+            },
+            0xC2 | 0xC3 | 0xC5..=0xC7 | 0xC9..=0xCB | 0xCD..=0xCF => return Ok(None),
+            0xC4 => parse_huffman(segment, &mut tables)?,
+            0xDB => parse_quant(segment, &mut tables)?,
+            0xDD => restart = usize::from(u16::from_be_bytes([*segment.first().unwrap_or(&0), *segment.get(1).unwrap_or(&0)])),
+            0xE1 if segment.starts_with(b"Exif\0\0") => exif = Some(segment[6..].to_vec()),
+            0xEE if segment.starts_with(b"Adobe") && segment.len() >= 12 => adobe_rgb = segment[11] == 0,
+            0xDA => {
+                let Some(frame) = frame.as_mut() else { return Err("a JPEG scan before its frame header".into()) };
+                if adobe_rgb && frame.components.len() == 3 {
+                    return Ok(None);
+                }
+                if !parse_scan(segment, frame)? {
+                    return Ok(None);
+                }
+                let mut reduced = decode_scan(&bytes[at..], frame, &tables, restart, denom, max_bytes)?;
+                reduced.exif = exif;
+                return Ok(Some(reduced));
+            }
+            0xD9 => return Err("the JPEG ends before any scan".into()),
+            _ => {}
+        }
+    }
+}
+
+/// The marker at `at` (fill bytes skipped), its segment's payload and where the next one starts.
+fn next_segment(bytes: &[u8], mut at: usize) -> Result<(u8, &[u8], usize), String> {
+    let truncated = || "truncated JPEG header".to_owned();
+    if bytes.get(at) != Some(&0xFF) {
+        return Err("corrupt JPEG header: a marker expected".into());
+    }
+    while bytes.get(at) == Some(&0xFF) {
+        at += 1;
+    }
+    let marker = *bytes.get(at).ok_or_else(truncated)?;
+    at += 1;
+    if matches!(marker, 0xD8 | 0xD9 | 0x01 | 0xD0..=0xD7) {
+        return Ok((marker, &[], at));
+    }
+    let length = usize::from(u16::from_be_bytes([*bytes.get(at).ok_or_else(truncated)?, *bytes.get(at + 1).ok_or_else(truncated)?]));
+    let segment = bytes.get(at + 2..at + length.max(2)).ok_or_else(truncated)?;
+    Ok((marker, segment, at + length.max(2)))
+}
+
+fn parse_frame(segment: &[u8]) -> Result<Option<Frame>, String> {
+    let short = || "short JPEG frame header".to_owned();
+    let header = segment.get(..6).ok_or_else(short)?;
+    let (precision, height, width, count) = (
+        header[0],
+        usize::from(u16::from_be_bytes([header[1], header[2]])),
+        usize::from(u16::from_be_bytes([header[3], header[4]])),
+        header[5],
+    );
+    if precision != 8 || height == 0 || width == 0 || !matches!(count, 1 | 3) {
+        return Ok(None);
+    }
+    let mut components = Vec::new();
+    for c in segment.get(6..6 + 3 * usize::from(count)).ok_or_else(short)?.chunks_exact(3) {
+        let (h, v, quant) = (usize::from(c[1] >> 4), usize::from(c[1] & 15), usize::from(c[2]));
+        if !(1..=2).contains(&h) || !(1..=2).contains(&v) || quant > 3 {
+            return Ok(None);
+        }
+        components.push(Component { id: c[0], h, v, quant, dc: 0, ac: 0 });
+    }
+    if count == 1 {
+        // A single component is not interleaved: one block an MCU, whatever its factors say.
+        components[0].h = 1;
+        components[0].v = 1;
+    }
+    Ok(Some(Frame { width, height, components }))
+}
+
+fn parse_huffman(mut segment: &[u8], tables: &mut Tables) -> Result<(), String> {
+    while !segment.is_empty() {
+        let short = || "short JPEG Huffman table".to_owned();
+        let class_id = segment[0];
+        let counts: [u8; 16] = segment.get(1..17).ok_or_else(short)?.try_into().map_err(|_| short())?;
+        let total: usize = counts.iter().map(|&c| usize::from(c)).sum();
+        let symbols = segment.get(17..17 + total).ok_or_else(short)?.to_vec();
+        let (class, id) = (class_id >> 4, usize::from(class_id & 15));
+        if id > 3 || class > 1 {
+            return Err("bad JPEG Huffman table id".into());
+        }
+        let table = Some(Huffman::new(&counts, symbols)?);
+        if class == 0 {
+            tables.dc[id] = table;
+        } else {
+            tables.ac[id] = table;
+        }
+        segment = &segment[17 + total..];
+    }
+    Ok(())
+}
+
+fn parse_quant(mut segment: &[u8], tables: &mut Tables) -> Result<(), String> {
+    while !segment.is_empty() {
+        let (precision, id) = (segment[0] >> 4, usize::from(segment[0] & 15));
+        let size = if precision == 0 { 64 } else { 128 };
+        let values = segment.get(1..1 + size).ok_or("short JPEG quantisation table")?;
+        if id > 3 || precision > 1 {
+            return Err("bad JPEG quantisation table id".into());
+        }
+        let mut table = [0u16; 64];
+        for (k, q) in table.iter_mut().enumerate() {
+            *q = if precision == 0 { u16::from(values[k]) } else { u16::from_be_bytes([values[2 * k], values[2 * k + 1]]) };
+        }
+        tables.quant[id] = Some(table);
+        segment = &segment[1 + size..];
+    }
+    Ok(())
+}
+
+/// Reads a scan header into the frame's table choices; false when the scan
+/// is not one baseline scan of every component.
+fn parse_scan(segment: &[u8], frame: &mut Frame) -> Result<bool, String> {
+    let count = usize::from(*segment.first().ok_or("short JPEG scan header")?);
+    let selectors = segment.get(1..1 + 2 * count).ok_or("short JPEG scan header")?;
+    let spectral = segment.get(1 + 2 * count..4 + 2 * count).ok_or("short JPEG scan header")?;
+    if count != frame.components.len() || spectral != [0, 63, 0] {
+        return Ok(false);
+    }
+    for (component, selector) in frame.components.iter_mut().zip(selectors.chunks_exact(2)) {
+        if component.id != selector[0] {
+            return Ok(false);
+        }
+        (component.dc, component.ac) = (usize::from(selector[1] >> 4), usize::from(selector[1] & 15));
+        if component.dc > 3 || component.ac > 3 {
+            return Err("bad JPEG Huffman table selector".into());
+        }
+    }
+    Ok(true)
+}
+
+/// The entropy-coded data from `bytes` on, stuffing removed, split at
+/// restart markers: the data and where each interval starts in it.
+/// Errors if no marker ends the data (a truncated file).
+fn unstuff(bytes: &[u8]) -> Result<(Vec<u8>, Vec<usize>), String> {
+    let mut data = Vec::with_capacity(bytes.len() + 8);
+    let mut starts = vec![0];
+    let mut at = 0;
+    loop {
+        let run = bytes[at..].iter().position(|&b| b == 0xFF).ok_or("truncated JPEG data")?;
+        data.extend_from_slice(&bytes[at..at + run]);
+        at += run;
+        match bytes.get(at + 1) {
+            Some(0x00) => {
+                data.push(0xFF);
+                at += 2;
+            }
+            Some(0xFF) => at += 1,
+            Some(0xD0..=0xD7) => {
+                starts.push(data.len());
+                at += 2;
+            }
+            Some(_) => return Ok((data, starts)),
+            None => return Err("truncated JPEG data".into()),
+        }
+    }
+}
+
+/// Per component: its reduced plane and the plane's width.
+struct Planes {
+    planes: Vec<Vec<u8>>,
+    widths: Vec<usize>,
+}
+
+/// How a frame's MCUs lie: `n`×`n` pixels a block, the largest sampling
+/// factors, and the MCUs across and down.
+struct Layout {
+    n: usize,
+    h_max: usize,
+    v_max: usize,
+    mcus_x: usize,
+    mcus_y: usize,
+}
+
+impl Layout {
+    fn new(frame: &Frame, denom: usize) -> Self {
+        let h_max = frame.components.iter().map(|c| c.h).max().unwrap_or(1);
+        let v_max = frame.components.iter().map(|c| c.v).max().unwrap_or(1);
+        let (mcus_x, mcus_y) = (frame.width.div_ceil(8 * h_max), frame.height.div_ceil(8 * v_max));
+        Self { n: 8 / denom, h_max, v_max, mcus_x, mcus_y }
+    }
+
+    /// The width and height of a component's plane.
+    fn plane(&self, c: &Component) -> (usize, usize) {
+        (self.mcus_x * c.h * self.n, self.mcus_y * c.v * self.n)
+    }
+}
+
+fn decode_scan(bytes: &[u8], frame: &Frame, tables: &Tables, restart: usize, denom: usize, max_bytes: u64) -> Result<Reduced, String> {
+    let layout = Layout::new(frame, denom);
+    let (out_w, out_h) = (frame.width.div_ceil(denom), frame.height.div_ceil(denom));
+    // In u64: on wasm32 a usize product of a huge header's sizes could wrap.
+    let plane_bytes: u64 = frame.components.iter().map(|c| layout.plane(c)).map(|(w, h)| w as u64 * h as u64).sum();
+    let out_bytes = out_w as u64 * out_h as u64 * frame.components.len() as u64;
+    if plane_bytes + out_bytes + bytes.len() as u64 > max_bytes {
+        return Err("the JPEG needs more memory than allowed to decode".into());
+    }
+    let mut chosen = Vec::new();
+    for c in &frame.components {
+        let quant = tables.quant[c.quant].ok_or("a JPEG component uses a quantisation table never defined")?;
+        let dc = tables.dc[c.dc].as_ref().ok_or("a JPEG component uses a Huffman table never defined")?;
+        let ac = tables.ac[c.ac].as_ref().ok_or("a JPEG component uses a Huffman table never defined")?;
+        chosen.push((quant, dc, ac));
+    }
+    let mut planes = Planes {
+        planes: frame.components.iter().map(|c| layout.plane(c)).map(|(w, h)| vec![0u8; w * h]).collect(),
+        widths: frame.components.iter().map(|c| layout.plane(c).0).collect(),
+    };
+    let (data, starts) = unstuff(bytes)?;
+    let (idct, kept) = (Idct::new(layout.n), kept_positions(layout.n));
+    let mut bits = Bits::new(&data, 0);
+    let mut predictors = vec![0i32; frame.components.len()];
+    let (mut interval, mut left) = (0usize, restart);
+    let mut end = starts.get(1).copied().unwrap_or(data.len()) * 8;
+    for my in 0..layout.mcus_y {
+        for mx in 0..layout.mcus_x {
+            if restart > 0 && left == 0 {
+                // The next interval starts byte-aligned, its predictors at zero.
+                interval += 1;
+                let start = *starts.get(interval).ok_or("corrupt JPEG data: a restart marker is missing")?;
+                bits = Bits::new(&data, start);
+                end = starts.get(interval + 1).copied().unwrap_or(data.len()) * 8;
+                predictors.iter_mut().for_each(|p| *p = 0);
+                left = restart;
+            }
+            left = left.wrapping_sub(1);
+            for (index, c) in frame.components.iter().enumerate() {
+                let (quant, dc, ac) = &chosen[index];
+                let width = planes.widths[index];
+                for by in 0..c.v {
+                    for bx in 0..c.h {
+                        let mut coefficients = [0f32; 16];
+                        let any_ac = decode_block(&mut bits, (dc, ac), quant, &mut predictors[index], &kept, &mut coefficients)?;
+                        let origin = ((my * c.v + by) * layout.n) * width + (mx * c.h + bx) * layout.n;
+                        idct.write(&coefficients, any_ac, &mut planes.planes[index][origin..], width);
+                    }
+                }
+            }
+            if bits.position() > end {
+                return Err("corrupt JPEG data: it ends before the image does".into());
+            }
+        }
+    }
+    let pixels = to_output(&planes, frame, &layout, out_w, out_h);
+    let grey = frame.components.len() == 1;
+    Ok(Reduced { width: out_w as u32, height: out_h as u32, grey, pixels, exif: None })
+}
+
+/// Where each zigzag position's coefficient goes in a block's kept `n`×`n`
+/// (row-major, stride 4), or `DROP`.
+fn kept_positions(n: usize) -> [u8; 64] {
+    let mut kept = [DROP; 64];
+    for (k, &(row, col)) in ZIGZAG.iter().enumerate() {
+        if usize::from(row) < n && usize::from(col) < n {
+            kept[k] = row * 4 + col;
+        }
+    }
+    kept
+}
+
+/// A coefficient the reduced block does not keep.
+const DROP: u8 = u8::MAX;
+
+/// Decodes one block's coefficients, keeping the dequantised ones that
+/// `kept` places (see [`kept_positions`]) in `out`; returns whether any
+/// kept one besides DC is non-zero.
+#[inline(always)]
+fn decode_block(
+    bits: &mut Bits<'_>,
+    (dc, ac): (&Huffman, &Huffman),
+    quant: &[u16; 64],
+    predictor: &mut i32,
+    kept: &[u8; 64],
+    out: &mut [f32; 16],
+) -> Result<bool, String> {
+    let size = bits.symbol(dc)?;
+    if size > 11 {
+        return Err("corrupt JPEG data: DC difference too large".into());
+    }
+    *predictor = predictor.wrapping_add(bits.value(size));
+    out[0] = predictor.wrapping_mul(i32::from(quant[0])) as f32;
+    let mut any_ac = false;
+    let mut k = 1;
+    while k < 64 {
+        if bits.count < 32 {
+            bits.refill();
+        }
+        let (fast_value, fast_run, used) = ac.fast_ac[bits.peek(LOOKUP_BITS) as usize];
+        let value = if used != 0 {
+            bits.skip(u32::from(used));
+            if fast_run == END_OF_BLOCK {
+                break;
+            }
+            k += usize::from(fast_run);
+            i32::from(fast_value)
+        } else {
+            let symbol = bits.symbol(ac)?;
+            let (run, size) = (usize::from(symbol >> 4), symbol & 15);
+            if size == 0 {
+                if run != 15 {
+                    break;
+                }
+                k += 16;
+                continue;
+            }
+            k += run;
+            bits.value(size)
+        };
+        let Some(&slot) = kept.get(k) else {
+            return Err("corrupt JPEG data: coefficient past the block".into());
+        };
+        if slot != DROP && value != 0 {
+            out[usize::from(slot)] = value.wrapping_mul(i32::from(quant[k])) as f32;
+            any_ac = true;
+        }
+        k += 1;
+    }
+    Ok(any_ac)
+}
+
+/// The inverse DCT of the lowest `n`×`n` coefficients of a block, evaluated
+/// at the centres of the `n`×`n` reduced pixels.
+struct Idct {
+    n: usize,
+    /// `basis[x * 4 + u]`: C(u)·cos((2x+1)uπ/2n)/2.
+    basis: [f32; 16],
+}
+
+impl Idct {
+    fn new(n: usize) -> Self {
+        let mut basis = [0f32; 16];
+        for x in 0..n {
+            for u in 0..n {
+                let c = if u == 0 { std::f32::consts::FRAC_1_SQRT_2 } else { 1.0 };
+                let angle = (2 * x + 1) as f32 * u as f32 * std::f32::consts::PI / (2 * n) as f32;
+                basis[x * 4 + u] = c * angle.cos() / 2.0;
+            }
+        }
+        Self { n, basis }
+    }
+
+    /// Writes the block's `n`×`n` pixels into `plane` at its start, rows
+    /// `stride` apart; without `any_ac` (only DC is non-zero) the block is flat.
+    #[inline(always)]
+    fn write(&self, f: &[f32; 16], any_ac: bool, plane: &mut [u8], stride: usize) {
+        match self.n {
+            _ if !any_ac => {
+                let value = (f[0] / 8.0 + 128.5).clamp(0.0, 255.0) as u8;
+                for y in 0..self.n {
+                    plane[y * stride..y * stride + self.n].fill(value);
+                }
+            }
+            4 => write_4(f, plane, stride),
+            2 => self.write_n::<2>(f, plane, stride),
+            _ => plane[0] = (f[0] / 8.0 + 128.5).clamp(0.0, 255.0) as u8,
+        }
+    }
+
+    #[inline(always)]
+    fn write_n<const N: usize>(&self, f: &[f32; 16], plane: &mut [u8], stride: usize) {
+        // Column u of the basis, as a vector over x: columns[u][x] = m[x][u].
+        let m = &self.basis;
+        let columns: [[f32; N]; N] = std::array::from_fn(|u| std::array::from_fn(|x| m[x * 4 + u]));
+        // Rows first: t[v] = Σu F[v][u]·columns[u] (vectors over x); rows
+        // of zeros (most high ones) stay zero.
+        let mut t = [[0f32; N]; N];
+        for (v, out) in t.iter_mut().enumerate() {
+            let row = &f[v * 4..v * 4 + N];
+            if row.iter().all(|&c| c == 0.0) {
+                continue;
+            }
+            for (u, column) in columns.iter().enumerate() {
+                for x in 0..N {
+                    out[x] += row[u] * column[x];
+                }
+            }
+        }
+        // Then out[y] = Σv m[y][v]·t[v].
+        for y in 0..N {
+            let mut out = [128.5f32; N];
+            for (v, t_row) in t.iter().enumerate() {
+                let weight = m[y * 4 + v];
+                for x in 0..N {
+                    out[x] += weight * t_row[x];
+                }
+            }
+            for (pixel, value) in plane[y * stride..y * stride + N].iter_mut().zip(out) {
+                *pixel = value.clamp(0.0, 255.0) as u8;
+            }
+        }
+    }
+}
+
+/// [`Idct::write`] for 4×4, by butterflies: a quarter of the multiplies.
+#[inline(always)]
+fn write_4(f: &[f32; 16], plane: &mut [u8], stride: usize) {
+    let mut t = [[0f32; 4]; 4];
+    for (v, out) in t.iter_mut().enumerate() {
+        let row = &f[v * 4..v * 4 + 4];
+        if row.iter().any(|&c| c != 0.0) {
+            *out = idct_4(row[0], row[1], row[2], row[3]);
+        }
+    }
+    let columns: [[f32; 4]; 4] = std::array::from_fn(|x| idct_4(t[0][x], t[1][x], t[2][x], t[3][x]));
+    for y in 0..4 {
+        for (x, pixel) in plane[y * stride..y * stride + 4].iter_mut().enumerate() {
+            *pixel = (columns[x][y] + 128.5).clamp(0.0, 255.0) as u8;
+        }
+    }
+}
+
+/// The 8-point inverse DCT of four lowest coefficients at the centres of
+/// four pixel pairs: x_k = ½·Σu C(u)·F(u)·cos((2k+1)uπ/8).
+#[inline(always)]
+fn idct_4(f0: f32, f1: f32, f2: f32, f3: f32) -> [f32; 4] {
+    const C1: f32 = 0.923_879_5; // cos(π/8)
+    const C3: f32 = 0.382_683_43; // cos(3π/8)
+    let (even, even_2) = ((f0 + f2) * std::f32::consts::FRAC_1_SQRT_2, (f0 - f2) * std::f32::consts::FRAC_1_SQRT_2);
+    let (odd, odd_2) = (f1 * C1 + f3 * C3, f1 * C3 - f3 * C1);
+    [(even + odd) * 0.5, (even_2 + odd_2) * 0.5, (even_2 - odd_2) * 0.5, (even - odd) * 0.5]
+}
+
+/// The planes as grey or RGB pixels of the reduced size: planes of lower
+/// sampling interpolated up (see [`upsample_row`]), YCbCr converted as JFIF
+/// defines it.
+fn to_output(planes: &Planes, frame: &Frame, layout: &Layout, width: usize, height: usize) -> Vec<u8> {
+    if frame.components.len() == 1 {
+        let (plane, stride) = (&planes.planes[0], planes.widths[0]);
+        let mut out = Vec::with_capacity(width * height);
+        for y in 0..height {
+            out.extend_from_slice(&plane[y * stride..y * stride + width]);
+        }
+        return out;
+    }
+    let mut out = vec![0u8; width * height * 3];
+    // Sampling factors are 1 or 2: a plane of lower sampling has half the pixels that way.
+    let halved: Vec<(bool, bool)> = frame.components.iter().map(|c| (c.h < layout.h_max, c.v < layout.v_max)).collect();
+    let mut rows = [vec![0u8; width], vec![0u8; width], vec![0u8; width]];
+    for y in 0..height {
+        for (index, row) in rows.iter_mut().enumerate() {
+            upsample_row(&planes.planes[index], planes.widths[index], halved[index], y, row);
+        }
+        let [luma, blue, red] = &rows;
+        for (x, pixel) in out[y * width * 3..(y + 1) * width * 3].chunks_exact_mut(3).enumerate() {
+            let l = i32::from(luma[x]) << 16;
+            let (b, r) = (i32::from(blue[x]) - 128, i32::from(red[x]) - 128);
+            // 1.402, 0.344136, 0.714136 and 1.772, in 16-bit fixed point.
+            pixel[0] = ((l + 91881 * r + 32768) >> 16).clamp(0, 255) as u8;
+            pixel[1] = ((l - 22554 * b - 46802 * r + 32768) >> 16).clamp(0, 255) as u8;
+            pixel[2] = ((l + 116130 * b + 32768) >> 16).clamp(0, 255) as u8;
+        }
+    }
+    out
+}
+
+/// Row `y` of the full-resolution image, from a plane `stride` wide that
+/// has half the resolution across and/or down (`halved`): each output
+/// pixel weighs its nearest plane pixel 3 and the next nearest 1 each way
+/// (libjpeg's "fancy" upsampling), so chroma edges are not blocky.
+fn upsample_row(plane: &[u8], stride: usize, (across, down): (bool, bool), y: usize, out: &mut [u8]) {
+    if !across && !down {
+        out.copy_from_slice(&plane[y * stride..y * stride + out.len()]);
+        return;
+    }
+    let rows = plane.len() / stride;
+    let near = if down { y >> 1 } else { y };
+    let far = if !down {
+        near
+    } else if y & 1 == 1 {
+        (near + 1).min(rows - 1)
+    } else {
+        near.saturating_sub(1)
+    };
+    let (near, far) = (&plane[near * stride..(near + 1) * stride], &plane[far * stride..(far + 1) * stride]);
+    // Column sums, ×4 in all.
+    let sum = |x: usize| 3 * u16::from(near[x]) + u16::from(far[x]);
+    if !across {
+        for (x, pixel) in out.iter_mut().enumerate() {
+            *pixel = ((sum(x) + 2) >> 2) as u8;
+        }
+        return;
+    }
+    for (x, pixel) in out.iter_mut().enumerate() {
+        let centre = x >> 1;
+        let other = if x & 1 == 1 { (centre + 1).min(stride - 1) } else { centre.saturating_sub(1) };
+        *pixel = ((3 * sum(centre) + sum(other) + 8) >> 4) as u8;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> Vec<u8> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jpeg").join(name);
+        std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
+
+    /// jpeg-decoder's decode of `bytes` at `1/denom`: size, grey or not, pixels.
+    fn reference(bytes: &[u8], denom: u16) -> (u32, u32, bool, Vec<u8>) {
+        let mut decoder = jpeg_decoder::Decoder::new(bytes);
+        decoder.read_info().expect("header");
+        let info = decoder.info().expect("info");
+        let (w, h) = decoder.scale(info.width.div_ceil(denom), info.height.div_ceil(denom)).expect("scale");
+        let pixels = decoder.decode().expect("decode");
+        (u32::from(w), u32::from(h), info.pixel_format == jpeg_decoder::PixelFormat::L8, pixels)
+    }
+
+    /// Every sampling layout, restart intervals and a size that is no
+    /// multiple of the MCU: the same size and, within rounding, the same
+    /// pixels as jpeg-decoder's reduced decode.
+    #[test]
+    fn matches_jpeg_decoder_at_every_scale() {
+        for name in ["420-restart-rows.jpg", "444-restart-blocks.jpg", "422.jpg", "grey.jpg"] {
+            let bytes = fixture(name);
+            for denom in [2u16, 4, 8] {
+                let (w, h, grey, expected) = reference(&bytes, denom);
+                let ours = decode(&bytes, usize::from(denom), u64::MAX).expect("decodes").expect("baseline");
+                assert_eq!((ours.width, ours.height, ours.grey), (w, h, grey), "{name} at 1/{denom}");
+                let total: u64 = ours.pixels.iter().zip(&expected).map(|(a, b)| u64::from(a.abs_diff(*b))).sum();
+                let mean = total as f64 / expected.len() as f64;
+                // jpeg-decoder rounds its 1/8 scale's DC differently; the rest agree to a hundredth.
+                let bound = if denom == 8 { 1.5 } else { 0.5 };
+                assert!(mean < bound, "{name} at 1/{denom}: mean difference {mean:.3} levels");
+            }
+        }
+    }
+
+    #[test]
+    fn other_kinds_of_jpeg_are_left_to_the_general_decoder() {
+        assert!(decode(&fixture("progressive.jpg"), 4, u64::MAX).expect("no error").is_none(), "progressive");
+        assert!(decode(b"\x89PNG\r\n\x1a\n", 4, u64::MAX).expect("no error").is_none(), "not a JPEG");
+        assert!(decode(&fixture("422.jpg"), 1, u64::MAX).expect("no error").is_none(), "full size is not a reduced scale");
+        // Baseline, but with the Adobe marker's RGB transform: not YCbCr.
+        let baseline = fixture("444-restart-blocks.jpg");
+        let mut adobe = baseline[..2].to_vec();
+        adobe.extend_from_slice(&[0xFF, 0xEE, 0, 14]);
+        adobe.extend_from_slice(b"Adobe\0\x64\0\0\0\0\0");
+        adobe.extend_from_slice(&baseline[2..]);
+        assert!(decode(&adobe, 4, u64::MAX).expect("no error").is_none(), "Adobe RGB");
+    }
+
+    #[test]
+    fn truncated_data_and_tight_limits_are_errors() {
+        let bytes = fixture("420-restart-rows.jpg");
+        for cut in [40, bytes.len() / 3, bytes.len() / 2, bytes.len() - 600] {
+            assert!(decode(&bytes[..cut], 4, u64::MAX).is_err(), "cut at {cut} of {}", bytes.len());
+        }
+        let error = decode(&bytes, 4, 1000).expect_err("over the limit");
+        assert!(error.contains("more memory"), "{error}");
+    }
+
+    /// Damaged files (bytes changed at random, header and data alike) give
+    /// an image or an error, never a panic.
+    #[test]
+    fn damaged_files_never_panic() {
+        let mut state = 0x9e37_79b9_u32;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state as usize
+        };
+        for name in ["420-restart-rows.jpg", "444-restart-blocks.jpg", "grey.jpg"] {
+            let original = fixture(name);
+            for _ in 0..150 {
+                let mut bytes = original.clone();
+                for _ in 0..1 + next() % 8 {
+                    let at = next() % bytes.len();
+                    bytes[at] = next() as u8;
+                }
+                let _ = decode(&bytes, [2, 4, 8][next() % 3], 64 << 20);
+            }
+        }
+    }
+}
