@@ -278,7 +278,9 @@ pub fn decode(bytes: &[u8], denom: usize, max_bytes: u64) -> Result<Option<Reduc
             0xEE if segment.starts_with(b"Adobe") && segment.len() >= 12 => adobe_rgb = segment[11] == 0,
             0xDA => {
                 let Some(frame) = frame.as_mut() else { return Err("a JPEG scan before its frame header".into()) };
-                if adobe_rgb && frame.components.len() == 3 {
+                // RGB rather than YCbCr: said by Adobe's marker, or by component ids R, G, B.
+                let ids: Vec<u8> = frame.components.iter().map(|c| c.id).collect();
+                if frame.components.len() == 3 && (adobe_rgb || ids == b"RGB") {
                     return Ok(None);
                 }
                 if !parse_scan(segment, frame)? {
@@ -811,6 +813,15 @@ mod tests {
         adobe.extend_from_slice(b"Adobe\0\x64\0\0\0\0\0");
         adobe.extend_from_slice(&baseline[2..]);
         assert!(decode(&adobe, 4, u64::MAX).expect("no error").is_none(), "Adobe RGB");
+        // Components named R, G and B, in the frame and the scan: RGB too.
+        let mut named = baseline.clone();
+        let marker = |m: u8| named.windows(2).position(|w| w == [0xFF, m]).expect("marker");
+        let (frame, scan) = (marker(0xC0), marker(0xDA));
+        for (i, id) in b"RGB".iter().enumerate() {
+            named[frame + 10 + 3 * i] = *id;
+            named[scan + 5 + 2 * i] = *id;
+        }
+        assert!(decode(&named, 4, u64::MAX).expect("no error").is_none(), "ids R, G, B");
     }
 
     #[test]
