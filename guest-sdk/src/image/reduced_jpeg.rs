@@ -12,6 +12,8 @@
 //! CMYK, Adobe RGB, several scans) is `Ok(None)`, for a general decoder to
 //! take. Corrupt or truncated data is an error, never a panic.
 
+use std::f32::consts::FRAC_1_SQRT_2;
+
 /// What [`decode`] returns: the reduced pixels.
 #[derive(Debug)]
 pub struct Reduced {
@@ -482,7 +484,7 @@ fn decode_scan(bytes: &[u8], frame: &Frame, tables: &Tables, restart: usize, den
         widths: frame.components.iter().map(|c| layout.plane(c).0).collect(),
     };
     let (data, starts) = unstuff(bytes)?;
-    let (idct, kept) = (Idct::new(layout.n), kept_positions(layout.n));
+    let kept = kept_positions(layout.n);
     let mut bits = Bits::new(&data, 0);
     let mut predictors = vec![0i32; frame.components.len()];
     let (mut interval, mut left) = (0usize, restart);
@@ -507,7 +509,7 @@ fn decode_scan(bytes: &[u8], frame: &Frame, tables: &Tables, restart: usize, den
                         let mut coefficients = [0f32; 16];
                         let any_ac = decode_block(&mut bits, (dc, ac), quant, &mut predictors[index], &kept, &mut coefficients)?;
                         let origin = ((my * c.v + by) * layout.n) * width + (mx * c.h + bx) * layout.n;
-                        idct.write(&coefficients, any_ac, &mut planes.planes[index][origin..], width);
+                        write_block(&coefficients, any_ac, layout.n, &mut planes.planes[index][origin..], width);
                     }
                 }
             }
@@ -593,80 +595,43 @@ fn decode_block(
     Ok(any_ac)
 }
 
-/// The inverse DCT of the lowest `n`×`n` coefficients of a block, evaluated
-/// at the centres of the `n`×`n` reduced pixels.
-struct Idct {
-    n: usize,
-    /// `basis[x * 4 + u]`: C(u)·cos((2x+1)uπ/2n)/2.
-    basis: [f32; 16],
-}
-
-impl Idct {
-    fn new(n: usize) -> Self {
-        let mut basis = [0f32; 16];
-        for x in 0..n {
-            for u in 0..n {
-                let c = if u == 0 { std::f32::consts::FRAC_1_SQRT_2 } else { 1.0 };
-                let angle = (2 * x + 1) as f32 * u as f32 * std::f32::consts::PI / (2 * n) as f32;
-                basis[x * 4 + u] = c * angle.cos() / 2.0;
-            }
-        }
-        Self { n, basis }
-    }
-
-    /// Writes the block's `n`×`n` pixels into `plane` at its start, rows
-    /// `stride` apart; without `any_ac` (only DC is non-zero) the block is flat.
-    #[inline(always)]
-    fn write(&self, f: &[f32; 16], any_ac: bool, plane: &mut [u8], stride: usize) {
-        match self.n {
-            _ if !any_ac => {
-                let value = (f[0] / 8.0 + 128.5).clamp(0.0, 255.0) as u8;
-                for y in 0..self.n {
-                    plane[y * stride..y * stride + self.n].fill(value);
-                }
-            }
-            4 => write_4(f, plane, stride),
-            2 => self.write_n::<2>(f, plane, stride),
-            _ => plane[0] = (f[0] / 8.0 + 128.5).clamp(0.0, 255.0) as u8,
-        }
-    }
-
-    #[inline(always)]
-    fn write_n<const N: usize>(&self, f: &[f32; 16], plane: &mut [u8], stride: usize) {
-        // Column u of the basis, as a vector over x: columns[u][x] = m[x][u].
-        let m = &self.basis;
-        let columns: [[f32; N]; N] = std::array::from_fn(|u| std::array::from_fn(|x| m[x * 4 + u]));
-        // Rows first: t[v] = Σu F[v][u]·columns[u] (vectors over x); rows
-        // of zeros (most high ones) stay zero.
-        let mut t = [[0f32; N]; N];
-        for (v, out) in t.iter_mut().enumerate() {
-            let row = &f[v * 4..v * 4 + N];
-            if row.iter().all(|&c| c == 0.0) {
-                continue;
-            }
-            for (u, column) in columns.iter().enumerate() {
-                for x in 0..N {
-                    out[x] += row[u] * column[x];
-                }
-            }
-        }
-        // Then out[y] = Σv m[y][v]·t[v].
-        for y in 0..N {
-            let mut out = [128.5f32; N];
-            for (v, t_row) in t.iter().enumerate() {
-                let weight = m[y * 4 + v];
-                for x in 0..N {
-                    out[x] += weight * t_row[x];
-                }
-            }
-            for (pixel, value) in plane[y * stride..y * stride + N].iter_mut().zip(out) {
-                *pixel = value.clamp(0.0, 255.0) as u8;
+/// Writes the inverse DCT of a block's lowest `n`×`n` coefficients (`f`,
+/// row-major, stride 4), evaluated at the centres of the `n`×`n` reduced
+/// pixels, into `plane` at its start, rows `stride` apart; without `any_ac`
+/// (only DC is non-zero) the block is flat.
+#[inline(always)]
+fn write_block(f: &[f32; 16], any_ac: bool, n: usize, plane: &mut [u8], stride: usize) {
+    match n {
+        4 if any_ac => write_4(f, plane, stride),
+        2 if any_ac => write_2(f, plane, stride),
+        _ => {
+            let value = pixel(f[0] / 8.0);
+            for y in 0..n {
+                plane[y * stride..y * stride + n].fill(value);
             }
         }
     }
 }
 
-/// [`Idct::write`] for 4×4, by butterflies: a quarter of the multiplies.
+/// A sample of the inverse DCT as a pixel: level-shifted, rounded, clamped.
+#[inline(always)]
+fn pixel(value: f32) -> u8 {
+    (value + 128.5).clamp(0.0, 255.0) as u8
+}
+
+/// [`write_block`] for 2×2: x_k = ½·(F(0)/√2 ± F(1)·cos(π/4)) each way.
+#[inline(always)]
+fn write_2(f: &[f32; 16], plane: &mut [u8], stride: usize) {
+    let idct_2 = |f0: f32, f1: f32| [(f0 + f1) * 0.5 * FRAC_1_SQRT_2, (f0 - f1) * 0.5 * FRAC_1_SQRT_2];
+    let (top, bottom) = (idct_2(f[0], f[1]), idct_2(f[4], f[5]));
+    let columns = [idct_2(top[0], bottom[0]), idct_2(top[1], bottom[1])];
+    for y in 0..2 {
+        plane[y * stride] = pixel(columns[0][y]);
+        plane[y * stride + 1] = pixel(columns[1][y]);
+    }
+}
+
+/// [`write_block`] for 4×4, by butterflies.
 #[inline(always)]
 fn write_4(f: &[f32; 16], plane: &mut [u8], stride: usize) {
     let mut t = [[0f32; 4]; 4];
@@ -678,8 +643,8 @@ fn write_4(f: &[f32; 16], plane: &mut [u8], stride: usize) {
     }
     let columns: [[f32; 4]; 4] = std::array::from_fn(|x| idct_4(t[0][x], t[1][x], t[2][x], t[3][x]));
     for y in 0..4 {
-        for (x, pixel) in plane[y * stride..y * stride + 4].iter_mut().enumerate() {
-            *pixel = (columns[x][y] + 128.5).clamp(0.0, 255.0) as u8;
+        for (x, out) in plane[y * stride..y * stride + 4].iter_mut().enumerate() {
+            *out = pixel(columns[x][y]);
         }
     }
 }
@@ -690,7 +655,7 @@ fn write_4(f: &[f32; 16], plane: &mut [u8], stride: usize) {
 fn idct_4(f0: f32, f1: f32, f2: f32, f3: f32) -> [f32; 4] {
     const C1: f32 = 0.923_879_5; // cos(π/8)
     const C3: f32 = 0.382_683_43; // cos(3π/8)
-    let (even, even_2) = ((f0 + f2) * std::f32::consts::FRAC_1_SQRT_2, (f0 - f2) * std::f32::consts::FRAC_1_SQRT_2);
+    let (even, even_2) = ((f0 + f2) * FRAC_1_SQRT_2, (f0 - f2) * FRAC_1_SQRT_2);
     let (odd, odd_2) = (f1 * C1 + f3 * C3, f1 * C3 - f3 * C1);
     [(even + odd) * 0.5, (even_2 + odd_2) * 0.5, (even_2 - odd_2) * 0.5, (even - odd) * 0.5]
 }
