@@ -124,8 +124,10 @@ impl GatewaySteps {
 }
 
 /// The images measured: each `--image` given, then the kinds the issue names,
-/// made from the fixtures (a 12 MP phone photo, a 1080p PNG screenshot-size
-/// image, a 640×480 webcam frame).
+/// made from the fixtures: a 12 MP phone photo and a 640×480 webcam frame
+/// with the chroma subsampling cameras and browsers write (4:2:0), the same
+/// photo at 4:4:4 (what the `image` crate's encoder writes: twice the blocks
+/// to entropy-decode), and a 1080p PNG screenshot-size image.
 fn samples(images: &[std::path::PathBuf]) -> anyhow::Result<Vec<Sample>> {
     let fixture = |name: &str| -> anyhow::Result<RgbImage> {
         let path = std::path::Path::new("runtime/tests/fixtures/images").join(name);
@@ -138,7 +140,9 @@ fn samples(images: &[std::path::PathBuf]) -> anyhow::Result<Vec<Sample>> {
         out.push(Sample { name, bytes });
     }
     let city = fixture("city.jpg")?;
-    out.push(Sample { name: "12 MP JPEG (4032 wide)".into(), bytes: jpeg(&with_grain(&resized(&city, 4032)), 90)? });
+    let photo = with_grain(&resized(&city, 4032));
+    out.push(Sample { name: "12 MP JPEG 4:2:0 (4032 wide)".into(), bytes: camera_jpeg(&photo, 90)? });
+    out.push(Sample { name: "12 MP JPEG 4:4:4 (4032 wide)".into(), bytes: jpeg(&photo, 90)? });
     let astronaut = fixture("astronaut.png")?;
     out.push(Sample {
         name: "1080p PNG (1920×1080)".into(),
@@ -146,8 +150,8 @@ fn samples(images: &[std::path::PathBuf]) -> anyhow::Result<Vec<Sample>> {
     });
     let grace = fixture("grace_hopper.jpg")?;
     out.push(Sample {
-        name: "webcam JPEG (640×480)".into(),
-        bytes: jpeg(&image::imageops::resize(&grace, 640, 480, FilterType::Triangle), 85)?,
+        name: "webcam JPEG 4:2:0 (640×480)".into(),
+        bytes: camera_jpeg(&image::imageops::resize(&grace, 640, 480, FilterType::Triangle), 85)?,
     });
     Ok(out)
 }
@@ -175,6 +179,16 @@ fn with_grain(image: &RgbImage) -> RgbImage {
 fn jpeg(image: &RgbImage, quality: u8) -> anyhow::Result<Vec<u8>> {
     let mut out = Vec::new();
     image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, quality).encode_image(image)?;
+    Ok(out)
+}
+
+/// A baseline JPEG with 2×2 chroma subsampling, as phone cameras write.
+fn camera_jpeg(image: &RgbImage, quality: u8) -> anyhow::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut encoder = jpeg_encoder::Encoder::new(&mut out, quality);
+    encoder.set_sampling_factor(jpeg_encoder::SamplingFactor::R_4_2_0);
+    let (width, height) = (u16::try_from(image.width())?, u16::try_from(image.height())?);
+    encoder.encode(image.as_raw(), width, height, jpeg_encoder::ColorType::Rgb)?;
     Ok(out)
 }
 
@@ -280,6 +294,21 @@ mod tests {
         assert_eq!((s.decode, s.preprocess, s.infer, s.postprocess), (12.5, 2.0, 80.0, 0.5));
         assert!((s.other - 5.0).abs() < 1e-9);
         assert_eq!(steps("", 3.0).other, 3.0, "no header: all of it is other");
+    }
+
+    #[test]
+    fn camera_jpegs_subsample_chroma_and_image_crate_ones_do_not() {
+        // The luma component's sampling byte in the baseline frame header:
+        // 0x22 is 2×2 (4:2:0), 0x11 is 1×1 (4:4:4, chroma at full size).
+        let luma_sampling = |jpeg: &[u8]| {
+            let sof = jpeg.windows(2).position(|w| w == [0xFF, 0xC0]).expect("a baseline frame header");
+            jpeg[sof + 11]
+        };
+        let image = RgbImage::from_fn(64, 48, |x, y| image::Rgb([(x * 4) as u8, (y * 5) as u8, 90]));
+        assert_eq!(luma_sampling(&camera_jpeg(&image, 90).unwrap()), 0x22);
+        assert_eq!(luma_sampling(&jpeg(&image, 90).unwrap()), 0x11);
+        let decoded = image::load_from_memory(&camera_jpeg(&image, 90).unwrap()).unwrap();
+        assert_eq!((decoded.width(), decoded.height()), (64, 48));
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, ProfilingStrategy};
 
 /// How often the epoch advances. Guest code yields (or is stopped at its
 /// deadline) at the next epoch check after a tick, so this bounds how long a
@@ -44,6 +44,10 @@ pub fn build(limits: EngineLimits) -> wasmtime::Result<Engine> {
     config.epoch_interruption(true);
     // Deep recursion traps cleanly instead of growing the host stack.
     config.max_wasm_stack(1 << 20);
+    if profile_with_perf() {
+        // Names guest functions in `perf` profiles (/tmp/perf-PID.map).
+        config.profiler(ProfilingStrategy::PerfMap);
+    }
     if pooling_fits(limits) {
         // Pre-reserved slots: instantiation is a few microseconds and memory
         // is bounded by construction.
@@ -52,6 +56,12 @@ pub fn build(limits: EngineLimits) -> wasmtime::Result<Engine> {
         tracing::warn!("virtual address space too small for the pooling allocator; using on-demand allocation");
     }
     Engine::new(&config)
+}
+
+/// `FACEGATE_WASM_PROFILER=perfmap` writes a perf map of compiled guest code,
+/// so `perf record`/`perf top` name the guest functions where time goes.
+fn profile_with_perf() -> bool {
+    std::env::var("FACEGATE_WASM_PROFILER").is_ok_and(|v| v == "perfmap")
 }
 
 fn pooling(limits: EngineLimits) -> PoolingAllocationConfig {
