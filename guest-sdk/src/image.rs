@@ -176,6 +176,12 @@ pub fn probe(bytes: &[u8], limits: &ImageLimits) -> Result<ImageInfo, ImageError
 pub fn decode(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, ImageError> {
     let format = sniff_format(bytes)?;
     check_header(bytes, format, limits)?;
+    // Baseline JPEGs (what cameras write) by this crate's decoder.
+    if format == ImageFormat::Jpeg
+        && let Some(image) = scaled::decode_jpeg_whole(bytes, limits)?
+    {
+        return Ok(image);
+    }
     decode_checked(bytes, format, limits)
 }
 

@@ -66,6 +66,19 @@ pub fn decode_for_letterbox(bytes: &[u8], limits: &ImageLimits, side: u32) -> Re
 /// [`decode`](super::decode) to take: a JPEG needed whole that the reduced decoder leaves to
 /// others, or a pixel format other than grey and RGB.
 fn decode_jpeg_reduced(bytes: &[u8], limits: &ImageLimits, side: u32) -> Result<Option<ScaledImage>, ImageError> {
+    decode_jpeg_at(bytes, limits, Some(side))
+}
+
+/// A baseline JPEG decoded whole by this crate's decoder (EXIF orientation
+/// applied), or `None` for [`decode`](super::decode)'s general decoder to take. In
+/// WebAssembly it is about a fifth faster than the `image` crate's.
+pub(super) fn decode_jpeg_whole(bytes: &[u8], limits: &ImageLimits) -> Result<Option<RgbImage>, ImageError> {
+    Ok(decode_jpeg_at(bytes, limits, None)?.map(|scaled| scaled.image))
+}
+
+/// The JPEG at the smallest scale that covers a letterbox of `side`, or
+/// whole without one.
+fn decode_jpeg_at(bytes: &[u8], limits: &ImageLimits, side: Option<u32>) -> Result<Option<ScaledImage>, ImageError> {
     let mut decoder = jpeg_decoder::Decoder::new(bytes);
     decoder.set_max_decoding_buffer_size(usize::try_from(limits.max_alloc).unwrap_or(usize::MAX));
     decoder.read_info().map_err(jpeg_error)?;
@@ -76,7 +89,7 @@ fn decode_jpeg_reduced(bytes: &[u8], limits: &ImageLimits, side: u32) -> Result<
     check_dimensions(width, height, limits)?;
     // The letterbox's scale does not depend on the orientation: the stored
     // image needs (want_w, want_h), rotated or not.
-    let (_, want_w, want_h) = letterbox_geometry(width, height, side.max(1));
+    let (_, want_w, want_h) = side.map_or((1.0, width, height), |side| letterbox_geometry(width, height, side.max(1)));
     let reducible = want_w.saturating_mul(2) <= width && want_h.saturating_mul(2) <= height;
     if !matches!(info.pixel_format, PixelFormat::RGB24 | PixelFormat::L8) {
         return Ok(None);
@@ -184,11 +197,12 @@ mod tests {
         let small = encode_jpeg(&photo_like(1000, 750), 90).expect("encode");
         let scaled = decode_for_letterbox(&small, &ImageLimits::default(), 640).expect("decoded");
         assert!(!scaled.is_reduced(), "1000 px for a 640 letterbox: halving would not cover it");
-        let full = decode(&small, &ImageLimits::default()).expect("full");
-        assert_eq!(scaled.image.dimensions(), full.dimensions());
+        assert_eq!(scaled.image, decode(&small, &ImageLimits::default()).expect("full"));
         // The SDK's own decoder at full size against the image crate's: rounding apart, the same pixels.
-        let total: u64 = scaled.image.as_raw().iter().zip(full.as_raw()).map(|(a, b)| u64::from(a.abs_diff(*b))).sum();
-        let mean = total as f64 / full.as_raw().len() as f64;
+        let theirs = image::load_from_memory(&small).expect("image crate").into_rgb8();
+        assert_eq!(scaled.image.dimensions(), theirs.dimensions());
+        let total: u64 = scaled.image.as_raw().iter().zip(theirs.as_raw()).map(|(a, b)| u64::from(a.abs_diff(*b))).sum();
+        let mean = total as f64 / theirs.as_raw().len() as f64;
         assert!(mean < 0.5, "mean difference {mean:.3} levels");
         let mut png = Vec::new();
         photo_like(2000, 1500).write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png).expect("png");
@@ -207,6 +221,14 @@ mod tests {
         assert_eq!(scaled.image.dimensions(), (480, 640));
         let full = decode(&rotated, &ImageLimits::default()).expect("full");
         assert_eq!(full.dimensions(), (1920, 2560));
+        // Turned as the image crate turns it.
+        let mut theirs =
+            image::ImageReader::new(std::io::Cursor::new(&rotated)).with_guessed_format().expect("format").into_decoder().expect("decoder");
+        let orientation = image::ImageDecoder::orientation(&mut theirs).expect("orientation");
+        let mut theirs = DynamicImage::from_decoder(theirs).expect("image crate");
+        theirs.apply_orientation(orientation);
+        let total: u64 = full.as_raw().iter().zip(theirs.into_rgb8().as_raw()).map(|(a, b)| u64::from(a.abs_diff(*b))).sum();
+        assert!(total as f64 / (full.as_raw().len() as f64) < 0.5, "the same pixels, the same way up");
         let difference = mean_difference(&scaled.image, &full, 640);
         assert!(difference < 2.0, "mean difference {difference:.2} per byte");
     }
