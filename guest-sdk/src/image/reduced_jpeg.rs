@@ -475,45 +475,58 @@ fn decode_scan(bytes: &[u8], frame: &Frame, tables: &Tables, restart: usize, den
     if plane_bytes + out_bytes + bytes.len() as u64 > max_bytes {
         return Err("the JPEG needs more memory than allowed to decode".into());
     }
-    let mut chosen = Vec::new();
+    let mut codings = Vec::new();
     for c in &frame.components {
         let quant = tables.quant[c.quant].ok_or("a JPEG component uses a quantisation table never defined")?;
         let dc = tables.dc[c.dc].as_ref().ok_or("a JPEG component uses a Huffman table never defined")?;
         let ac = tables.ac[c.ac].as_ref().ok_or("a JPEG component uses a Huffman table never defined")?;
-        chosen.push((quant, dc, ac));
+        codings.push(Coding { dc, ac, quant: dequantiser(&quant, layout.n) });
     }
     let mut planes = Planes {
         planes: frame.components.iter().map(|c| layout.plane(c)).map(|(w, h)| vec![0u8; w * h]).collect(),
         widths: frame.components.iter().map(|c| layout.plane(c).0).collect(),
     };
     let (data, starts) = unstuff(bytes)?;
-    let quants: Vec<[f32; 64]> = chosen.iter().map(|(quant, _, _)| dequantiser(quant, layout.n)).collect();
-    let tables: Vec<ComponentCoding<'_>> = chosen.iter().zip(&quants).map(|((_, dc, ac), quant)| (*dc, *ac, quant)).collect();
+    let scan = Scan { data: &data, starts: &starts, restart };
     if layout.n == 8 {
-        decode_mcus::<64, 8>(&data, &starts, frame, &tables, restart, &layout, &mut planes)?;
+        decode_mcus(&scan, frame, &codings, &layout, &mut planes, 8, write_full)?;
     } else {
-        decode_mcus::<16, 4>(&data, &starts, frame, &tables, restart, &layout, &mut planes)?;
+        decode_mcus(&scan, frame, &codings, &layout, &mut planes, 4, write_reduced)?;
     }
     let pixels = to_output(&planes, frame, &layout, out_w, out_h);
     let grey = frame.components.len() == 1;
     Ok(Reduced { width: out_w as u32, height: out_h as u32, grey, pixels, exif: None })
 }
 
-/// A component's DC and AC Huffman tables and its dequantiser (see [`dequantiser`]).
-type ComponentCoding<'a> = (&'a Huffman, &'a Huffman, &'a [f32; 64]);
+/// How a component's blocks are coded: its DC and AC Huffman tables and
+/// its dequantiser (see [`dequantiser`]).
+struct Coding<'a> {
+    dc: &'a Huffman,
+    ac: &'a Huffman,
+    quant: [f32; 64],
+}
 
-/// The entropy-coded MCUs, each block's kept coefficients (`L` of them, in
-/// rows `STRIDE` long) inverted into its component's plane.
-fn decode_mcus<const L: usize, const STRIDE: usize>(
-    data: &[u8],
-    starts: &[usize],
-    frame: &Frame,
-    chosen: &[ComponentCoding<'_>],
+/// The entropy-coded data, stuffing removed, with where each restart
+/// interval starts in it and the interval's length in MCUs (0: none).
+struct Scan<'a> {
+    data: &'a [u8],
+    starts: &'a [usize],
     restart: usize,
+}
+
+/// The scan's MCUs: each block's kept coefficients (`L` of them, in rows
+/// `rows` long) inverted by `write` into its component's plane.
+fn decode_mcus<const L: usize>(
+    scan: &Scan<'_>,
+    frame: &Frame,
+    codings: &[Coding<'_>],
     layout: &Layout,
     planes: &mut Planes,
+    rows: usize,
+    write: impl Fn(&[f32; L], bool, usize, &mut [u8], usize),
 ) -> Result<(), String> {
-    let kept = kept_positions(layout.n, STRIDE);
+    let Scan { data, starts, restart } = *scan;
+    let kept = kept_positions(layout.n, rows);
     let mut bits = Bits::new(data, 0);
     let mut predictors = vec![0i32; frame.components.len()];
     let (mut interval, mut left) = (0usize, restart);
@@ -531,14 +544,14 @@ fn decode_mcus<const L: usize, const STRIDE: usize>(
             }
             left = left.wrapping_sub(1);
             for (index, c) in frame.components.iter().enumerate() {
-                let (dc, ac, quant) = chosen[index];
+                let Coding { dc, ac, quant } = &codings[index];
                 let width = planes.widths[index];
                 for by in 0..c.v {
                     for bx in 0..c.h {
                         let mut coefficients = [0f32; L];
                         let any_ac = decode_block(&mut bits, (dc, ac), quant, &mut predictors[index], &kept, &mut coefficients)?;
                         let origin = ((my * c.v + by) * layout.n) * width + (mx * c.h + bx) * layout.n;
-                        write_block(&coefficients, any_ac, layout.n, &mut planes.planes[index][origin..], width);
+                        write(&coefficients, any_ac, layout.n, &mut planes.planes[index][origin..], width);
                     }
                 }
             }
@@ -644,31 +657,30 @@ fn decode_block<const L: usize>(
 }
 
 /// Writes the inverse DCT of a block's lowest `n`×`n` coefficients (`f`,
-/// row-major: 16 of them, rows 4 long, for the reduced sizes; all 64 for
-/// 8×8), evaluated at the centres of the `n`×`n` pixels, into `plane` at
-/// its start, rows `stride` apart; without `any_ac` (only DC is non-zero)
-/// the block is flat.
+/// row-major, rows 4 long), evaluated at the centres of the `n`×`n`
+/// reduced pixels, into `plane` at its start, rows `stride` apart; without
+/// `any_ac` (only DC is non-zero) the block is flat.
 #[inline(always)]
-fn write_block<const L: usize>(f: &[f32; L], any_ac: bool, n: usize, plane: &mut [u8], stride: usize) {
-    let flat = |plane: &mut [u8], value: u8| {
-        for y in 0..n {
-            plane[y * stride..y * stride + n].fill(value);
-        }
-    };
-    if let Ok(f) = <&[f32; 64]>::try_from(&f[..]) {
-        // 8×8: the dequantiser folded in the 1/8.
-        return if any_ac { write_8(f, plane, stride) } else { flat(plane, pixel(f[0])) };
-    }
-    let Ok(f) = <&[f32; 16]>::try_from(&f[..]) else { return };
+fn write_reduced(f: &[f32; 16], any_ac: bool, n: usize, plane: &mut [u8], stride: usize) {
     match n {
         4 if any_ac => write_4(f, plane, stride),
         2 if any_ac => write_2(f, plane, stride),
-        _ => {
-            let value = pixel(f[0] / 8.0);
-            for y in 0..n {
-                plane[y * stride..y * stride + n].fill(value);
-            }
-        }
+        _ => fill(plane, stride, n, pixel(f[0] / 8.0)),
+    }
+}
+
+/// [`write_reduced`] at full size: all 64 coefficients, the transform's 1/8
+/// already folded in by the dequantiser.
+#[inline(always)]
+fn write_full(f: &[f32; 64], any_ac: bool, _: usize, plane: &mut [u8], stride: usize) {
+    if any_ac { write_8(f, plane, stride) } else { fill(plane, stride, 8, pixel(f[0])) }
+}
+
+/// A flat `n`×`n` block.
+#[inline(always)]
+fn fill(plane: &mut [u8], stride: usize, n: usize, value: u8) {
+    for y in 0..n {
+        plane[y * stride..y * stride + n].fill(value);
     }
 }
 
@@ -685,7 +697,7 @@ fn pixel(value: f32) -> u8 {
     rounded.clamp(0, 255) as u8
 }
 
-/// [`write_block`] for 2×2: x_k = ½·(F(0)/√2 ± F(1)·cos(π/4)) each way.
+/// [`write_reduced`] for 2×2: x_k = ½·(F(0)/√2 ± F(1)·cos(π/4)) each way.
 #[inline(always)]
 fn write_2(f: &[f32; 16], plane: &mut [u8], stride: usize) {
     let idct_2 = |f0: f32, f1: f32| [(f0 + f1) * 0.5 * FRAC_1_SQRT_2, (f0 - f1) * 0.5 * FRAC_1_SQRT_2];
@@ -697,7 +709,7 @@ fn write_2(f: &[f32; 16], plane: &mut [u8], stride: usize) {
     }
 }
 
-/// [`write_block`] for 4×4, by butterflies.
+/// [`write_reduced`] for 4×4, by butterflies.
 #[inline(always)]
 fn write_4(f: &[f32; 16], plane: &mut [u8], stride: usize) {
     let mut t = [[0f32; 4]; 4];
@@ -715,7 +727,7 @@ fn write_4(f: &[f32; 16], plane: &mut [u8], stride: usize) {
     }
 }
 
-/// [`write_block`] for 8×8: AAN's inverse DCT (libjpeg's `jidctflt.c`),
+/// [`write_full`]'s transform: AAN's inverse DCT (libjpeg's `jidctflt.c`),
 /// both passes run down columns, so each handles the block's eight
 /// columns at once (SIMD where the target has it).
 #[inline(always)]
