@@ -15,6 +15,7 @@ use image::{DynamicImage, ImageDecoder, ImageReader};
 
 use crate::face_detect::{ElementType, Tensor};
 
+mod plain_png;
 mod reduced_jpeg;
 mod scaled;
 pub use scaled::{ScaledImage, decode_for_letterbox};
@@ -187,6 +188,12 @@ pub fn decode(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, ImageError
 
 /// [`decode`] once the format is known and the raw header passed [`check_header`].
 fn decode_checked(bytes: &[u8], format: ImageFormat, limits: &ImageLimits) -> Result<RgbImage, ImageError> {
+    // 8-bit, non-interlaced PNGs (most of them) by this crate's decoder.
+    if format == ImageFormat::Png
+        && let Some(image) = plain_png::decode(bytes, limits)?
+    {
+        return Ok(image);
+    }
     let mut decoder = open_decoder(bytes, format, limits)?;
     let (width, height) = decoder.dimensions();
     check_dimensions(width, height, limits)?;
@@ -221,7 +228,8 @@ fn check_header(bytes: &[u8], format: ImageFormat, limits: &ImageLimits) -> Resu
         ImageFormat::Jpeg => {
             let frame = jpeg_frame(bytes).ok_or_else(|| ImageError::Invalid("JPEG has no frame and scan headers".into()))?;
             check_dimensions(frame.width, frame.height, limits)?;
-            if !bytes[frame.scan_start..].windows(2).any(|m| m == [0xFF, 0xD9]) {
+            // From the end, where a complete file has it: found at once.
+            if memchr::memmem::rfind(bytes.get(frame.scan_start..).unwrap_or_default(), &[0xFF, 0xD9]).is_none() {
                 return Err(ImageError::Invalid("JPEG is truncated (no end-of-image marker after the scan)".into()));
             }
             Ok(())

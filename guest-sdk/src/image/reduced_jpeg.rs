@@ -417,7 +417,8 @@ fn unstuff(bytes: &[u8]) -> Result<(Vec<u8>, Vec<usize>), String> {
     let mut starts = vec![0];
     let mut at = 0;
     loop {
-        let run = bytes[at..].iter().position(|&b| b == 0xFF).ok_or("truncated JPEG data")?;
+        // memchr: SIMD (simd128 in wasm) over the long runs between markers.
+        let run = memchr::memchr(0xFF, &bytes[at..]).ok_or("truncated JPEG data")?;
         data.extend_from_slice(&bytes[at..at + run]);
         at += run;
         match bytes.get(at + 1) {
@@ -489,9 +490,10 @@ fn decode_scan(bytes: &[u8], frame: &Frame, tables: &Tables, restart: usize, den
     let (data, starts) = unstuff(bytes)?;
     let scan = Scan { data: &data, starts: &starts, restart };
     if layout.n == 8 {
-        decode_mcus(&scan, frame, &codings, &layout, &mut planes, 8, write_full)?;
+        // Nothing is dropped at full size: a trash slot past the block is never written.
+        decode_mcus(&scan, frame, &codings, &layout, &mut planes, (8, 64), write_full)?;
     } else {
-        decode_mcus(&scan, frame, &codings, &layout, &mut planes, 4, write_reduced)?;
+        decode_mcus(&scan, frame, &codings, &layout, &mut planes, (4, REDUCED_TRASH), write_reduced)?;
     }
     let pixels = to_output(&planes, frame, &layout, out_w, out_h);
     let grey = frame.components.len() == 1;
@@ -514,19 +516,20 @@ struct Scan<'a> {
     restart: usize,
 }
 
-/// The scan's MCUs: each block's kept coefficients (`L` of them, in rows
-/// `rows` long) inverted by `write` into its component's plane.
+/// The scan's MCUs: each block's kept coefficients (in an array of `L`,
+/// rows `rows` long, dropped ones written to slot `trash`) inverted by
+/// `write` into its component's plane.
 fn decode_mcus<const L: usize>(
     scan: &Scan<'_>,
     frame: &Frame,
     codings: &[Coding<'_>],
     layout: &Layout,
     planes: &mut Planes,
-    rows: usize,
+    (rows, trash): (usize, u8),
     write: impl Fn(&[f32; L], bool, usize, &mut [u8], usize),
 ) -> Result<(), String> {
     let Scan { data, starts, restart } = *scan;
-    let kept = kept_positions(layout.n, rows);
+    let kept = kept_positions(layout.n, rows, trash);
     let mut bits = Bits::new(data, 0);
     let mut predictors = vec![0i32; frame.components.len()];
     let (mut interval, mut left) = (0usize, restart);
@@ -549,7 +552,7 @@ fn decode_mcus<const L: usize>(
                 for by in 0..c.v {
                     for bx in 0..c.h {
                         let mut coefficients = [0f32; L];
-                        let any_ac = decode_block(&mut bits, (dc, ac), quant, &mut predictors[index], &kept, &mut coefficients)?;
+                        let any_ac = decode_block(&mut bits, (dc, ac), quant, &mut predictors[index], (&kept, trash), &mut coefficients)?;
                         let origin = ((my * c.v + by) * layout.n) * width + (mx * c.h + bx) * layout.n;
                         write(&coefficients, any_ac, layout.n, &mut planes.planes[index][origin..], width);
                     }
@@ -585,9 +588,9 @@ fn dequantiser(quant: &[u16; 64], n: usize) -> [f32; 64] {
 }
 
 /// Where each zigzag position's coefficient goes in a block's kept `n`×`n`
-/// (row-major, rows `stride` apart), or `DROP`.
-fn kept_positions(n: usize, stride: usize) -> [u8; 64] {
-    let mut kept = [DROP; 64];
+/// (row-major, rows `stride` apart), or `trash` when it is dropped.
+fn kept_positions(n: usize, stride: usize, trash: u8) -> [u8; 64] {
+    let mut kept = [trash; 64];
     for (k, &(row, col)) in ZIGZAG.iter().enumerate() {
         if usize::from(row) < n && usize::from(col) < n {
             kept[k] = (usize::from(row) * stride + usize::from(col)) as u8;
@@ -596,19 +599,28 @@ fn kept_positions(n: usize, stride: usize) -> [u8; 64] {
     kept
 }
 
-/// A coefficient the reduced block does not keep.
-const DROP: u8 = u8::MAX;
+/// A reduced block's coefficients: the kept 4×4 (row-major), then one
+/// slot the dropped ones are written to.
+const REDUCED_SLOTS: usize = 17;
 
-/// Decodes one block's coefficients, keeping the dequantised ones that
-/// `kept` places (see [`kept_positions`]) in `out`; returns whether any
-/// kept one besides DC is non-zero.
+/// The slot of [`REDUCED_SLOTS`] that takes the dropped coefficients.
+const REDUCED_TRASH: u8 = 16;
+
+/// Decodes one block's coefficients into `out` where `kept` places them
+/// (see [`kept_positions`]), dequantised; the dropped ones go to slot
+/// `trash`. Returns whether any kept one besides DC may be non-zero.
+///
+/// Every coefficient is stored, the dropped ones to the trash slot, so
+/// that keeping or dropping is not a branch: at a reduced scale whether
+/// the next coefficient is kept follows the image, and mispredicting it
+/// cost more than the stores.
 #[inline(always)]
 fn decode_block<const L: usize>(
     bits: &mut Bits<'_>,
     (dc, ac): (&Huffman, &Huffman),
     quant: &[f32; 64],
     predictor: &mut i32,
-    kept: &[u8; 64],
+    (kept, trash): (&[u8; 64], u8),
     out: &mut [f32; L],
 ) -> Result<bool, String> {
     let size = bits.symbol(dc)?;
@@ -644,13 +656,13 @@ fn decode_block<const L: usize>(
             k += run;
             bits.value(size)
         };
-        let Some(&slot) = kept.get(k) else {
+        let (Some(&slot), Some(&factor)) = (kept.get(k), quant.get(k)) else {
             return Err("corrupt JPEG data: coefficient past the block".into());
         };
-        if slot != DROP && value != 0 {
-            out[usize::from(slot)] = value as f32 * quant[k];
-            any_ac = true;
+        if let Some(out) = out.get_mut(usize::from(slot)) {
+            *out = value as f32 * factor;
         }
+        any_ac |= slot != trash;
         k += 1;
     }
     Ok(any_ac)
@@ -661,7 +673,7 @@ fn decode_block<const L: usize>(
 /// reduced pixels, into `plane` at its start, rows `stride` apart; without
 /// `any_ac` (only DC is non-zero) the block is flat.
 #[inline(always)]
-fn write_reduced(f: &[f32; 16], any_ac: bool, n: usize, plane: &mut [u8], stride: usize) {
+fn write_reduced(f: &[f32; REDUCED_SLOTS], any_ac: bool, n: usize, plane: &mut [u8], stride: usize) {
     match n {
         4 if any_ac => write_4(f, plane, stride),
         2 if any_ac => write_2(f, plane, stride),
@@ -699,7 +711,7 @@ fn pixel(value: f32) -> u8 {
 
 /// [`write_reduced`] for 2×2: x_k = ½·(F(0)/√2 ± F(1)·cos(π/4)) each way.
 #[inline(always)]
-fn write_2(f: &[f32; 16], plane: &mut [u8], stride: usize) {
+fn write_2(f: &[f32; REDUCED_SLOTS], plane: &mut [u8], stride: usize) {
     let idct_2 = |f0: f32, f1: f32| [(f0 + f1) * 0.5 * FRAC_1_SQRT_2, (f0 - f1) * 0.5 * FRAC_1_SQRT_2];
     let (top, bottom) = (idct_2(f[0], f[1]), idct_2(f[4], f[5]));
     let columns = [idct_2(top[0], bottom[0]), idct_2(top[1], bottom[1])];
@@ -709,22 +721,49 @@ fn write_2(f: &[f32; 16], plane: &mut [u8], stride: usize) {
     }
 }
 
-/// [`write_reduced`] for 4×4, by butterflies.
+/// [`write_reduced`] for 4×4, by butterflies: the columns' transform for
+/// the four columns at once, then the rows' for the four rows at once,
+/// each step an operation on four lanes (SIMD where the target has it).
 #[inline(always)]
-fn write_4(f: &[f32; 16], plane: &mut [u8], stride: usize) {
-    let mut t = [[0f32; 4]; 4];
-    for (v, out) in t.iter_mut().enumerate() {
-        let row = &f[v * 4..v * 4 + 4];
-        if row.iter().any(|&c| c != 0.0) {
-            *out = idct_4(row[0], row[1], row[2], row[3]);
-        }
-    }
-    let columns: [[f32; 4]; 4] = std::array::from_fn(|x| idct_4(t[0][x], t[1][x], t[2][x], t[3][x]));
+fn write_4(f: &[f32; REDUCED_SLOTS], plane: &mut [u8], stride: usize) {
+    let rows: [[f32; 4]; 4] = std::array::from_fn(|v| std::array::from_fn(|u| f[v * 4 + u]));
+    // columns[y][u]: the vertical transform, each row vector over u.
+    let columns = idct_4_lanes(rows);
+    let transposed: [[f32; 4]; 4] = std::array::from_fn(|u| std::array::from_fn(|y| columns[y][u]));
+    // out[x][y]: the horizontal transform, each vector over y.
+    let out = idct_4_lanes(transposed);
+    let bytes: [u8; 16] = std::array::from_fn(|i| pixel(out[i / 4][i % 4]));
     for y in 0..4 {
-        for (x, out) in plane[y * stride..y * stride + 4].iter_mut().enumerate() {
-            *out = pixel(columns[x][y]);
+        for (x, value) in plane[y * stride..y * stride + 4].iter_mut().enumerate() {
+            *value = bytes[x * 4 + y];
         }
     }
+}
+
+/// Four lanes of one operation, written so the compiler makes it one SIMD instruction.
+#[inline(always)]
+fn lanes(op: impl Fn(usize) -> f32) -> [f32; 4] {
+    std::array::from_fn(op)
+}
+
+/// The 8-point inverse DCT of the four lowest coefficients, evaluated at
+/// the centres of four pixel pairs, x_k = ½·Σu C(u)·F(u)·cos((2k+1)uπ/8),
+/// for four lanes at once: `f[u]` holds coefficient `u` of each lane; the
+/// result's `[k]` holds sample `k` of each lane.
+#[inline(always)]
+fn idct_4_lanes(f: [[f32; 4]; 4]) -> [[f32; 4]; 4] {
+    const C1: f32 = 0.923_879_5; // cos(π/8)
+    const C3: f32 = 0.382_683_43; // cos(3π/8)
+    let even = lanes(|i| (f[0][i] + f[2][i]) * FRAC_1_SQRT_2);
+    let even_2 = lanes(|i| (f[0][i] - f[2][i]) * FRAC_1_SQRT_2);
+    let odd = lanes(|i| f[1][i] * C1 + f[3][i] * C3);
+    let odd_2 = lanes(|i| f[1][i] * C3 - f[3][i] * C1);
+    [
+        lanes(|i| (even[i] + odd[i]) * 0.5),
+        lanes(|i| (even_2[i] + odd_2[i]) * 0.5),
+        lanes(|i| (even_2[i] - odd_2[i]) * 0.5),
+        lanes(|i| (even[i] - odd[i]) * 0.5),
+    ]
 }
 
 /// [`write_full`]'s transform: AAN's inverse DCT (libjpeg's `jidctflt.c`),
@@ -776,17 +815,6 @@ fn idct_8_columns(input: &[f32; 64], out: &mut [f32; 64]) {
         out[4 * 8 + x] = e3 + o4;
         out[3 * 8 + x] = e3 - o4;
     }
-}
-
-/// The 8-point inverse DCT of four lowest coefficients at the centres of
-/// four pixel pairs: x_k = ½·Σu C(u)·F(u)·cos((2k+1)uπ/8).
-#[inline(always)]
-fn idct_4(f0: f32, f1: f32, f2: f32, f3: f32) -> [f32; 4] {
-    const C1: f32 = 0.923_879_5; // cos(π/8)
-    const C3: f32 = 0.382_683_43; // cos(3π/8)
-    let (even, even_2) = ((f0 + f2) * FRAC_1_SQRT_2, (f0 - f2) * FRAC_1_SQRT_2);
-    let (odd, odd_2) = (f1 * C1 + f3 * C3, f1 * C3 - f3 * C1);
-    [(even + odd) * 0.5, (even_2 + odd_2) * 0.5, (even_2 - odd_2) * 0.5, (even - odd) * 0.5]
 }
 
 /// The planes as grey or RGB pixels of the reduced size: planes of lower
