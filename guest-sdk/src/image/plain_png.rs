@@ -59,8 +59,9 @@ pub(super) fn decode(bytes: &[u8], limits: &ImageLimits) -> Result<Option<RgbIma
     let row = 1 + u64::from(header.width) * header.channels as u64;
     let (raw_len, out_len) = (row * u64::from(header.height), 3 * u64::from(header.width) * u64::from(header.height));
     check_alloc(raw_len + out_len, header.width, header.height, limits)?;
-    let raw = inflate(&compressed, usize::try_from(raw_len).map_err(|_| invalid("the PNG is too large"))?)?;
+    let mut raw = inflate(&compressed, usize::try_from(raw_len).map_err(|_| invalid("the PNG is too large"))?)?;
     drop(compressed);
+    unfilter_rows(&mut raw, header)?;
     to_rgb(raw, header).map(Some)
 }
 
@@ -124,16 +125,18 @@ fn inflate(compressed: &[u8], len: usize) -> Result<Vec<u8>, ImageError> {
     Ok(out)
 }
 
-/// Unfilters the rows of `raw` (each a filter byte, then the row) in place
-/// and returns them as RGB.
-fn to_rgb(mut raw: Vec<u8>, header: Header) -> Result<RgbImage, ImageError> {
+/// Reverses the filter of every row of `raw` (each a filter byte, then
+/// the row), in place.
+fn unfilter_rows(raw: &mut [u8], header: Header) -> Result<(), ImageError> {
     let stride = header.width as usize * header.channels;
+    // The row above the first.
+    let zeros = vec![0u8; stride];
     let mut previous_start = None;
     for start in (0..raw.len()).step_by(stride + 1) {
-        let (before, current) = raw.split_at_mut(start);
-        let (&mut filter, current) = current.split_first_mut().ok_or_else(|| invalid("the PNG is truncated"))?;
+        let (before, row) = raw.split_at_mut(start);
+        let (&mut filter, current) = row.split_first_mut().ok_or_else(|| invalid("the PNG is truncated"))?;
         let current = &mut current[..stride];
-        let previous = previous_start.map(|p: usize| &before[p..p + stride]);
+        let previous = previous_start.map_or(&zeros[..], |p: usize| &before[p..p + stride]);
         match header.channels {
             1 => unfilter::<1>(filter, previous, current)?,
             2 => unfilter::<2>(filter, previous, current)?,
@@ -142,38 +145,38 @@ fn to_rgb(mut raw: Vec<u8>, header: Header) -> Result<RgbImage, ImageError> {
         }
         previous_start = Some(start + 1);
     }
-    if header.channels == 3 {
+    Ok(())
+}
+
+/// The unfiltered rows of `raw` as RGB: alpha dropped, grey repeated.
+fn to_rgb(mut raw: Vec<u8>, header: Header) -> Result<RgbImage, ImageError> {
+    let stride = header.width as usize * header.channels;
+    let pixels = if header.channels == 3 {
         // RGB already: close up the filter bytes in place.
         let rows = raw.len() / (stride + 1);
         for r in 0..rows {
             raw.copy_within(r * (stride + 1) + 1..(r + 1) * (stride + 1), r * stride);
         }
         raw.truncate(rows * stride);
-        return RgbImage::from_raw(header.width, header.height, raw).ok_or_else(|| invalid("the PNG's pixels do not fill it"));
-    }
-    let mut out = Vec::with_capacity(3 * header.width as usize * header.height as usize);
-    for row in raw.chunks_exact(stride + 1) {
-        let pixels = &row[1..];
-        match header.channels {
-            1 => pixels.iter().for_each(|&v| out.extend_from_slice(&[v, v, v])),
-            2 => pixels.chunks_exact(2).for_each(|p| out.extend_from_slice(&[p[0], p[0], p[0]])),
-            _ => pixels.chunks_exact(4).for_each(|p| out.extend_from_slice(&p[..3])),
+        raw
+    } else {
+        let mut out = Vec::with_capacity(3 * header.width as usize * header.height as usize);
+        for row in raw.chunks_exact(stride + 1) {
+            let pixels = &row[1..];
+            match header.channels {
+                1 => pixels.iter().for_each(|&v| out.extend_from_slice(&[v, v, v])),
+                2 => pixels.chunks_exact(2).for_each(|p| out.extend_from_slice(&[p[0], p[0], p[0]])),
+                _ => pixels.chunks_exact(4).for_each(|p| out.extend_from_slice(&p[..3])),
+            }
         }
-    }
-    RgbImage::from_raw(header.width, header.height, out).ok_or_else(|| invalid("the PNG's pixels do not fill it"))
+        out
+    };
+    RgbImage::from_raw(header.width, header.height, pixels).ok_or_else(|| invalid("the PNG's pixels do not fill it"))
 }
 
 /// Reverses one row's filter (PNG 1.2, section 6) for `BPP` bytes a pixel;
-/// the row above is `previous` (none for the first row: zeros).
-fn unfilter<const BPP: usize>(filter: u8, previous: Option<&[u8]>, current: &mut [u8]) -> Result<(), ImageError> {
-    let zeros;
-    let previous = match previous {
-        Some(p) => p,
-        None => {
-            zeros = vec![0u8; current.len()];
-            &zeros
-        }
-    };
+/// the row above is `previous` (zeros for the first row).
+fn unfilter<const BPP: usize>(filter: u8, previous: &[u8], current: &mut [u8]) -> Result<(), ImageError> {
     match filter {
         0 => {}
         1 => {

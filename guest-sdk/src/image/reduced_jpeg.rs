@@ -490,10 +490,9 @@ fn decode_scan(bytes: &[u8], frame: &Frame, tables: &Tables, restart: usize, den
     let (data, starts) = unstuff(bytes)?;
     let scan = Scan { data: &data, starts: &starts, restart };
     if layout.n == 8 {
-        // Nothing is dropped at full size: a trash slot past the block is never written.
-        decode_mcus(&scan, frame, &codings, &layout, &mut planes, (8, 64), write_full)?;
+        decode_mcus(&scan, frame, &codings, &layout, &mut planes, 8, write_full)?;
     } else {
-        decode_mcus(&scan, frame, &codings, &layout, &mut planes, (4, REDUCED_TRASH), write_reduced)?;
+        decode_mcus(&scan, frame, &codings, &layout, &mut planes, 4, write_reduced)?;
     }
     let pixels = to_output(&planes, frame, &layout, out_w, out_h);
     let grey = frame.components.len() == 1;
@@ -517,18 +516,21 @@ struct Scan<'a> {
 }
 
 /// The scan's MCUs: each block's kept coefficients (in an array of `L`,
-/// rows `rows` long, dropped ones written to slot `trash`) inverted by
-/// `write` into its component's plane.
+/// rows `rows` long, the dropped ones written to the slot after them)
+/// inverted by `write` into its component's plane.
 fn decode_mcus<const L: usize>(
     scan: &Scan<'_>,
     frame: &Frame,
     codings: &[Coding<'_>],
     layout: &Layout,
     planes: &mut Planes,
-    (rows, trash): (usize, u8),
+    rows: usize,
     write: impl Fn(&[f32; L], bool, usize, &mut [u8], usize),
 ) -> Result<(), String> {
     let Scan { data, starts, restart } = *scan;
+    // The slot after the kept rows × rows: the spare one of a reduced
+    // block's [`REDUCED_SLOTS`]; at full size, where nothing is dropped, never used.
+    let trash = (rows * rows) as u8;
     let kept = kept_positions(layout.n, rows, trash);
     let mut bits = Bits::new(data, 0);
     let mut predictors = vec![0i32; frame.components.len()];
@@ -601,10 +603,7 @@ fn kept_positions(n: usize, stride: usize, trash: u8) -> [u8; 64] {
 
 /// A reduced block's coefficients: the kept 4×4 (row-major), then one
 /// slot the dropped ones are written to.
-const REDUCED_SLOTS: usize = 17;
-
-/// The slot of [`REDUCED_SLOTS`] that takes the dropped coefficients.
-const REDUCED_TRASH: u8 = 16;
+const REDUCED_SLOTS: usize = 4 * 4 + 1;
 
 /// Decodes one block's coefficients into `out` where `kept` places them
 /// (see [`kept_positions`]), dequantised; the dropped ones go to slot
