@@ -15,6 +15,7 @@ use image::{DynamicImage, ImageDecoder, ImageReader};
 
 use crate::face_detect::{ElementType, Tensor};
 
+mod f32x4;
 mod plain_png;
 mod reduced_jpeg;
 mod scaled;

@@ -17,6 +17,8 @@
 
 use std::f32::consts::{FRAC_1_SQRT_2, SQRT_2};
 
+use super::f32x4::F32x4;
+
 /// What [`decode`] returns: the reduced pixels.
 #[derive(Debug)]
 pub struct Reduced {
@@ -138,6 +140,7 @@ fn fast_ac_entry(entry: u16, index: usize) -> (i16, u8, u8) {
 
 /// Reads bits, most significant first, from entropy-coded data whose
 /// stuffing is already removed; reads past the end give zeros.
+#[derive(Clone, Copy)]
 struct Bits<'a> {
     data: &'a [u8],
     /// The next byte to load.
@@ -165,22 +168,12 @@ impl<'a> Bits<'a> {
     fn refill(&mut self) {
         let word = match self.data.get(self.next..self.next + 8) {
             Some(b) => u64::from_be_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
-            None => self.tail_word(),
+            None => tail_word(self.data, self.next),
         };
         self.buffer |= word >> self.count;
         let bytes = (63 - self.count) >> 3;
         self.next += bytes as usize;
         self.count += bytes * 8;
-    }
-
-    /// The 8 bytes from `next` near the end, zeros past it.
-    #[cold]
-    fn tail_word(&self) -> u64 {
-        let mut word = [0u8; 8];
-        for (i, b) in word.iter_mut().enumerate() {
-            *b = self.data.get(self.next + i).copied().unwrap_or(0);
-        }
-        u64::from_be_bytes(word)
     }
 
     /// The next `n` bits (1..=32), not consumed; at least `n` must be loaded.
@@ -231,6 +224,18 @@ impl<'a> Bits<'a> {
         self.skip(size);
         if bits < 1 << (size - 1) { bits - (1 << size) + 1 } else { bits }
     }
+}
+
+/// The 8 bytes of `data` from `next` near its end, zeros past it. Not a
+/// method: a call that took the reader by reference would keep it in
+/// memory (in wasm, the shadow stack) instead of in registers.
+#[cold]
+fn tail_word(data: &[u8], next: usize) -> u64 {
+    let mut word = [0u8; 8];
+    for (i, b) in word.iter_mut().enumerate() {
+        *b = data.get(next + i).copied().unwrap_or(0);
+    }
+    u64::from_be_bytes(word)
 }
 
 /// One component of the frame, and where its blocks go.
@@ -489,10 +494,11 @@ fn decode_scan(bytes: &[u8], frame: &Frame, tables: &Tables, restart: usize, den
     };
     let (data, starts) = unstuff(bytes)?;
     let scan = Scan { data: &data, starts: &starts, restart };
-    if layout.n == 8 {
-        decode_mcus(&scan, frame, &codings, &layout, &mut planes, 8, write_full)?;
+    let n = layout.n;
+    if n == 8 {
+        decode_mcus(&scan, frame, &codings, &layout, &mut planes, |z, used, q, plane, stride| write_full(z, used, q, n, plane, stride))?;
     } else {
-        decode_mcus(&scan, frame, &codings, &layout, &mut planes, 4, write_reduced)?;
+        decode_mcus(&scan, frame, &codings, &layout, &mut planes, |z, used, q, plane, stride| write_reduced(z, used, q, n, plane, stride))?;
     }
     let pixels = to_output(&planes, frame, &layout, out_w, out_h);
     let grey = frame.components.len() == 1;
@@ -515,25 +521,21 @@ struct Scan<'a> {
     restart: usize,
 }
 
-/// The scan's MCUs: each block's kept coefficients (in an array of `L`,
-/// rows `rows` long, the dropped ones written to the slot after them)
-/// inverted by `write` into its component's plane.
-fn decode_mcus<const L: usize>(
+/// The scan's MCUs: each block's coefficients decoded into one zigzag
+/// array, which `write` dequantises, inverts into its component's plane and
+/// leaves zero where it reads (see [`decode_block`]).
+fn decode_mcus(
     scan: &Scan<'_>,
     frame: &Frame,
     codings: &[Coding<'_>],
     layout: &Layout,
     planes: &mut Planes,
-    rows: usize,
-    write: impl Fn(&[f32; L], bool, usize, &mut [u8], usize),
+    write: impl Fn(&mut [i32; 64], usize, &[f32; 64], &mut [u8], usize),
 ) -> Result<(), String> {
     let Scan { data, starts, restart } = *scan;
-    // The slot after the kept rows × rows: the spare one of a reduced
-    // block's [`REDUCED_SLOTS`]; at full size, where nothing is dropped, never used.
-    let trash = (rows * rows) as u8;
-    let kept = kept_positions(layout.n, rows, trash);
     let mut bits = Bits::new(data, 0);
     let mut predictors = vec![0i32; frame.components.len()];
+    let mut zigzag = [0i32; 64];
     let (mut interval, mut left) = (0usize, restart);
     let mut end = starts.get(1).copied().unwrap_or(data.len()) * 8;
     for my in 0..layout.mcus_y {
@@ -553,10 +555,9 @@ fn decode_mcus<const L: usize>(
                 let width = planes.widths[index];
                 for by in 0..c.v {
                     for bx in 0..c.h {
-                        let mut coefficients = [0f32; L];
-                        let any_ac = decode_block(&mut bits, (dc, ac), quant, &mut predictors[index], (&kept, trash), &mut coefficients)?;
+                        let used = decode_block(&mut bits, (dc, ac), &mut predictors[index], &mut zigzag)?;
                         let origin = ((my * c.v + by) * layout.n) * width + (mx * c.h + bx) * layout.n;
-                        write(&coefficients, any_ac, layout.n, &mut planes.planes[index][origin..], width);
+                        write(&mut zigzag, used, quant, &mut planes.planes[index][origin..], width);
                     }
                 }
             }
@@ -573,62 +574,73 @@ fn decode_mcus<const L: usize>(
 /// coefficients.
 const AAN_SCALE: [f32; 8] = [1.0, 1.387_039_8, 1.306_563, 1.175_875_6, 1.0, 0.785_695, 0.541_196_1, 0.275_899_38];
 
-/// A quantisation table (zigzag order) as the factors that dequantise each
-/// coefficient for the inverse DCT of an `n`×`n` block: the table itself
-/// for the reduced sizes; for 8×8 with AAN's scale factors and the
-/// transform's 1/8 folded in.
+/// A quantisation table (zigzag order) as the factors that dequantise a
+/// block's coefficients for the inverse DCT of an `n`×`n` block: for 8×8,
+/// in zigzag order with AAN's scale factors and the transform's 1/8 folded
+/// in; at the reduced sizes, those of the lowest 4×4 in [`LOW_4X4`]'s
+/// order (the rest unused).
 fn dequantiser(quant: &[u16; 64], n: usize) -> [f32; 64] {
-    std::array::from_fn(|k| {
-        let q = f32::from(quant[k]);
+    std::array::from_fn(|i| {
         if n == 8 {
-            let (row, col) = ZIGZAG[k];
-            q * AAN_SCALE[usize::from(row)] * AAN_SCALE[usize::from(col)] / 8.0
+            let (row, col) = ZIGZAG[i];
+            f32::from(quant[i]) * AAN_SCALE[usize::from(row)] * AAN_SCALE[usize::from(col)] / 8.0
         } else {
-            q
+            LOW_4X4.get(i).map_or(0.0, |&k| f32::from(quant[usize::from(k)]))
         }
     })
 }
 
-/// Where each zigzag position's coefficient goes in a block's kept `n`×`n`
-/// (row-major, rows `stride` apart), or `trash` when it is dropped.
-fn kept_positions(n: usize, stride: usize, trash: u8) -> [u8; 64] {
-    let mut kept = [trash; 64];
-    for (k, &(row, col)) in ZIGZAG.iter().enumerate() {
-        if usize::from(row) < n && usize::from(col) < n {
-            kept[k] = (usize::from(row) * stride + usize::from(col)) as u8;
+/// The zigzag positions of a block's lowest 4×4 coefficients, column by
+/// column: entry `4·u + v` is row `v`, column `u`. Columns first, so that
+/// each column's four coefficients are one vector in [`write_4`].
+const LOW_4X4: [u8; 16] = {
+    let mut positions = [0u8; 16];
+    let mut k = 0;
+    while k < 64 {
+        let (row, col) = ZIGZAG[k];
+        if row < 4 && col < 4 {
+            positions[col as usize * 4 + row as usize] = k as u8;
         }
+        k += 1;
     }
-    kept
+    positions
+};
+
+/// Decodes one block's coefficients into `zigzag` (zigzag order, not
+/// dequantised), where every position the caller reads must be zero on
+/// entry; writes only below the position it returns, the end of the
+/// block's coefficients (1 when it has only DC).
+///
+/// Nothing here depends on the scale: which coefficients a reduced scale
+/// keeps is left to the caller, so keeping or dropping one is neither a
+/// branch (at a reduced scale it follows the image and mispredicts) nor a
+/// look-up per coefficient.
+///
+/// Its own function, working on a copy of the reader: in wasm, Cranelift
+/// then keeps the reader in registers through the loop, where inlined into
+/// the scan's large function it spilled them to the stack on every code.
+#[inline(always)]
+fn decode_block(bits: &mut Bits<'_>, tables: (&Huffman, &Huffman), predictor: &mut i32, zigzag: &mut [i32; 64]) -> Result<usize, String> {
+    let mut reader = *bits;
+    let used = decode_coefficients(&mut reader, tables, predictor, zigzag)?;
+    *bits = reader;
+    Ok(used)
 }
 
-/// A reduced block's coefficients: the kept 4×4 (row-major), then one
-/// slot the dropped ones are written to.
-const REDUCED_SLOTS: usize = 4 * 4 + 1;
-
-/// Decodes one block's coefficients into `out` where `kept` places them
-/// (see [`kept_positions`]), dequantised; the dropped ones go to slot
-/// `trash`. Returns whether any kept one besides DC may be non-zero.
-///
-/// Every coefficient is stored, the dropped ones to the trash slot, so
-/// that keeping or dropping is not a branch: at a reduced scale whether
-/// the next coefficient is kept follows the image, and mispredicting it
-/// cost more than the stores.
+/// [`decode_block`]'s work.
 #[inline(always)]
-fn decode_block<const L: usize>(
+fn decode_coefficients(
     bits: &mut Bits<'_>,
     (dc, ac): (&Huffman, &Huffman),
-    quant: &[f32; 64],
     predictor: &mut i32,
-    (kept, trash): (&[u8; 64], u8),
-    out: &mut [f32; L],
-) -> Result<bool, String> {
+    zigzag: &mut [i32; 64],
+) -> Result<usize, String> {
     let size = bits.symbol(dc)?;
     if size > 11 {
         return Err("corrupt JPEG data: DC difference too large".into());
     }
     *predictor = predictor.wrapping_add(bits.value(size));
-    out[0] = *predictor as f32 * quant[0];
-    let mut any_ac = false;
+    zigzag[0] = *predictor;
     let mut k = 1;
     while k < 64 {
         if bits.count < 32 {
@@ -655,36 +667,51 @@ fn decode_block<const L: usize>(
             k += run;
             bits.value(size)
         };
-        let (Some(&slot), Some(&factor)) = (kept.get(k), quant.get(k)) else {
+        if k > 63 {
             return Err("corrupt JPEG data: coefficient past the block".into());
-        };
-        if let Some(out) = out.get_mut(usize::from(slot)) {
-            *out = value as f32 * factor;
         }
-        any_ac |= slot != trash;
+        zigzag[k] = value;
         k += 1;
     }
-    Ok(any_ac)
+    Ok(k.min(64))
 }
 
-/// Writes the inverse DCT of a block's lowest `n`×`n` coefficients (`f`,
-/// row-major, rows 4 long), evaluated at the centres of the `n`×`n`
-/// reduced pixels, into `plane` at its start, rows `stride` apart; without
-/// `any_ac` (only DC is non-zero) the block is flat.
+/// `write` at a reduced scale: the block's lowest `n`×`n` coefficients
+/// dequantised, inverted at the centres of the `n`×`n` reduced pixels into
+/// `plane` at its start, rows `stride` apart; a block with only DC (or no
+/// kept AC) is flat. Reads (and leaves zero) only the `n`×`n` positions.
 #[inline(always)]
-fn write_reduced(f: &[f32; REDUCED_SLOTS], any_ac: bool, n: usize, plane: &mut [u8], stride: usize) {
-    match n {
-        4 if any_ac => write_4(f, plane, stride),
-        2 if any_ac => write_2(f, plane, stride),
-        _ => fill(plane, stride, n, pixel(f[0] / 8.0)),
+fn write_reduced(zigzag: &mut [i32; 64], used: usize, quant: &[f32; 64], n: usize, plane: &mut [u8], stride: usize) {
+    if used == 1 || n == 1 {
+        // The kept AC positions were left zero and `used` says none was written.
+        let dc = std::mem::take(&mut zigzag[0]) as f32 * quant[0];
+        return fill(plane, stride, n, pixel(dc / 8.0));
     }
+    if n == 2 {
+        // The 2×2's entries of the 4×4 column by column.
+        let raw = [0, 1, 4, 5].map(|i| (std::mem::take(&mut zigzag[usize::from(LOW_4X4[i])]), quant[i]));
+        return match raw {
+            [(dc, q), (0, _), (0, _), (0, _)] => fill(plane, stride, 2, pixel(dc as f32 * q / 8.0)),
+            _ => write_2(raw.map(|(value, q)| value as f32 * q), plane, stride),
+        };
+    }
+    // Column by column (see [`LOW_4X4`]).
+    let raw: [i32; 16] = std::array::from_fn(|i| std::mem::take(&mut zigzag[usize::from(LOW_4X4[i])]));
+    let f: [f32; 16] = std::array::from_fn(|i| raw[i] as f32 * quant[i]);
+    if raw[1..].iter().any(|&v| v != 0) { write_4(&f, plane, stride) } else { fill(plane, stride, 4, pixel(f[0] / 8.0)) }
 }
 
-/// [`write_reduced`] at full size: all 64 coefficients, the transform's 1/8
-/// already folded in by the dequantiser.
+/// `write` at full size: all 64 coefficients dequantised (the transform's
+/// 1/8 folded in by the dequantiser) into natural order and inverted;
+/// zeroes what the block used.
 #[inline(always)]
-fn write_full(f: &[f32; 64], any_ac: bool, _: usize, plane: &mut [u8], stride: usize) {
-    if any_ac { write_8(f, plane, stride) } else { fill(plane, stride, 8, pixel(f[0])) }
+fn write_full(zigzag: &mut [i32; 64], used: usize, quant: &[f32; 64], _: usize, plane: &mut [u8], stride: usize) {
+    let mut f = [0f32; 64];
+    for k in 0..used.min(64) {
+        let (row, col) = ZIGZAG[k];
+        f[usize::from(row) * 8 + usize::from(col)] = std::mem::take(&mut zigzag[k]) as f32 * quant[k];
+    }
+    if used > 1 { write_8(&f, plane, stride) } else { fill(plane, stride, 8, pixel(f[0])) }
 }
 
 /// A flat `n`×`n` block.
@@ -708,41 +735,35 @@ fn pixel(value: f32) -> u8 {
     rounded.clamp(0, 255) as u8
 }
 
-/// [`write_reduced`] for 2×2: x_k = ½·(F(0)/√2 ± F(1)·cos(π/4)) each way.
+/// [`write_reduced`] for 2×2 (`f` column by column: rows 0 and 1 of
+/// column 0, then of column 1): x_k = ½·(F(0)/√2 ± F(1)·cos(π/4)) each way.
 #[inline(always)]
-fn write_2(f: &[f32; REDUCED_SLOTS], plane: &mut [u8], stride: usize) {
+fn write_2(f: [f32; 4], plane: &mut [u8], stride: usize) {
     let idct_2 = |f0: f32, f1: f32| [(f0 + f1) * 0.5 * FRAC_1_SQRT_2, (f0 - f1) * 0.5 * FRAC_1_SQRT_2];
-    let (top, bottom) = (idct_2(f[0], f[1]), idct_2(f[4], f[5]));
-    let columns = [idct_2(top[0], bottom[0]), idct_2(top[1], bottom[1])];
+    // Down each coefficient column first, then across.
+    let (left, right) = (idct_2(f[0], f[1]), idct_2(f[2], f[3]));
     for y in 0..2 {
-        plane[y * stride] = pixel(columns[0][y]);
-        plane[y * stride + 1] = pixel(columns[1][y]);
+        let row = idct_2(left[y], right[y]);
+        plane[y * stride] = pixel(row[0]);
+        plane[y * stride + 1] = pixel(row[1]);
     }
 }
 
-/// [`write_reduced`] for 4×4, by butterflies: the columns' transform for
-/// the four columns at once, then the rows' for the four rows at once,
-/// each step an operation on four lanes (SIMD where the target has it).
+/// [`write_reduced`] for 4×4 (`f` column by column, see [`LOW_4X4`]), by
+/// butterflies on four lanes: across, for the four coefficient rows at
+/// once, then down, for the four pixel columns at once.
 #[inline(always)]
-fn write_4(f: &[f32; REDUCED_SLOTS], plane: &mut [u8], stride: usize) {
-    let rows: [[f32; 4]; 4] = std::array::from_fn(|v| std::array::from_fn(|u| f[v * 4 + u]));
-    // columns[y][u]: the vertical transform, each row vector over u.
-    let columns = idct_4_lanes(rows);
-    let transposed: [[f32; 4]; 4] = std::array::from_fn(|u| std::array::from_fn(|y| columns[y][u]));
-    // out[x][y]: the horizontal transform, each vector over y.
-    let out = idct_4_lanes(transposed);
-    let bytes: [u8; 16] = std::array::from_fn(|i| pixel(out[i / 4][i % 4]));
-    for y in 0..4 {
-        for (x, value) in plane[y * stride..y * stride + 4].iter_mut().enumerate() {
-            *value = bytes[x * 4 + y];
-        }
+fn write_4(f: &[f32; 16], plane: &mut [u8], stride: usize) {
+    // columns[u]: coefficient column u, a lane per coefficient row.
+    let columns: [F32x4; 4] = std::array::from_fn(|u| F32x4::new(std::array::from_fn(|v| f[u * 4 + v])));
+    // idct_4_lanes(columns)[x]: sample x across each coefficient row;
+    // transposed, a vector per coefficient row, a lane per pixel column.
+    let across = F32x4::transpose(idct_4_lanes(columns));
+    // rows[y]: pixel row y, a lane per pixel column.
+    let rows = idct_4_lanes(across);
+    for (y, pixels) in F32x4::pixels(rows).iter().enumerate() {
+        plane[y * stride..y * stride + 4].copy_from_slice(pixels);
     }
-}
-
-/// Four lanes of one operation, written so the compiler makes it one SIMD instruction.
-#[inline(always)]
-fn lanes(op: impl Fn(usize) -> f32) -> [f32; 4] {
-    std::array::from_fn(op)
 }
 
 /// The 8-point inverse DCT of the four lowest coefficients, evaluated at
@@ -750,19 +771,14 @@ fn lanes(op: impl Fn(usize) -> f32) -> [f32; 4] {
 /// for four lanes at once: `f[u]` holds coefficient `u` of each lane; the
 /// result's `[k]` holds sample `k` of each lane.
 #[inline(always)]
-fn idct_4_lanes(f: [[f32; 4]; 4]) -> [[f32; 4]; 4] {
+fn idct_4_lanes(f: [F32x4; 4]) -> [F32x4; 4] {
     const C1: f32 = 0.923_879_5; // cos(π/8)
     const C3: f32 = 0.382_683_43; // cos(3π/8)
-    let even = lanes(|i| (f[0][i] + f[2][i]) * FRAC_1_SQRT_2);
-    let even_2 = lanes(|i| (f[0][i] - f[2][i]) * FRAC_1_SQRT_2);
-    let odd = lanes(|i| f[1][i] * C1 + f[3][i] * C3);
-    let odd_2 = lanes(|i| f[1][i] * C3 - f[3][i] * C1);
-    [
-        lanes(|i| (even[i] + odd[i]) * 0.5),
-        lanes(|i| (even_2[i] + odd_2[i]) * 0.5),
-        lanes(|i| (even_2[i] - odd_2[i]) * 0.5),
-        lanes(|i| (even[i] - odd[i]) * 0.5),
-    ]
+    let even = (f[0] + f[2]) * FRAC_1_SQRT_2;
+    let even_2 = (f[0] - f[2]) * FRAC_1_SQRT_2;
+    let odd = f[1] * C1 + f[3] * C3;
+    let odd_2 = f[1] * C3 - f[3] * C1;
+    [(even + odd) * 0.5, (even_2 + odd_2) * 0.5, (even_2 - odd_2) * 0.5, (even - odd) * 0.5]
 }
 
 /// [`write_full`]'s transform: AAN's inverse DCT (libjpeg's `jidctflt.c`),

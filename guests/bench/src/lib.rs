@@ -1,6 +1,7 @@
 //! `bench [--detect] [--iterations N] [--size S] IMAGE...`: times the SDK's
-//! image decode and letterbox inside wasm (median of N runs per image) and,
-//! with `--detect`, runs the whole `detect` pipeline once per image through
+//! image decode (at the scale a letterbox of `--size` needs, as `detect`
+//! handlers decode) and letterbox inside wasm (median of N runs per image)
+//! and, with `--detect`, runs the whole `detect` pipeline once per image through
 //! the host's `face-detect.infer`. Prints one JSON object per image.
 //!
 //! Run it with `deploy/scripts/guest-bench.py`, which provides the host
@@ -8,7 +9,7 @@
 
 use std::time::Instant;
 
-use facegate_guest_sdk::image::{ImageLimits, decode, letterbox};
+use facegate_guest_sdk::image::{ImageLimits, decode_for_letterbox, letterbox};
 use facegate_guest_sdk::serde_json::json;
 use facegate_guest_sdk::{DetectOptions, detect};
 
@@ -54,9 +55,10 @@ fn median_ms(n: usize, mut f: impl FnMut()) -> f64 {
 fn bench_one(path: &str, args: &Args) -> Result<(), String> {
     let bytes = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
     let limits = ImageLimits::default();
-    let image = decode(&bytes, &limits).map_err(|e| e.to_string())?;
+    // What `detect` handlers run: a large JPEG decoded at the smallest scale that covers the letterbox.
+    let image = decode_for_letterbox(&bytes, &limits, args.size).map_err(|e| e.to_string())?.image;
     let decode_ms = median_ms(args.iterations, || {
-        decode(&bytes, &limits).map(drop).unwrap_or_else(|e| panic!("{e}"));
+        decode_for_letterbox(&bytes, &limits, args.size).map(drop).unwrap_or_else(|e| panic!("{e}"));
     });
     let letterbox_ms = median_ms(args.iterations, || {
         letterbox(&image, args.size).map(drop).unwrap_or_else(|e| panic!("{e}"));
