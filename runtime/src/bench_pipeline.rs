@@ -25,6 +25,8 @@ use hyper_util::rt::TokioExecutor;
 use image::imageops::FilterType;
 
 use crate::bench::{BenchConfig, start_seeded};
+use crate::bench_guest::{BENCH_GUEST, GuestBench};
+use crate::engine::EngineLimits;
 
 /// One test image: what it stands for, and its bytes.
 struct Sample {
@@ -85,6 +87,7 @@ pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> 
     println!(
         "(wasm pre: decode + letterbox in detect; full-size: the same in crop, which decodes the whole image; wasm/nat: native CPU time ÷ wasm pre, the same SDK code; 1 = as fast as native)"
     );
+    like_for_like(config, &samples, iterations).await?;
     println!(
         "\n== memory slots: the first {} KiB kept resident between requests vs every page handed back (--memory-keep-resident-kib 0); ms outside inference per request, medians of {ROUNDS} interleaved rounds ==",
         crate::config::DEFAULT_MEMORY_KEEP_RESIDENT_KIB
@@ -110,6 +113,50 @@ pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> 
         );
     }
     println!("(pre: decode + letterbox; all: everything but inference — decode, letterbox, post-processing, HTTP, instantiation)");
+    Ok(())
+}
+
+/// The same SDK calls timed in a loop inside wasm ([`GuestBench`]) and
+/// natively, image by image: what wasm costs for the same code, without a
+/// request's fresh instance and caches cold after inference.
+async fn like_for_like(config: &BenchConfig, samples: &[Sample], iterations: usize) -> anyhow::Result<()> {
+    println!(
+        "\n== wasm vs native, like for like: decode_for_letterbox + letterbox to {} in a loop of {iterations}, medians of {ROUNDS} interleaved rounds; {BENCH_GUEST} in this process vs native ==",
+        config.side
+    );
+    let wasm = std::path::Path::new(BENCH_GUEST);
+    if !wasm.exists() {
+        println!("(skipped: {BENCH_GUEST} is missing; deploy/scripts/build-guests.sh builds it)");
+        return Ok(());
+    }
+    let images = crate::bench::bench_data_dir(96).join("images");
+    let _ = std::fs::remove_dir_all(&images);
+    std::fs::create_dir_all(&images)?;
+    for (i, sample) in samples.iter().enumerate() {
+        std::fs::write(images.join(format!("sample-{i}")), &sample.bytes)?;
+    }
+    // As the gateway's engine with its default limits.
+    let limits = EngineLimits {
+        max_instances: 1,
+        memory_limit: crate::config::DEFAULT_MEMORY_LIMIT_MIB << 20,
+        keep_resident: crate::config::DEFAULT_MEMORY_KEEP_RESIDENT_KIB << 10,
+    };
+    let guest = GuestBench::new(wasm, &images, limits)?;
+    println!("{:<28} {:>9} {:>9} {:>9} {:>9} {:>8}", "image", "decode", "letterb.", "wasm", "native", "wasm/nat");
+    for (i, sample) in samples.iter().enumerate() {
+        // Interleaved rounds: the machine's speed drifts between seconds.
+        let (mut guest_runs, mut native_runs) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            guest_runs.push(guest.time(&format!("sample-{i}"), config.side, iterations).await?);
+            native_runs.push(native_preprocess_ms(&sample.bytes, config.side, iterations)?);
+        }
+        let (decode, letterbox) =
+            (median(guest_runs.iter().map(|t| t.decode).collect()), median(guest_runs.iter().map(|t| t.letterbox).collect()));
+        let (wasm, native) = (median(guest_runs.iter().map(|t| t.decode + t.letterbox).collect()), median(native_runs));
+        println!("{:<28} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.3}", sample.name, decode, letterbox, wasm, native, native / wasm);
+    }
+    let _ = std::fs::remove_dir_all(&images);
+    println!("(wasm: the guest's own medians of each call; native: process CPU time of both; 1 = as fast as native)");
     Ok(())
 }
 

@@ -14,6 +14,7 @@
 //! routes), [`cli`] (the admin client), [`metrics`], [`bench`].
 
 pub mod bench;
+mod bench_guest;
 mod bench_isolation;
 mod bench_languages;
 mod bench_pipeline;

@@ -1,0 +1,129 @@
+//! The pipeline bench's like-for-like wasm timing: `guests/bench` (a
+//! `wasi:cli` command) run in this process, under an engine built as the
+//! gateway's is, timing the SDK's `decode_for_letterbox` + `letterbox`
+//! inside wasm in a loop: the same calls, the same loop and the same warm
+//! caches as the native timing it is compared with. A request through the
+//! gateway also pays for a fresh instance's memory and caches cold after
+//! inference; the bench reports that separately.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use wasmtime::component::{Component, Linker, ResourceTable};
+use wasmtime::{Engine, Store};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+
+use crate::engine::EngineLimits;
+
+/// Where `deploy/scripts/build-guests.sh` leaves the bench guest, from the repository root.
+pub const BENCH_GUEST: &str = "guests/target/wasm32-wasip2/release/bench.wasm";
+
+/// The interface the bench guest imports for `--detect`.
+const FACE_DETECT: &str = "facegate:face-detect/face-detect@0.1.0";
+
+/// The bench guest, compiled, and a folder it reads images from.
+pub struct GuestBench {
+    engine: Engine,
+    component: Component,
+    images: PathBuf,
+}
+
+/// Median milliseconds the guest measured for one image.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GuestTimes {
+    /// `decode_for_letterbox`.
+    pub decode: f64,
+    /// `letterbox`.
+    pub letterbox: f64,
+}
+
+/// What the command's WASI calls need.
+struct BenchState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+}
+
+impl WasiView for BenchState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl GuestBench {
+    /// Compiles `wasm` with an engine configured as the gateway's; `images`
+    /// is the folder [`GuestBench::time`] names its files in.
+    pub fn new(wasm: &Path, images: &Path, limits: EngineLimits) -> anyhow::Result<Self> {
+        let engine = crate::engine::build(limits)?;
+        let component = Component::from_file(&engine, wasm).map_err(|e| anyhow::anyhow!("compiling {}: {e:#}", wasm.display()))?;
+        Ok(Self { engine, component, images: images.to_owned() })
+    }
+
+    /// Runs the guest on `file` (in the images folder): medians of
+    /// `iterations` decodes and letterboxes to `side`.
+    pub async fn time(&self, file: &str, side: u32, iterations: usize) -> anyhow::Result<GuestTimes> {
+        let mut linker = Linker::<BenchState>::new(&self.engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        // `face-detect` (for `--detect`, not used here) traps if called.
+        let mut face_detect = linker.instance(FACE_DETECT)?;
+        for name in ["models", "infer"] {
+            face_detect.func_new(name, |_, _, _, _| Err(wasmtime::Error::msg("the pipeline bench provides no face-detect")))?;
+        }
+        let stdout = MemoryOutputPipe::new(1 << 16);
+        let args = [
+            "bench".to_owned(),
+            "--iterations".into(),
+            iterations.to_string(),
+            "--size".into(),
+            side.to_string(),
+            format!("/images/{file}"),
+        ];
+        let mut wasi = WasiCtxBuilder::new();
+        wasi.args(&args).stdout(stdout.clone()).inherit_stderr();
+        wasi.preopened_dir(&self.images, "/images", FsPerms::ReadOnly)?;
+        let wasi = wasi.build();
+        let mut store = Store::new(&self.engine, BenchState { wasi, table: ResourceTable::new() });
+        // Nothing advances this engine's epoch: one tick is never reached.
+        store.set_epoch_deadline(1);
+        let command = wasmtime_wasi::p2::bindings::Command::instantiate_async(&mut store, &self.component, &linker).await?;
+        command.wasi_cli_run().call_run(&mut store).await?.map_err(|()| anyhow::anyhow!("the bench guest failed on {file}"))?;
+        drop(store);
+        parse(&stdout.contents())
+    }
+}
+
+/// The guest's JSON line: `decode_ms` and `letterbox_ms`.
+fn parse(output: &[u8]) -> anyhow::Result<GuestTimes> {
+    let line: serde_json::Value = serde_json::from_slice(output).context("the bench guest's output is not JSON")?;
+    let get =
+        |key: &str| line.get(key).and_then(serde_json::Value::as_f64).with_context(|| format!("the bench guest's output has no {key}"));
+    Ok(GuestTimes { decode: get("decode_ms")?, letterbox: get("letterbox_ms")? })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_bench_guest_times_the_sdk_inside_wasm() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let wasm = root.join(BENCH_GUEST);
+        assert!(wasm.exists(), "{} is missing: deploy/scripts/build-guests.sh builds it (deploy/test.sh does)", wasm.display());
+        let images = root.join("runtime/tests/fixtures/images");
+        let limits = EngineLimits { max_instances: 1, memory_limit: 256 << 20, keep_resident: 0 };
+        let bench = GuestBench::new(&wasm, &images, limits).expect("compiles");
+        let times = bench.time("grace_hopper.jpg", 160, 3).await.expect("runs");
+        assert!(times.decode > 0.0 && times.letterbox > 0.0, "{times:?}");
+        // A second run reuses the compiled guest; a missing image is the guest's error, not a hang.
+        assert!(bench.time("no-such-image.jpg", 160, 1).await.is_err());
+    }
+
+    #[test]
+    fn the_guests_line_is_read() {
+        let line = br#"{"decode_ms":1.25,"height":300,"image":"/images/a.jpg","iterations":5,"letterbox_ms":0.5,"size":160,"width":256}
+"#;
+        assert_eq!(parse(line).unwrap(), GuestTimes { decode: 1.25, letterbox: 0.5 });
+        assert!(parse(b"bench: /images/a.jpg: not found").is_err());
+        assert!(parse(br#"{"decode_ms":1.0}"#).is_err(), "letterbox_ms missing");
+    }
+}
