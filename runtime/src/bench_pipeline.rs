@@ -9,6 +9,9 @@
 //! JSON). Then the same SDK calls the handler makes before inference
 //! (`decode_for_letterbox` + `letterbox`), run natively in this process and
 //! timed as process CPU time (the native JPEG decoder may use threads).
+//! Then, like for like, the same calls in a loop inside wasm (the bench
+//! guest, see `bench_guest`) against the native loop, in interleaved
+//! rounds; then memory slots kept resident against handed back.
 //! Medians throughout.
 
 use std::io::Cursor;
