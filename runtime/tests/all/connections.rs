@@ -403,7 +403,7 @@ fn admin_api_answers_on_a_full_shared_listener_and_tenants_get_503() {
     let (gateway, _one_at_a_time) = small();
     let before = metrics(gateway);
     // Every main slot held by a silent socket, each from its own address.
-    let fillers: Vec<TcpStream> = (1..=SMALL_SLOTS).map(|i| connect_from(&format!("127.0.1.{i}"), gateway.addr)).collect();
+    let mut fillers: Vec<TcpStream> = (1..=SMALL_SLOTS).map(|i| connect_from(&format!("127.0.1.{i}"), gateway.addr)).collect();
     // Served on a reserve connection: metrics, which count the fillers and itself.
     let deadline = Instant::now() + MARGIN;
     while sample(&metrics(gateway), "facegate_connections_open") < SMALL_SLOTS as i64 + 1 {
@@ -413,12 +413,17 @@ fn admin_api_answers_on_a_full_shared_listener_and_tenants_get_503() {
     // That count may include a metrics connection closed but not yet
     // reaped, with a filler still in the accept queue (a loaded machine):
     // the fillers hold every main slot once a tenant's request is refused.
+    // A tenant served means a main slot is free: a metrics connection of
+    // this test, closed but not yet reaped, held it while the fillers came,
+    // so the last filler went to the reserve, whose short head timeout
+    // closed it. Another filler takes the slot.
     let deadline = Instant::now() + MARGIN;
     let response = loop {
         let response = fresh_client().get(gateway.url("/v1/models")).send().unwrap();
         if response.status() == 503 || Instant::now() >= deadline {
             break response;
         }
+        fillers.push(connect_from(&format!("127.0.1.{}", fillers.len() + 1), gateway.addr));
         std::thread::sleep(Duration::from_millis(50));
     };
     assert_eq!(response.status(), 503, "tenants wait for a main slot");
