@@ -15,10 +15,17 @@ use image::{DynamicImage, ImageDecoder, ImageReader};
 
 use crate::face_detect::{ElementType, Tensor};
 
+#[cfg_attr(
+    not(all(target_arch = "wasm32", target_feature = "simd128")),
+    allow(dead_code, reason = "used in wasm only (natively fast_image_resize's AVX2 path is faster); built natively for its tests")
+)]
+mod bilinear;
 mod f32x4;
 mod plain_png;
 mod reduced_jpeg;
 mod scaled;
+#[cfg_attr(not(all(target_arch = "wasm32", target_feature = "simd128")), allow(dead_code, reason = "only bilinear uses it"))]
+mod u8x16;
 pub use scaled::{ScaledImage, decode_for_letterbox};
 
 /// Decoded RGB image, 8 bits per channel (re-exported from the `image` crate).
@@ -396,7 +403,13 @@ fn copy_rows(image: &RgbImage, canvas: &mut [u8], side: u32) {
 }
 
 /// Resizes `image` into the top-left `width × height` of the canvas.
+/// In wasm with `simd128`, enlargements go to [`bilinear`].
 fn resize_into(image: &RgbImage, canvas: &mut [u8], side: u32, width: u32, height: u32) -> Result<(), ImageError> {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    if bilinear::can_enlarge(image.dimensions(), (width, height)) {
+        bilinear::enlarge(image.as_raw(), image.dimensions(), canvas, side as usize * 3, (width, height));
+        return Ok(());
+    }
     let internal = |e: &dyn std::fmt::Display| ImageError::Invalid(format!("resize: {e}"));
     let src = fr::images::ImageRef::new(image.width(), image.height(), image.as_raw(), fr::PixelType::U8x3).map_err(|e| internal(&e))?;
     let mut dst = fr::images::Image::from_slice_u8(side, side, canvas, fr::PixelType::U8x3).map_err(|e| internal(&e))?;

@@ -29,13 +29,18 @@ pub struct GuestBench {
     images: PathBuf,
 }
 
-/// Median milliseconds the guest measured for one image.
+/// What the guest measured for one image: median milliseconds, and
+/// hashes of the pixels it made (to compare with native code's).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GuestTimes {
     /// `decode_for_letterbox`.
     pub decode: f64,
     /// `letterbox`.
     pub letterbox: f64,
+    /// 64-bit FNV-1a of the decoded pixels.
+    pub decoded_fnv: u64,
+    /// 64-bit FNV-1a of the letterbox's canvas.
+    pub letterbox_fnv: u64,
 }
 
 /// What the command's WASI calls need.
@@ -92,17 +97,31 @@ impl GuestBench {
     }
 }
 
-/// The guest's JSON line: `decode_ms` and `letterbox_ms`.
+/// The guest's JSON line: `decode_ms`, `letterbox_ms` and the pixels' hashes (hex).
 fn parse(output: &[u8]) -> anyhow::Result<GuestTimes> {
     let line: serde_json::Value = serde_json::from_slice(output).context("the bench guest's output is not JSON")?;
     let get =
         |key: &str| line.get(key).and_then(serde_json::Value::as_f64).with_context(|| format!("the bench guest's output has no {key}"));
-    Ok(GuestTimes { decode: get("decode_ms")?, letterbox: get("letterbox_ms")? })
+    let hash = |key: &str| {
+        let hex = line.get(key).and_then(serde_json::Value::as_str).with_context(|| format!("the bench guest's output has no {key}"))?;
+        u64::from_str_radix(hex, 16).with_context(|| format!("{key} is not hex: {hex}"))
+    };
+    Ok(GuestTimes {
+        decode: get("decode_ms")?,
+        letterbox: get("letterbox_ms")?,
+        decoded_fnv: hash("decoded_fnv")?,
+        letterbox_fnv: hash("letterbox_fnv")?,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 64-bit FNV-1a of `bytes`, as the bench guest hashes pixels.
+    fn fnv1a(bytes: &[u8]) -> u64 {
+        bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    }
 
     #[tokio::test]
     async fn the_bench_guest_times_the_sdk_inside_wasm() {
@@ -118,11 +137,40 @@ mod tests {
         assert!(bench.time("no-such-image.jpg", 160, 1).await.is_err());
     }
 
+    /// The SDK's letterbox gives the same pixels in wasm (its `simd128`
+    /// enlargement there) as natively (fast_image_resize), shrinking and
+    /// enlarging a PNG, which both decode exactly.
+    #[tokio::test]
+    async fn wasm_and_native_letterbox_the_same_pixels() {
+        use facegate_guest_sdk::image::{ImageLimits, decode_for_letterbox, letterbox};
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let images = root.join("runtime/tests/fixtures/images");
+        let limits = EngineLimits { max_instances: 1, memory_limit: 256 << 20, keep_resident: 0 };
+        let bench = GuestBench::new(&root.join(BENCH_GUEST), &images, limits).expect("compiles");
+        let bytes = std::fs::read(images.join("astronaut.png")).unwrap();
+        for side in [320, 640, 1024] {
+            let decoded = decode_for_letterbox(&bytes, &ImageLimits::default(), side).unwrap().image;
+            let boxed = letterbox(&decoded, side).unwrap();
+            let guest = bench.time("astronaut.png", side, 1).await.expect("runs");
+            assert_eq!(guest.decoded_fnv, fnv1a(decoded.as_raw()), "decoded pixels, side {side}");
+            assert_eq!(
+                guest.letterbox_fnv,
+                fnv1a(&boxed.pixels),
+                "letterbox, side {side} ({}×{} → {}×{})",
+                decoded.width(),
+                decoded.height(),
+                boxed.width,
+                boxed.height
+            );
+        }
+    }
+
     #[test]
     fn the_guests_line_is_read() {
-        let line = br#"{"decode_ms":1.25,"height":300,"image":"/images/a.jpg","iterations":5,"letterbox_ms":0.5,"size":160,"width":256}
+        let line = br#"{"decode_ms":1.25,"decoded_fnv":"00000000000000ff","height":300,"image":"/images/a.jpg","iterations":5,"letterbox_fnv":"cbf29ce484222325","letterbox_ms":0.5,"size":160,"width":256}
 "#;
-        assert_eq!(parse(line).unwrap(), GuestTimes { decode: 1.25, letterbox: 0.5 });
+        let times = GuestTimes { decode: 1.25, letterbox: 0.5, decoded_fnv: 0xff, letterbox_fnv: 0xcbf2_9ce4_8422_2325 };
+        assert_eq!(parse(line).unwrap(), times);
         assert!(parse(b"bench: /images/a.jpg: not found").is_err());
         assert!(parse(br#"{"decode_ms":1.0}"#).is_err(), "letterbox_ms missing");
     }

@@ -19,9 +19,21 @@ type Repr = simd::v128;
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 type Repr = [f32; 4];
 
-/// The magic number [`F32x4::pixels`] rounds with: 1.5·2²³, whose float
-/// has the integer part of a sum with it in its low mantissa bits.
+/// The magic number [`pixel`] and [`F32x4::pixels`] round with: 1.5·2²³,
+/// whose float has the integer part of a sum with it in its low mantissa bits.
 const MAGIC: f32 = 12_582_912.0;
+
+/// A sample of the inverse DCT as a pixel: level-shifted by 128, rounded to
+/// nearest, clamped to 0..=255. Rounded by adding [`MAGIC`], which leaves
+/// the integer in the low bits of the float: a float-to-int conversion is a
+/// long instruction sequence in WebAssembly (it must saturate), this an add
+/// and integer clamps. Exact for any sample a valid block gives (|value| <
+/// 2²²); a corrupt block's larger ones still end up in 0..=255.
+#[inline(always)]
+pub(super) fn pixel(value: f32) -> u8 {
+    let rounded = (value + (128.0 + MAGIC)).to_bits() as i32 - MAGIC.to_bits() as i32;
+    rounded.clamp(0, 255) as u8
+}
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 impl F32x4 {
@@ -146,7 +158,6 @@ impl F32x4 {
     /// level-shifted by 128, rounded to nearest, clamped to 0..=255.
     #[inline(always)]
     pub(super) fn pixels(rows: [Self; 4]) -> [[u8; 4]; 4] {
-        let pixel = |value: f32| ((value + (128.0 + MAGIC)).to_bits() as i32 - MAGIC.to_bits() as i32).clamp(0, 255) as u8;
         rows.map(|row| row.0.map(pixel))
     }
 }

@@ -17,7 +17,7 @@
 
 use std::f32::consts::{FRAC_1_SQRT_2, SQRT_2};
 
-use super::f32x4::F32x4;
+use super::f32x4::{F32x4, pixel};
 
 /// What [`decode`] returns: the reduced pixels.
 #[derive(Debug)]
@@ -496,7 +496,7 @@ fn decode_scan(bytes: &[u8], frame: &Frame, tables: &Tables, restart: usize, den
     let scan = Scan { data: &data, starts: &starts, restart };
     let n = layout.n;
     if n == 8 {
-        decode_mcus(&scan, frame, &codings, &layout, &mut planes, |z, used, q, plane, stride| write_full(z, used, q, n, plane, stride))?;
+        decode_mcus(&scan, frame, &codings, &layout, &mut planes, write_full)?;
     } else {
         decode_mcus(&scan, frame, &codings, &layout, &mut planes, |z, used, q, plane, stride| write_reduced(z, used, q, n, plane, stride))?;
     }
@@ -707,7 +707,7 @@ fn write_reduced(zigzag: &mut [i32; 64], used: usize, quant: &[f32; 64], n: usiz
 /// 1/8 folded in by the dequantiser) into natural order and inverted;
 /// zeroes what the block used.
 #[inline(always)]
-fn write_full(zigzag: &mut [i32; 64], used: usize, quant: &[f32; 64], _: usize, plane: &mut [u8], stride: usize) {
+fn write_full(zigzag: &mut [i32; 64], used: usize, quant: &[f32; 64], plane: &mut [u8], stride: usize) {
     let mut f = [0f32; 64];
     for k in 0..used.min(64) {
         let (row, col) = ZIGZAG[k];
@@ -722,19 +722,6 @@ fn fill(plane: &mut [u8], stride: usize, n: usize, value: u8) {
     for y in 0..n {
         plane[y * stride..y * stride + n].fill(value);
     }
-}
-
-/// A sample of the inverse DCT as a pixel: level-shifted, rounded, clamped.
-/// Rounded by adding 1.5·2²³, which leaves the integer in the low bits of
-/// the float: a float-to-int conversion is a long instruction sequence in
-/// WebAssembly (it must saturate), this an add and integer clamps. Exact
-/// for any sample a valid block gives (|value| < 2²²); a corrupt block's
-/// larger ones still end up in 0..=255.
-#[inline(always)]
-fn pixel(value: f32) -> u8 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5·2²³
-    let rounded = (value + (128.0 + MAGIC)).to_bits() as i32 - MAGIC.to_bits() as i32;
-    rounded.clamp(0, 255) as u8
 }
 
 /// [`write_reduced`] for 2×2 (`f` column by column: rows 0 and 1 of

@@ -2,7 +2,8 @@
 //! image decode (at the scale a letterbox of `--size` needs, as `detect`
 //! handlers decode) and letterbox inside wasm (median of N runs per image)
 //! and, with `--detect`, runs the whole `detect` pipeline once per image through
-//! the host's `face-detect.infer`. Prints one JSON object per image.
+//! the host's `face-detect.infer`. Prints one JSON object per image, with
+//! FNV-1a hashes of the decoded and letterboxed pixels.
 //!
 //! Run it with `deploy/scripts/guest-bench.py`, which provides the host
 //! side (a preopened image folder and, for `--detect`, onnxruntime).
@@ -52,6 +53,11 @@ fn median_ms(n: usize, mut f: impl FnMut()) -> f64 {
     times[n / 2]
 }
 
+/// 64-bit FNV-1a of `bytes`.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
 fn bench_one(path: &str, args: &Args) -> Result<(), String> {
     let bytes = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
     let limits = ImageLimits::default();
@@ -63,9 +69,12 @@ fn bench_one(path: &str, args: &Args) -> Result<(), String> {
     let letterbox_ms = median_ms(args.iterations, || {
         letterbox(&image, args.size).map(drop).unwrap_or_else(|e| panic!("{e}"));
     });
+    let boxed = letterbox(&image, args.size).map_err(|e| e.to_string())?;
     let mut out = json!({
         "image": path, "width": image.width(), "height": image.height(), "size": args.size,
         "iterations": args.iterations, "decode_ms": decode_ms, "letterbox_ms": letterbox_ms,
+        // For comparing wasm's pixels with native code's.
+        "decoded_fnv": format!("{:016x}", fnv1a(image.as_raw())), "letterbox_fnv": format!("{:016x}", fnv1a(&boxed.pixels)),
     });
     if args.detect {
         let options = DetectOptions { size: args.size, ..DetectOptions::default() };
