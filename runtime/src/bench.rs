@@ -178,7 +178,12 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
         engine.max_batch = max_batch;
         let models = crate::load_models(&engine)?;
         let (addr, key, server) = start_gateway(&config.serve, &engine, models.clone(), max_batch).await?;
-        setups.push((max_batch, models, (addr, key), server));
+        // issue2 also runs the pipeline natively on the same engine (see bench_native).
+        let native = match config.suite.as_str() {
+            "issue2" => Some(crate::bench_native::start(models.clone(), config.side).await?),
+            _ => None,
+        };
+        setups.push(Setup { max_batch, models, gateway: (addr, key), native, _server: server });
     }
     println!("\n== gateway (HTTP + wasm handler) vs raw engine (host-gpu only), same images, same run ==");
     let rounds = config.rounds.max(1);
@@ -193,12 +198,16 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
         config.side,
         duration.as_secs_f64() / f64::from(rounds)
     );
+    if config.suite == "issue2" {
+        println!("(native: the same SDK pipeline compiled natively behind a bare hyper server, no sandbox, on the same engine)");
+    }
     println!("{:<28} {:>5} {:>10} {:>9} {:>9} {:>7} {:>6}", "configuration", "conc", "req/s", "p50 ms", "p99 ms", "batch", "errors");
     let round = duration / rounds;
     for &c in &config.concurrency {
         let warmup = Duration::from_secs_f64(config.warmup);
         let learn_max = Duration::from_secs_f64(config.learn_max);
-        for (max_batch, models, addr, _) in &setups {
+        for setup in &setups {
+            let (addr, models, max_batch) = (&setup.gateway, &setup.models, setup.max_batch);
             measure_gateway(addr, models, images, c, warmup, config.side).await;
             let (learned, waited) = learn(addr, models, images, c, config.side, learn_max).await;
             if !waited.is_zero() {
@@ -209,25 +218,47 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
                 );
             }
         }
-        let mut tallies: Vec<(Tally, Tally)> = setups.iter().map(|_| Default::default()).collect();
+        let mut tallies: Vec<[Tally; 3]> = setups.iter().map(|_| Default::default()).collect();
         for _ in 0..rounds {
-            for ((_, models, addr, _), (raw, gw)) in setups.iter().zip(tallies.iter_mut()) {
-                raw.add(measure_engine(models, tensors, c, round).await, round);
-                gw.add(measure_gateway(addr, models, images, c, round, config.side).await, round);
+            for (setup, [raw, gw, native]) in setups.iter().zip(tallies.iter_mut()) {
+                raw.add(measure_engine(&setup.models, tensors, c, round).await, round);
+                gw.add(measure_gateway(&setup.gateway, &setup.models, images, c, round, config.side).await, round);
+                if let Some((addr, _)) = &setup.native {
+                    let target = (*addr, String::new());
+                    native.add(measure_gateway(&target, &setup.models, images, c, round, config.side).await, round);
+                }
             }
         }
-        let results: Vec<_> = tallies.into_iter().map(|(raw, gw)| (raw.summarize(), gw.summarize())).collect();
-        for ((max_batch, ..), (raw, gw)) in setups.iter().zip(&results) {
+        let results: Vec<_> = tallies.into_iter().map(|tallies| tallies.map(Tally::summarize)).collect();
+        for (setup, [raw, gw, native]) in setups.iter().zip(&results) {
+            let max_batch = setup.max_batch;
             print_row(&format!("engine  max_batch={max_batch}"), c, raw);
             print_row(&format!("gateway max_batch={max_batch}"), c, gw);
+            if setup.native.is_some() {
+                print_row(&format!("native  max_batch={max_batch}"), c, native);
+            }
             println!("{:<28} {:>5} {:>10.3}", "  ratio gateway/engine", c, gw.throughput / raw.throughput);
+            if setup.native.is_some() {
+                println!("{:<28} {:>5} {:>10.3}", "  ratio native/engine", c, native.throughput / raw.throughput);
+                println!("{:<28} {:>5} {:>10.3}", "  ratio gateway/native", c, gw.throughput / native.throughput);
+            }
         }
-        if let [(off_raw, off_gw), .., (on_raw, on_gw)] = results.as_slice() {
+        if let [[off_raw, off_gw, _], .., [on_raw, on_gw, _]] = results.as_slice() {
             println!("{:<28} {:>5} {:>10.3}", "  ratio batching on/off, gw", c, on_gw.throughput / off_gw.throughput);
             println!("{:<28} {:>5} {:>10.3}", "  ratio batching on/off, eng", c, on_raw.throughput / off_raw.throughput);
         }
     }
     Ok(())
+}
+
+/// One engine configuration of [`gateway_vs_engine`]: its models, its
+/// gateway, perhaps the native server, and the gateway's task (kept alive).
+struct Setup {
+    max_batch: usize,
+    models: Models,
+    gateway: (SocketAddr, String),
+    native: Option<(SocketAddr, tokio::task::JoinHandle<()>)>,
+    _server: tokio::task::JoinHandle<()>,
 }
 
 /// Several rounds of one configuration, added up.

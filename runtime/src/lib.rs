@@ -17,6 +17,7 @@ pub mod bench;
 mod bench_guest;
 mod bench_isolation;
 mod bench_languages;
+mod bench_native;
 mod bench_pipeline;
 pub mod cli;
 pub mod compile;
