@@ -200,6 +200,23 @@ mod tests {
     }
 
     #[test]
+    fn every_small_enlargement_gives_fast_image_resize_s_pixels() {
+        // Widths 6..=20 (the narrowest a vector handles, and the last group
+        // both full and partial), heights 1..=5, enlarged by 1 to 4.5×.
+        for width in 6..=20u32 {
+            for height in 1..=5u32 {
+                let pixels = image(width, height);
+                for factor in [1.0, 1.1, 1.5, 2.0, 3.3, 4.5] {
+                    let to = ((width as f32 * factor).round() as u32, (height as f32 * factor).round() as u32);
+                    let side = to.0.max(to.1).next_multiple_of(32);
+                    let (from, ours) = ((width, height), with_simd(&pixels, (width, height), side, to));
+                    assert!(ours == with_fir(&pixels, from, side, to), "{from:?} → {to:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn the_canvas_outside_the_image_stays_untouched() {
         let (from, side, to) = ((40, 30), 64, (64, 48));
         let mut canvas = vec![7u8; (side * side * 3) as usize];
