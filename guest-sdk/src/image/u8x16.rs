@@ -17,8 +17,9 @@ type Repr = simd::v128;
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 type Repr = [u8; 16];
 
-/// Fixed-point weights are in units of `1 / ONE`: 14 bits keep two weights
-/// times 255 inside an `i16` pair sum (`dot`) with room to spare.
+/// Fixed-point weights are in units of `1 / ONE`: 14 bits, so a weight (at
+/// most `ONE`) fits an `i16` lane and a pair's sum, at most `255·ONE`, an
+/// `i32` one.
 pub(super) const SHIFT: u32 = 14;
 /// One in fixed point: `1 << SHIFT`.
 pub(super) const ONE: i16 = 1 << SHIFT;
