@@ -137,32 +137,47 @@ mod tests {
         assert!(bench.time("no-such-image.jpg", 160, 1).await.is_err());
     }
 
+    /// A 200×300 RGB PNG of gradients and noise, written to `dir`: letterboxed
+    /// to 320 or 640 it is enlarged to a width (213, 427) that leaves the
+    /// enlargement's last group of four pixels partial, both axes scaled.
+    fn portrait_png(dir: &Path) -> &'static str {
+        let mut state = 0x9e37_79b9_u32;
+        let image = image::RgbImage::from_fn(200, 300, |x, y| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            let noise = (state >> 24) as u8;
+            image::Rgb([(x + y) as u8, if (x / 9 + y / 7) % 2 == 0 { noise } else { 40 }, (x * 3) as u8 ^ noise / 4])
+        });
+        image.save(dir.join("portrait.png")).expect("writes the PNG");
+        "portrait.png"
+    }
+
     /// The SDK's letterbox gives the same pixels in wasm (its `simd128`
     /// enlargement there) as natively (fast_image_resize), shrinking and
-    /// enlarging a PNG, which both decode exactly.
+    /// enlarging PNGs, which both decode exactly.
     #[tokio::test]
     async fn wasm_and_native_letterbox_the_same_pixels() {
         use facegate_guest_sdk::image::{ImageLimits, decode_for_letterbox, letterbox};
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let images = root.join("runtime/tests/fixtures/images");
+        let wasm = root.join(BENCH_GUEST);
+        assert!(wasm.exists(), "{} is missing: deploy/scripts/build-guests.sh builds it (deploy/test.sh does)", wasm.display());
+        let images = std::env::temp_dir().join(format!("facegate-letterbox-test-{}", std::process::id()));
+        std::fs::create_dir_all(&images).unwrap();
+        std::fs::copy(root.join("runtime/tests/fixtures/images/astronaut.png"), images.join("astronaut.png")).unwrap();
+        let portrait = portrait_png(&images);
         let limits = EngineLimits { max_instances: 1, memory_limit: 256 << 20, keep_resident: 0 };
-        let bench = GuestBench::new(&root.join(BENCH_GUEST), &images, limits).expect("compiles");
-        let bytes = std::fs::read(images.join("astronaut.png")).unwrap();
-        for side in [320, 640, 1024] {
+        let bench = GuestBench::new(&wasm, &images, limits).expect("compiles");
+        for (file, side) in [("astronaut.png", 320), ("astronaut.png", 640), ("astronaut.png", 1024), (portrait, 320), (portrait, 640)] {
+            let bytes = std::fs::read(images.join(file)).unwrap();
             let decoded = decode_for_letterbox(&bytes, &ImageLimits::default(), side).unwrap().image;
             let boxed = letterbox(&decoded, side).unwrap();
-            let guest = bench.time("astronaut.png", side, 1).await.expect("runs");
-            assert_eq!(guest.decoded_fnv, fnv1a(decoded.as_raw()), "decoded pixels, side {side}");
-            assert_eq!(
-                guest.letterbox_fnv,
-                fnv1a(&boxed.pixels),
-                "letterbox, side {side} ({}×{} → {}×{})",
-                decoded.width(),
-                decoded.height(),
-                boxed.width,
-                boxed.height
-            );
+            let guest = bench.time(file, side, 1).await.expect("runs");
+            let what = format!("{file} at {side} ({}×{} → {}×{})", decoded.width(), decoded.height(), boxed.width, boxed.height);
+            assert_eq!(guest.decoded_fnv, fnv1a(decoded.as_raw()), "decoded pixels, {what}");
+            assert_eq!(guest.letterbox_fnv, fnv1a(&boxed.pixels), "letterbox, {what}");
         }
+        std::fs::remove_dir_all(&images).unwrap();
     }
 
     #[test]

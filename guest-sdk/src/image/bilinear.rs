@@ -42,6 +42,8 @@ pub(super) fn can_enlarge(from: (u32, u32), to: (u32, u32)) -> bool {
 /// `canvas`'s top-left, whose rows are `stride` bytes; the rest of the
 /// canvas is left as it is. The caller checked [`can_enlarge`].
 pub(super) fn enlarge(pixels: &[u8], from: (u32, u32), canvas: &mut [u8], stride: usize, to: (u32, u32)) {
+    debug_assert!(can_enlarge(from, to) && to.0 as usize * 3 <= stride, "{from:?} → {to:?}, stride {stride}");
+    debug_assert!(pixels.len() >= from.0 as usize * from.1 as usize * 3);
     let row_len = from.0 as usize * 3;
     let groups = groups(&taps(from.0 as usize, to.0 as usize), row_len);
     let source = |y: usize| &pixels[y * row_len..(y + 1) * row_len];
@@ -125,7 +127,8 @@ fn enlarge_row(row: &[u8], groups: &[Group], out: &mut [u8]) {
         if 12 * g + 16 <= out.len() {
             pixels.store(out, 12 * g);
         } else {
-            // The last group: only its own bytes, not the canvas's next ones.
+            // Near the row's end: only the row's bytes, not the canvas's
+            // next ones (a spill into the next group's is overwritten).
             let rest = out.len() - 12 * g;
             out[12 * g..].copy_from_slice(&pixels.to_bytes()[..rest]);
         }

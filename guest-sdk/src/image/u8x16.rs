@@ -47,11 +47,12 @@ impl U8x16 {
         Self::from_bytes(bytes)
     }
 
-    /// The weighted sums of byte pairs, rounded: lane `i` of the result
-    /// (of 16 bytes) is `(b[2i]·w[2i] + b[2i+1]·w[2i+1] + ONE/2) >> SHIFT`,
-    /// where `b` are `self`'s bytes and `w` the `i16` weights of `low` for
-    /// pairs 0–3 and `high` for pairs 4–7. Weights are non-negative and each
-    /// pair's sum is at most `ONE`, so every result is a byte.
+    /// The weighted sums of `self`'s eight byte pairs, rounded, as two
+    /// vectors of four `i32` lanes: sum `i` (lane `i % 4` of vector `i / 4`)
+    /// is `(b[2i]·w[2i] + b[2i+1]·w[2i+1] + ONE/2) >> SHIFT`, where `b` are
+    /// `self`'s bytes and `w` the `i16` weights, `low`'s for pairs 0–3 and
+    /// `high`'s for pairs 4–7. Weights are non-negative and each pair's sum
+    /// is at most `ONE`, so every result is a byte's value.
     #[inline(always)]
     pub(super) fn weigh_pairs(self, low: Self, high: Self) -> [Self; 2] {
         [self.widen_low().dot_rounded(low), self.widen_high().dot_rounded(high)]
