@@ -147,7 +147,7 @@ mod tests {
             state ^= state >> 17;
             state ^= state << 5;
             let noise = (state >> 24) as u8;
-            image::Rgb([(x + y) as u8, if (x / 9 + y / 7) % 2 == 0 { noise } else { 40 }, (x * 3) as u8 ^ noise / 4])
+            image::Rgb([(x + y) as u8, if (x / 9 + y / 7) % 2 == 0 { noise } else { 40 }, (x * 3) as u8 ^ (noise / 4)])
         });
         image.save(dir.join("portrait.png")).expect("writes the PNG");
         "portrait.png"
