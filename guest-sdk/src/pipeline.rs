@@ -237,11 +237,25 @@ pub fn detect_image(image: &RgbImage, options: &DetectOptions) -> Result<(Vec<Fa
     timings.infer_ms = elapsed_ms(start);
 
     let start = Instant::now();
-    let outputs = Outputs::new(&outputs, side, side)?;
-    let mut faces = centerface::postprocess(&outputs, options.threshold, options.nms_iou, scale, image.dimensions());
-    faces.truncate(options.max_faces);
+    let faces = faces_from_outputs(&outputs, side, scale, image.dimensions(), options)?;
     timings.postprocess_ms = elapsed_ms(start);
     Ok((faces, timings))
+}
+
+/// CenterFace's outputs for a `side`×`side` letterbox of `scale` (see
+/// [`image::Letterbox`]) as faces in the pixels of the `width × height`
+/// image letterboxed: decoded, NMS, best first, at most `max_faces`.
+pub fn faces_from_outputs(
+    outputs: &[Tensor],
+    side: u32,
+    scale: f32,
+    (width, height): (u32, u32),
+    options: &DetectOptions,
+) -> Result<Vec<Face>, Error> {
+    let outputs = Outputs::new(outputs, side, side)?;
+    let mut faces = centerface::postprocess(&outputs, options.threshold, options.nms_iou, scale, (width, height));
+    faces.truncate(options.max_faces);
+    Ok(faces)
 }
 
 /// Calls the host's `infer` for [`MODEL`] with one `[H, W, 3]` `u8` tensor.

@@ -180,7 +180,7 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
         let (addr, key, server) = start_gateway(&config.serve, &engine, models.clone(), max_batch).await?;
         // issue2 also runs the pipeline natively on the same engine (see bench_native).
         let native = match config.suite.as_str() {
-            "issue2" => Some(crate::bench_native::start(models.clone(), config.side).await?),
+            "issue2" => Some(crate::bench_native::start(models.clone(), config.side).await?.0),
             _ => None,
         };
         setups.push(Setup { max_batch, models, gateway: (addr, key), native, _server: server });
@@ -223,8 +223,8 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
             for (setup, [raw, gw, native]) in setups.iter().zip(tallies.iter_mut()) {
                 raw.add(measure_engine(&setup.models, tensors, c, round).await, round);
                 gw.add(measure_gateway(&setup.gateway, &setup.models, images, c, round, config.side).await, round);
-                if let Some((addr, _)) = &setup.native {
-                    let target = (*addr, String::new());
+                if let Some(addr) = setup.native {
+                    let target = (addr, String::new());
                     native.add(measure_gateway(&target, &setup.models, images, c, round, config.side).await, round);
                 }
             }
@@ -252,12 +252,12 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
 }
 
 /// One engine configuration of [`gateway_vs_engine`]: its models, its
-/// gateway, perhaps the native server, and the gateway's task (kept alive).
+/// gateway, perhaps the native server's address, and the gateway's task.
 struct Setup {
     max_batch: usize,
     models: Models,
     gateway: (SocketAddr, String),
-    native: Option<(SocketAddr, tokio::task::JoinHandle<()>)>,
+    native: Option<SocketAddr>,
     _server: tokio::task::JoinHandle<()>,
 }
 

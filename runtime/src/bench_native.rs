@@ -20,10 +20,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use facegate_guest_sdk::centerface::{self, DEFAULT_NMS_IOU, DEFAULT_THRESHOLD, Outputs};
 use facegate_guest_sdk::face_detect as sdk;
 use facegate_guest_sdk::image::{ImageLimits, decode_for_letterbox, letterbox};
-use facegate_guest_sdk::{DetectOptions, FaceReport, Timings};
+use facegate_guest_sdk::{DetectOptions, FaceReport, Timings, faces_from_outputs};
 use facegate_host_gpu::{ElementType, InferRequest, Models, Tensor};
 use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
@@ -86,9 +85,9 @@ async fn detect(models: &Models, bytes: &[u8], side: u32) -> Result<String, (Sta
     let infer_ms = ms_since(start);
     let start = Instant::now();
     let outputs: Vec<sdk::Tensor> = outputs.into_iter().map(to_sdk_tensor).collect();
-    let decoded = Outputs::new(&outputs, side, side).map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    let mut faces = centerface::postprocess(&decoded, DEFAULT_THRESHOLD, DEFAULT_NMS_IOU, scale, scaled.image.dimensions());
-    faces.truncate(DetectOptions::default().max_faces);
+    let options = DetectOptions { size: side, ..DetectOptions::default() };
+    let mut faces = faces_from_outputs(&outputs, side, scale, scaled.image.dimensions(), &options)
+        .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     if scaled.is_reduced() {
         let (fx, fy) = scaled.factors();
         faces = faces.iter().map(|face| face.scaled(fx, fy)).collect();
