@@ -177,13 +177,18 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
         let mut engine = config.serve.engine.clone();
         engine.max_batch = max_batch;
         let models = crate::load_models(&engine)?;
-        let (addr, key, server) = start_gateway(&config.serve, &engine, models.clone(), max_batch).await?;
-        // issue2 also runs the pipeline natively on the same engine (see bench_native).
-        let native = match config.suite.as_str() {
-            "issue2" => Some(crate::bench_native::start(models.clone(), config.side).await?.0),
-            _ => None,
+        let (addr, key, server) = start_gateway(&config.serve, &engine, models.clone(), max_batch, 1).await?;
+        // issue2 also runs a gateway whose tenant reuses instances, and the
+        // pipeline natively, on the same engine (see bench_native).
+        let (warm, native) = match config.suite.as_str() {
+            "issue2" => {
+                let label = WARM_LABEL + max_batch;
+                let (addr, key, task) = start_gateway(&config.serve, &engine, models.clone(), label, BENCH_INSTANCE_REUSE).await?;
+                (Some(((addr, key), task)), Some(crate::bench_native::start(models.clone(), config.side).await?.0))
+            }
+            _ => (None, None),
         };
-        setups.push(Setup { max_batch, models, gateway: (addr, key), native, _server: server });
+        setups.push(Setup { max_batch, models, gateway: (addr, key), warm, native, _server: server });
     }
     println!("\n== gateway (HTTP + wasm handler) vs raw engine (host-gpu only), same images, same run ==");
     let rounds = config.rounds.max(1);
@@ -199,6 +204,7 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
         duration.as_secs_f64() / f64::from(rounds)
     );
     if config.suite == "issue2" {
+        println!("(gateway: a fresh instance per request, the default; warm: the tenant's instance_reuse = {BENCH_INSTANCE_REUSE})");
         println!("(native: the same SDK pipeline compiled natively behind a bare hyper server, no sandbox, on the same engine)");
     }
     println!("{:<28} {:>5} {:>10} {:>9} {:>9} {:>7} {:>6}", "configuration", "conc", "req/s", "p50 ms", "p99 ms", "batch", "errors");
@@ -218,11 +224,14 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
                 );
             }
         }
-        let mut tallies: Vec<[Tally; 3]> = setups.iter().map(|_| Default::default()).collect();
+        let mut tallies: Vec<[Tally; 4]> = setups.iter().map(|_| Default::default()).collect();
         for _ in 0..rounds {
-            for (setup, [raw, gw, native]) in setups.iter().zip(tallies.iter_mut()) {
+            for (setup, [raw, gw, warm, native]) in setups.iter().zip(tallies.iter_mut()) {
                 raw.add(measure_engine(&setup.models, tensors, c, round).await, round);
                 gw.add(measure_gateway(&setup.gateway, &setup.models, images, c, round, config.side).await, round);
+                if let Some((target, _)) = &setup.warm {
+                    warm.add(measure_gateway(target, &setup.models, images, c, round, config.side).await, round);
+                }
                 if let Some(addr) = setup.native {
                     let target = (addr, String::new());
                     native.add(measure_gateway(&target, &setup.models, images, c, round, config.side).await, round);
@@ -230,20 +239,32 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
             }
         }
         let results: Vec<_> = tallies.into_iter().map(|tallies| tallies.map(Tally::summarize)).collect();
-        for (setup, [raw, gw, native]) in setups.iter().zip(&results) {
+        for (setup, [raw, gw, warm, native]) in setups.iter().zip(&results) {
             let max_batch = setup.max_batch;
             print_row(&format!("engine  max_batch={max_batch}"), c, raw);
             print_row(&format!("gateway max_batch={max_batch}"), c, gw);
+            if setup.warm.is_some() {
+                print_row(&format!("warm gw max_batch={max_batch}"), c, warm);
+            }
             if setup.native.is_some() {
                 print_row(&format!("native  max_batch={max_batch}"), c, native);
             }
-            println!("{:<28} {:>5} {:>10.3}", "  ratio gateway/engine", c, gw.throughput / raw.throughput);
+            let ratio =
+                |label: &str, a: &Measurement, b: &Measurement| println!("{label:<28} {c:>5} {:>10.3}", a.throughput / b.throughput);
+            ratio("  ratio gateway/engine", gw, raw);
+            if setup.warm.is_some() {
+                ratio("  ratio warm gw/engine", warm, raw);
+                ratio("  ratio warm/fresh gateway", warm, gw);
+            }
             if setup.native.is_some() {
-                println!("{:<28} {:>5} {:>10.3}", "  ratio native/engine", c, native.throughput / raw.throughput);
-                println!("{:<28} {:>5} {:>10.3}", "  ratio gateway/native", c, gw.throughput / native.throughput);
+                ratio("  ratio native/engine", native, raw);
+                ratio("  ratio gateway/native", gw, native);
+            }
+            if setup.warm.is_some() && setup.native.is_some() {
+                ratio("  ratio warm gw/native", warm, native);
             }
         }
-        if let [[off_raw, off_gw, _], .., [on_raw, on_gw, _]] = results.as_slice() {
+        if let [[off_raw, off_gw, ..], .., [on_raw, on_gw, ..]] = results.as_slice() {
             println!("{:<28} {:>5} {:>10.3}", "  ratio batching on/off, gw", c, on_gw.throughput / off_gw.throughput);
             println!("{:<28} {:>5} {:>10.3}", "  ratio batching on/off, eng", c, on_raw.throughput / off_raw.throughput);
         }
@@ -251,12 +272,19 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
     Ok(())
 }
 
+/// `instance_reuse` of the demo tenant on the bench's warm gateway.
+const BENCH_INSTANCE_REUSE: u32 = 1000;
+/// Added to the max batch to label the warm gateway's throw-away store.
+const WARM_LABEL: usize = 1000;
+
 /// One engine configuration of [`gateway_vs_engine`]: its models, its
-/// gateway, perhaps the native server's address, and the gateway's task.
+/// gateway, perhaps a warm gateway (with its task) and the native server's
+/// address, and the gateway's task.
 struct Setup {
     max_batch: usize,
     models: Models,
     gateway: (SocketAddr, String),
+    warm: Option<((SocketAddr, String), tokio::task::JoinHandle<()>)>,
     native: Option<SocketAddr>,
     _server: tokio::task::JoinHandle<()>,
 }
@@ -304,14 +332,16 @@ pub(crate) fn print_failed_clients(failed: usize) {
 }
 
 /// An in-process gateway on a throw-away store seeded from `--seed-dir`,
-/// with tenant limits out of the way; returns its address and demo's key.
+/// with tenant limits out of the way and tenants' `instance_reuse` as
+/// given; returns its address and demo's key.
 async fn start_gateway(
     serve: &BenchServe,
     engine: &EngineConfig,
     models: Models,
     label: usize,
+    instance_reuse: u32,
 ) -> anyhow::Result<(SocketAddr, String, tokio::task::JoinHandle<()>)> {
-    let (addr, mut keys, task) = start_seeded(&serve.seed_dir, engine, models, label, |_| ()).await?;
+    let (addr, mut keys, task) = start_seeded(&serve.seed_dir, engine, models, label, |c| c.instance_reuse = instance_reuse).await?;
     let key = keys.remove("demo").context("the seed has no tenant demo")?;
     Ok((addr, key, task))
 }

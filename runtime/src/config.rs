@@ -24,6 +24,8 @@ pub const DEFAULT_MEMORY_KEEP_RESIDENT_KIB: usize = 8192;
 pub const DEFAULT_MEMORY_LIMIT_MIB: usize = 256;
 /// Default most handler instances alive at once (requests in flight).
 pub const DEFAULT_MAX_INSTANCES: u32 = 128;
+/// Default most idle instances kept for reuse, all tenants together.
+pub const DEFAULT_WARM_INSTANCES: u32 = 64;
 /// Default most `face-detect.infer` calls per request.
 pub const DEFAULT_MAX_INFER_CALLS: u32 = 16;
 /// Default largest uploaded component (64 MiB).
@@ -134,6 +136,23 @@ pub struct ServeConfig {
     /// Most handler instances alive at once, all tenants; further requests get 503.
     #[arg(long, env = "FACEGATE_MAX_INSTANCES", default_value_t = DEFAULT_MAX_INSTANCES)]
     pub max_instances: u32,
+
+    /// Default requests one handler instance may serve, one after another
+    /// (1: a fresh instance for every request, nothing of one request is
+    /// left for the next). Above 1, an instance whose request ended cleanly
+    /// is kept for the next request to the same handler version: no
+    /// instantiation or memory reset, but the handler's globals persist
+    /// between its requests. Set it per tenant (`instance_reuse`) for
+    /// handlers written for that.
+    #[arg(long, env = "FACEGATE_INSTANCE_REUSE", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::control::limits::MAX_INSTANCE_REUSE)))]
+    pub instance_reuse: u32,
+
+    /// Most idle instances kept warm for reuse, all tenants together (see
+    /// `--instance-reuse`). They hold instance slots of their own, beside
+    /// `--max-instances`, so they never keep a request from running; each
+    /// holds its memory (at most 64 MiB: larger ones are not kept).
+    #[arg(long, env = "FACEGATE_WARM_INSTANCES", default_value_t = DEFAULT_WARM_INSTANCES)]
+    pub warm_instances: u32,
 
     /// Default most `face-detect.infer` calls one request may make.
     #[arg(long, env = "FACEGATE_MAX_INFER_CALLS", default_value_t = DEFAULT_MAX_INFER_CALLS)]
@@ -348,6 +367,7 @@ impl ServeConfig {
             max_infer_calls: self.max_infer_calls,
             weight: 1,
             outgoing_http: false,
+            instance_reuse: self.instance_reuse,
         }
     }
 

@@ -1,6 +1,7 @@
 //! A deployed handler version, ready to instantiate: compiled once (at
 //! upload, or loaded from its precompiled artifact) and pre-instantiated
-//! once; each request instantiates from the pre-instance in its own store.
+//! once; each request instantiates from the pre-instance in its own store,
+//! or takes a warm instance of the same version (see [`crate::warm`]).
 
 use std::sync::Arc;
 
@@ -9,6 +10,7 @@ use wasmtime::component::{Component, Linker};
 use wasmtime_wasi_http::p2::bindings::ProxyPre;
 
 use crate::state::RequestState;
+use crate::warm::WarmInstances;
 
 /// One active handler version.
 pub struct Handler {
@@ -22,6 +24,9 @@ pub struct Handler {
     pub outgoing_http: bool,
     /// The pre-instantiated component.
     pub pre: ProxyPre<RequestState>,
+    /// Instances of this version kept between requests (tenants with
+    /// `instance_reuse` above 1).
+    pub warm: WarmInstances,
 }
 
 impl Handler {
@@ -38,7 +43,7 @@ impl Handler {
         let pre =
             linker.instantiate_pre(component).map_err(|e| format!("the component's imports do not match what facegate provides: {e:#}"))?;
         let pre = ProxyPre::new(pre).map_err(|e| format!("the component's wasi:http/incoming-handler export does not match: {e:#}"))?;
-        Ok(Self { tenant: tenant.into(), name: name.to_owned(), version, outgoing_http, pre })
+        Ok(Self { tenant: tenant.into(), name: name.to_owned(), version, outgoing_http, pre, warm: WarmInstances::default() })
     }
 }
 

@@ -35,6 +35,7 @@ pub mod state;
 pub mod stdio;
 #[cfg(target_os = "linux")]
 pub mod throwaway_pg;
+pub mod warm;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -124,12 +125,13 @@ impl Gateway {
         }
         let memory_limit = config.memory_limit_mib << 20;
         let engine = engine::build(EngineLimits {
-            max_instances: config.max_instances,
+            // Warm instances hold slots of their own (see warm.rs).
+            max_instances: config.max_instances.saturating_add(config.warm_instances),
             memory_limit,
             keep_resident: config.memory_keep_resident_kib << 10,
         })?;
         let ticker = EpochTicker::start(&engine);
-        let sandbox = Arc::new(Sandbox::new(engine, models.clone())?);
+        let sandbox = Arc::new(Sandbox::new(engine, models.clone(), config.warm_instances as usize)?);
         // Per-tenant counters the control plane clears when a tenant is deleted.
         let http_metrics = Arc::new(metrics::HttpMetrics::default());
         let counters: Vec<Arc<dyn metrics::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone()];

@@ -40,6 +40,12 @@ impl InstanceLimiter {
         Self { limit, used: 0 }
     }
 
+    /// Sets the budget for the next request of a warm instance (the tenant's
+    /// limit may have changed); what is charged stays.
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+    }
+
     /// Bytes charged so far.
     pub fn used(&self) -> usize {
         self.used

@@ -259,13 +259,30 @@ impl TenantCounters for LimitHits {
     }
 }
 
+/// Handler instances now and since start, for `/metrics`.
+#[derive(Debug, Clone, Copy)]
+pub struct InstanceCounts {
+    /// Instances running a request now.
+    pub in_use: usize,
+    /// Idle instances kept for reuse now.
+    pub warm: usize,
+    /// Requests served by a reused (warm) instance since start.
+    pub reused: u64,
+}
+
 /// Renders everything in Prometheus text format.
-pub fn render(http: &HttpMetrics, hits: &LimitHits, models: &Models, instances_in_use: usize) -> String {
+pub fn render(http: &HttpMetrics, hits: &LimitHits, models: &Models, instances: InstanceCounts) -> String {
     let mut out = String::new();
     http.render(&mut out);
     hits.render(&mut out);
-    out.push_str("# HELP facegate_instances_in_use Handler instances alive now.\n# TYPE facegate_instances_in_use gauge\n");
-    let _ = writeln!(out, "facegate_instances_in_use {instances_in_use}");
+    out.push_str("# HELP facegate_instances_in_use Handler instances running a request now.\n# TYPE facegate_instances_in_use gauge\n");
+    let _ = writeln!(out, "facegate_instances_in_use {}", instances.in_use);
+    out.push_str("# HELP facegate_instances_warm Idle handler instances kept for reuse now.\n# TYPE facegate_instances_warm gauge\n");
+    let _ = writeln!(out, "facegate_instances_warm {}", instances.warm);
+    out.push_str(
+        "# HELP facegate_instances_reused_total Requests served by a warm (reused) instance.\n# TYPE facegate_instances_reused_total counter\n",
+    );
+    let _ = writeln!(out, "facegate_instances_reused_total {}", instances.reused);
     let snapshots: Vec<(String, MetricsSnapshot)> = models.iter().map(|b| (b.spec().name.clone(), b.metrics())).collect();
     // One family at a time, every model inside it: a family must not be split.
     family(&mut out, "facegate_batch_size", "histogram", "Samples per device batch.", &snapshots, batch_sizes);

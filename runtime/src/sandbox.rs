@@ -1,8 +1,10 @@
-//! Runs one HTTP request through one handler in a fresh store: memory
+//! Runs one HTTP request through one handler in a fresh store (or a warm
+//! instance of the same handler version, see [`crate::warm`]): memory
 //! limit, epoch deadline with async yield, and a call budget for
 //! face-detect. A trap or a timeout ends that request only.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -10,6 +12,7 @@ use http_body_util::Full;
 use wasmtime::component::Linker;
 use wasmtime::component::ResourceTableError;
 use wasmtime::{Engine, Store, Trap, UpdateDeadline};
+use wasmtime_wasi_http::p2::bindings::Proxy;
 use wasmtime_wasi_http::p2::bindings::http::types::{ErrorCode, Scheme};
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
@@ -20,6 +23,7 @@ use crate::limiter::{InstanceLimiter, MemoryLimitExceeded};
 use crate::metrics::{Limit, LimitHits};
 use crate::state::{self, RequestState};
 use crate::stdio::escape_for_log;
+use crate::warm::{WARM_MAX_MEMORY, Warm, WarmBudget};
 use facegate_host_gpu::Models;
 
 /// Per-request limits of the sandbox.
@@ -31,6 +35,12 @@ pub struct SandboxLimits {
     pub max_infer_calls: u32,
     /// Most host resources (resource-table entries) the request may hold at once.
     pub max_host_resources: usize,
+    /// Requests one instance may serve (the tenant's `instance_reuse`; 1:
+    /// a fresh instance for every request).
+    pub instance_reuse: u32,
+    /// Most idle instances the handler keeps (the tenant's concurrency
+    /// limit: more could never be busy at once).
+    pub max_idle: usize,
 }
 
 /// Why a request produced no response from its handler.
@@ -66,6 +76,8 @@ pub struct Sandbox {
     linker: Linker<RequestState>,
     models: Models,
     hits: Arc<LimitHits>,
+    warm: Arc<WarmBudget>,
+    reused: AtomicU64,
 }
 
 /// Deadline marker error, so a timeout is told apart from other traps.
@@ -76,8 +88,9 @@ struct DeadlineReached;
 impl Sandbox {
     /// Builds the linker: WASI (granting nothing by configuration),
     /// wasi:http (outgoing requests denied per request unless the tenant is
-    /// granted outgoing HTTP, see [`state::GatewayHooks`]) and face-detect.
-    pub fn new(engine: Engine, models: Models) -> wasmtime::Result<Self> {
+    /// granted outgoing HTTP, see [`state::GatewayHooks`]) and face-detect;
+    /// keeps at most `warm_instances` idle instances for reuse.
+    pub fn new(engine: Engine, models: Models, warm_instances: usize) -> wasmtime::Result<Self> {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         let options = wasmtime_wasi_http::p2::bindings::LinkOptions::default();
@@ -91,12 +104,22 @@ impl Sandbox {
             &mut linker,
             RequestState::http,
         )?;
-        Ok(Self { engine, linker, models, hits: Arc::default() })
+        Ok(Self { engine, linker, models, hits: Arc::default(), warm: WarmBudget::new(warm_instances), reused: AtomicU64::new(0) })
     }
 
     /// The per-tenant counters of limit hits.
     pub fn hits(&self) -> &Arc<LimitHits> {
         &self.hits
+    }
+
+    /// Idle instances kept for reuse now, all handlers.
+    pub fn warm_instances(&self) -> usize {
+        self.warm.idle()
+    }
+
+    /// Requests served by a warm instance since start.
+    pub fn reused_instances(&self) -> u64 {
+        self.reused.load(Ordering::Relaxed)
     }
 
     /// The engine.
@@ -121,7 +144,7 @@ impl Sandbox {
         request_id: Arc<str>,
         permits: impl Send + 'static,
     ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
-        let mut store = self.new_store(handler, deadline, limits);
+        let (mut store, warm_proxy, served) = self.store_for(handler, deadline, limits);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (req, out) = {
             let mut http = store.data_mut().http();
@@ -130,19 +153,32 @@ impl Sandbox {
             (req, out)
         };
         let pre = handler.pre.clone();
-        let (handler_ref, hits) = (Arc::clone(handler), Arc::clone(&self.hits));
+        let (handler_ref, hits, budget) = (Arc::clone(handler), Arc::clone(&self.hits), Arc::clone(&self.warm));
         // The guest runs in its own task so it can keep streaming the body
         // after the response head is sent; it is bounded by the same deadline.
         let task = tokio::spawn(async move {
-            // The instance slot is held until the guest and its store are gone.
+            // The instance slot is held until the guest and its store are gone
+            // (declared first, dropped last) or the store is kept warm.
             let _permits = permits;
+            let mut store = store;
             let run = async {
-                let proxy = pre.instantiate_async(&mut store).await?;
-                proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await
+                let proxy = match warm_proxy {
+                    Some(proxy) => proxy,
+                    None => pre.instantiate_async(&mut store).await?,
+                };
+                proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await?;
+                Ok(proxy)
             };
             let result = tokio::time::timeout_at(deadline.into(), run).await;
             log_output(&handler_ref, &request_id, &store, &hits);
-            result
+            match result {
+                Ok(Ok(proxy)) => {
+                    keep_warm(&handler_ref, &budget, store, proxy, served + 1, limits);
+                    Ok(Ok(()))
+                }
+                Ok(Err(err)) => Ok(Err(err)),
+                Err(elapsed) => Err(elapsed),
+            }
         });
         // If the client goes away before the response head, this future is
         // dropped: the guard stops the guest, whose queued inference calls
@@ -159,6 +195,40 @@ impl Sandbox {
             Ok(Err(_)) => Err(task_outcome(task.join().await, timeout)),
             Err(_) => Err(SandboxError::Timeout(timeout)),
         }
+    }
+
+    /// A warm instance of `handler` made ready for this request, or a fresh
+    /// store (the instance is then made in the guest's task); with how many
+    /// requests the instance served before.
+    fn store_for(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> (Store<RequestState>, Option<Proxy>, u32) {
+        if limits.instance_reuse <= 1 {
+            // The tenant turned reuse off: nothing of earlier requests stays.
+            handler.warm.clear();
+            return (self.new_store(handler, deadline, limits), None, 0);
+        }
+        match handler.warm.take() {
+            // A lowered memory limit the instance is already past: start afresh.
+            Some(Warm { mut store, proxy, served, .. }) if store.data().limiter.used() <= limits.memory_limit => {
+                self.renew(&mut store, handler, deadline, limits);
+                self.reused.fetch_add(1, Ordering::Relaxed);
+                (store, Some(proxy), served)
+            }
+            _ => (self.new_store(handler, deadline, limits), None, 0),
+        }
+    }
+
+    /// Gives a warm instance's store this request's deadline, infer-call
+    /// budget, memory limit, host-resource cap and an empty output capture.
+    fn renew(&self, store: &mut Store<RequestState>, handler: &Handler, deadline: Instant, limits: SandboxLimits) {
+        let face = FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), deadline, limits.max_infer_calls);
+        let state = store.data_mut();
+        state.face_detect = face;
+        state.deadline = deadline;
+        state.limiter.set_limit(limits.memory_limit);
+        state.table.set_max_capacity(limits.max_host_resources);
+        state.hooks.outgoing_http = handler.outgoing_http;
+        state.stdio.clear();
+        store.set_epoch_deadline(1);
     }
 
     fn new_store(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> Store<RequestState> {
@@ -178,6 +248,24 @@ impl Sandbox {
             Ok(UpdateDeadline::Yield(1))
         });
         store
+    }
+}
+
+/// Keeps an instance whose request returned cleanly for the next request to
+/// its handler version, if the tenant allows another request on it, it
+/// holds no host resources but its standard streams and its memory is
+/// small enough (see [`crate::warm`]); otherwise drops it.
+fn keep_warm(
+    handler: &Handler,
+    budget: &Arc<WarmBudget>,
+    mut store: Store<RequestState>,
+    proxy: Proxy,
+    served: u32,
+    limits: SandboxLimits,
+) {
+    let state = store.data_mut();
+    if served < limits.instance_reuse && state.holds_only_stdio() && state.limiter.used() <= WARM_MAX_MEMORY {
+        handler.warm.put(budget, store, proxy, served, limits.max_idle);
     }
 }
 

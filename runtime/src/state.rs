@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use wasmtime::component::ResourceTable;
+use wasmtime_wasi::p2::{DynInputStream, DynOutputStream};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
@@ -23,6 +24,9 @@ pub const FIELD_SIZE_LIMIT: usize = 64 * 1024;
 /// [`FIELD_SIZE_LIMIT`], no resource holds more than 128 KiB of host memory.
 pub const BODY_CHUNK_BYTES: usize = 64 * 1024;
 const BODY_BUFFER_CHUNKS: usize = 1;
+/// Standard streams a guest's libc may keep open between requests (stdin,
+/// stdout, stderr: wasi-libc asks for each once and keeps it).
+const STDIO_STREAMS: usize = 3;
 /// Largest `wasi:random` request; larger ones trap. One call stays a short
 /// stretch of host CPU, and the guest yields at the next epoch tick.
 pub const RANDOM_MAX_BYTES: u64 = 1 << 20;
@@ -122,6 +126,24 @@ impl RequestState {
         let mut http = WasiHttpCtx::new();
         http.set_field_size_limit(FIELD_SIZE_LIMIT);
         Self { table, wasi, http, hooks: GatewayHooks { outgoing_http }, face_detect, limiter, deadline, stdio }
+    }
+}
+
+impl RequestState {
+    /// Whether the resource table holds nothing but standard streams (at most
+    /// [`STDIO_STREAMS`]), so the instance may serve another request: any
+    /// other entry (headers, a body, a pollable, ...) is a resource of the
+    /// request just served. A body's stream cannot outlive its body, which
+    /// is not a stream.
+    pub fn holds_only_stdio(&mut self) -> bool {
+        let mut streams = 0;
+        for entry in self.table.iter_mut() {
+            if !(entry.is::<DynInputStream>() || entry.is::<DynOutputStream>()) {
+                return false;
+            }
+            streams += 1;
+        }
+        streams <= STDIO_STREAMS
     }
 }
 

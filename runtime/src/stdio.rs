@@ -44,6 +44,13 @@ impl CappedCapture {
         bytes.len()
     }
 
+    /// Empties the buffer and the dropped count, for the next request of a
+    /// warm instance.
+    pub fn clear(&self) {
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        *inner = Captured::default();
+    }
+
     /// What was kept, and how many bytes were dropped past the cap.
     pub fn contents(&self) -> (Bytes, u64) {
         let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);

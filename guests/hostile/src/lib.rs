@@ -25,6 +25,8 @@
 //! | `stderr`      | writes 64 MiB of forged log lines to stderr, then answers  | 200 (output dropped)        |
 //! | `sleep`       | blocks on a clock past any deadline                        | request deadline (timeout)  |
 //! | `big-tensor`  | `n` (default 1) `infer` calls with a `side`² zero image    | 200, JSON of each outcome   |
+//! | `count`       | counts its requests in a global                            | 200, `{"served": n}`: 1 in a fresh instance |
+//! | `leak`        | counts, and leaves a header `fields` in the host's table   | 200, `{"served": n}`; the instance is not reused |
 //!
 //! `bad-tensor` takes `case=NAME` to run one case only (each case uses one
 //! of the request's `infer` calls, so a low per-request quota would answer
@@ -40,7 +42,7 @@ use facegate_guest_sdk::{Error, Handler, Request, Response, export_handler};
 
 /// The attacks, as `attack` accepts them (for the 400 message).
 const ATTACKS: &str = "loop, memory, recursion, panic, snoop, bad-tensor, many-calls, \
-                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets";
+                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
 /// `infer` calls made by `many-calls`.
@@ -73,6 +75,8 @@ impl Handler for Hostile {
             "stderr" => Ok(Response::json(200, &json!({ "written": flood_stderr() }))),
             "sleep" => sleep(),
             "big-tensor" => big_tensors(query.get("side")?, query.get("n")?),
+            "count" => Ok(Response::json(200, &json!({ "served": count() }))),
+            "leak" => Ok(Response::json(200, &json!({ "served": leak() }))),
             other => Err(HttpError::invalid_parameter("attack", &format!("must be one of {ATTACKS}, got {other:?}")).into()),
         }
     }
@@ -238,6 +242,22 @@ fn describe(error: &face_detect::Error) -> String {
         E::QuotaExceeded(m) => format!("quota-exceeded: {m}"),
         E::Backend(m) => format!("backend: {m}"),
     }
+}
+
+/// Requests this instance has served, this one included: state that a warm
+/// (reused) instance keeps and a fresh one starts again.
+fn count() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SERVED: AtomicU64 = AtomicU64::new(0);
+    SERVED.fetch_add(1, Ordering::Relaxed) + 1
+}
+
+/// [`count`], leaving a header `fields` behind in the host's resource table
+/// (forgotten, never dropped): an instance holding host resources after its
+/// request must not be reused.
+fn leak() -> u64 {
+    std::mem::forget(facegate_guest_sdk::wasi::http::types::Fields::new());
+    count()
 }
 
 /// Keeps creating header `fields` with `per` 4 KiB headers each (8, 32 KiB,

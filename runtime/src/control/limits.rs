@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 
 /// Slowest sustained rate a tenant may be given (one request in 1000 s).
 pub const MIN_RPS: f64 = 0.001;
+/// Most requests one instance may serve: past it a fresh one starts, so a
+/// handler's slow leaks (memory, state) are bounded in time too.
+pub const MAX_INSTANCE_REUSE: u32 = 100_000;
 
 /// A tenant's effective limits.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -31,6 +34,11 @@ pub struct TenantLimits {
     pub weight: u32,
     /// Whether handlers may import `wasi:http/outgoing-handler` and send requests.
     pub outgoing_http: bool,
+    /// Requests one handler instance may serve, one after another; 1 means a
+    /// fresh instance for every request. Above 1 an instance that ended its
+    /// request cleanly is kept warm for the same handler version, so its
+    /// globals outlive a request (see `crate::warm`).
+    pub instance_reuse: u32,
 }
 
 /// What a tenant overrides; absent fields follow the server's defaults.
@@ -74,6 +82,10 @@ pub struct LimitOverrides {
     #[arg(long)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outgoing_http: Option<bool>,
+    /// Requests one handler instance may serve (1: a fresh instance each).
+    #[arg(long)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_reuse: Option<u32>,
 }
 
 impl LimitOverrides {
@@ -82,7 +94,7 @@ impl LimitOverrides {
         macro_rules! take {
             ($($f:ident),*) => { $( if other.$f.is_some() { self.$f = other.$f; } )* };
         }
-        take!(memory_mib, timeout_ms, max_concurrency, rps, burst, max_body_bytes, max_infer_calls, weight, outgoing_http);
+        take!(memory_mib, timeout_ms, max_concurrency, rps, burst, max_body_bytes, max_infer_calls, weight, outgoing_http, instance_reuse);
     }
 }
 
@@ -99,6 +111,7 @@ impl TenantLimits {
             max_infer_calls: o.max_infer_calls.unwrap_or(self.max_infer_calls),
             weight: o.weight.unwrap_or(self.weight),
             outgoing_http: o.outgoing_http.unwrap_or(self.outgoing_http),
+            instance_reuse: o.instance_reuse.unwrap_or(self.instance_reuse),
         }
     }
 
@@ -118,6 +131,7 @@ impl TenantLimits {
             ),
             (l.max_infer_calls <= 1024, "max_infer_calls must be at most 1024".to_owned()),
             (l.weight >= 1 && l.weight <= 1000, "weight must be 1..=1000".to_owned()),
+            (l.instance_reuse >= 1 && l.instance_reuse <= MAX_INSTANCE_REUSE, format!("instance_reuse must be 1..={MAX_INSTANCE_REUSE}")),
         ];
         checks.into_iter().find(|(ok, _)| !ok).map_or(Ok(()), |(_, message)| Err(message))
     }
@@ -237,6 +251,7 @@ mod tests {
             max_infer_calls: 16,
             weight: 1,
             outgoing_http: false,
+            instance_reuse: 1,
         }
     }
 
@@ -250,6 +265,12 @@ mod tests {
         assert!(defaults().validate(&too_big).unwrap_err().contains("memory_mib"));
         let zero = LimitOverrides { weight: Some(0), ..Default::default() };
         assert!(defaults().validate(&zero).unwrap_err().contains("weight"));
+        for reuse in [0, MAX_INSTANCE_REUSE + 1] {
+            let o = LimitOverrides { instance_reuse: Some(reuse), ..Default::default() };
+            assert!(defaults().validate(&o).unwrap_err().contains("instance_reuse"), "{reuse}");
+        }
+        let warm = LimitOverrides { instance_reuse: Some(1000), ..Default::default() };
+        assert_eq!(defaults().with(&warm).instance_reuse, 1000);
         for rps in [1e-30, -1.0, f64::NAN, f64::INFINITY] {
             let o = LimitOverrides { rps: Some(rps), ..Default::default() };
             assert!(defaults().validate(&o).unwrap_err().contains("rps"), "{rps}");

@@ -180,7 +180,12 @@ impl App {
     }
 
     fn prometheus(&self) -> Response<Body> {
-        let text = metrics::render(&self.metrics, self.hits(), &self.models, self.instances.in_use());
+        let instances = metrics::InstanceCounts {
+            in_use: self.instances.in_use(),
+            warm: self.sandbox.warm_instances(),
+            reused: self.sandbox.reused_instances(),
+        };
+        let text = metrics::render(&self.metrics, self.hits(), &self.models, instances);
         response::text("text/plain; version=0.0.4", text)
     }
 
@@ -288,6 +293,8 @@ impl App {
             memory_limit: limits.memory_mib << 20,
             max_infer_calls: limits.max_infer_calls,
             max_host_resources: self.config.max_host_resources,
+            instance_reuse: limits.instance_reuse,
+            max_idle: limits.max_concurrency as usize,
         };
         match self.sandbox.handle(handler, req, deadline, sandbox_limits, Arc::clone(id), (instance, tenant_slot)).await {
             Ok(mut response) => {

@@ -17,3 +17,4 @@ mod restart;
 mod scripts;
 mod stores;
 mod tls;
+mod warm;
