@@ -117,7 +117,15 @@ export function queryOf(request) {
 export function serve(request, responseOut, answer) {
   let reply;
   try {
-    reply = answer(readRequest(request));
+    let read;
+    try {
+      read = readRequest(request);
+    } finally {
+      // Dropped as soon as it is read, not whenever the GC gets to it: an
+      // instance that still holds its request is never reused (warm instances).
+      request[dispose]();
+    }
+    reply = answer(read);
   } catch (error) {
     reply = replyFor(error);
   }

@@ -28,7 +28,12 @@ struct Figures {
     deploy: f64,
     first: f64,
     warm_p50: f64,
+    /// p50 with the tenant's `instance_reuse` at [`REUSE`] (warm instances).
+    reused_p50: f64,
 }
+
+/// `instance_reuse` of the demo tenant for the reused p50.
+const REUSE: u32 = 1000;
 
 /// Runs the suite and prints its table.
 pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> {
@@ -42,8 +47,8 @@ pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> 
     let client: HttpClient = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     println!("\n== languages: detect in Rust, Python and JavaScript, {iterations} requests one at a time after each deploy ==");
     println!(
-        "{:<12} {:>10} {:>10} {:>12} {:>10} {:>12} {:>10}",
-        "handler", "KiB", "deploy ms", "1st req ms", "p50 ms", "p50 / Rust", "+ms/req"
+        "{:<12} {:>10} {:>10} {:>12} {:>10} {:>12} {:>10} {:>12} {:>10}",
+        "handler", "KiB", "deploy ms", "1st req ms", "p50 ms", "p50 / Rust", "+ms/req", "reused p50", "reused/p50"
     );
     let mut rust_p50 = None;
     for handler in ["detect", "detect-py", "detect-js"] {
@@ -56,14 +61,17 @@ pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> 
         let figures = measure(&client, addr, &key, handler, component.into(), &image, iterations).await?;
         let base = *rust_p50.get_or_insert(figures.warm_p50);
         println!(
-            "{handler:<12} {kib:>10} {:>10.0} {:>12.1} {:>10.1} {:>12.2} {:>10.1}",
+            "{handler:<12} {kib:>10} {:>10.0} {:>12.1} {:>10.1} {:>12.2} {:>10.1} {:>12.1} {:>10.2}",
             figures.deploy,
             figures.first,
             figures.warm_p50,
             figures.warm_p50 / base,
-            figures.warm_p50 - base
+            figures.warm_p50 - base,
+            figures.reused_p50,
+            figures.reused_p50 / figures.warm_p50
         );
     }
+    println!("(reused p50: the same requests with demo's instance_reuse = {REUSE}, warm instances)");
     let _ = std::fs::remove_dir_all(bench_data_dir(LABEL));
     Ok(())
 }
@@ -87,12 +95,34 @@ async fn measure(
     anyhow::ensure!(status.is_success(), "deploying {handler}: {status} {}", String::from_utf8_lossy(&body));
     let deploy = deploy.elapsed().as_secs_f64() * 1e3;
     let first = call(client, addr, key, handler, image).await?;
-    let mut warm = Vec::with_capacity(iterations);
+    let warm_p50 = p50(client, addr, key, handler, image, iterations).await?;
+    set_instance_reuse(client, addr, REUSE).await?;
+    let reused_p50 = p50(client, addr, key, handler, image, iterations).await;
+    set_instance_reuse(client, addr, 1).await?;
+    Ok(Figures { deploy, first, warm_p50, reused_p50: reused_p50? })
+}
+
+/// The median wall time of `iterations` requests one at a time, ms.
+async fn p50(client: &HttpClient, addr: SocketAddr, key: &str, handler: &str, image: &Bytes, iterations: usize) -> anyhow::Result<f64> {
+    let mut times = Vec::with_capacity(iterations);
     for _ in 0..iterations.max(1) {
-        warm.push(call(client, addr, key, handler, image).await?);
+        times.push(call(client, addr, key, handler, image).await?);
     }
-    warm.sort_by(f64::total_cmp);
-    Ok(Figures { deploy, first, warm_p50: warm[warm.len() / 2] })
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Sets the demo tenant's `instance_reuse` through the admin API.
+async fn set_instance_reuse(client: &HttpClient, addr: SocketAddr, reuse: u32) -> anyhow::Result<()> {
+    let request = hyper::Request::patch(format!("http://{addr}/admin/v1/tenants/demo"))
+        .header(hyper::header::AUTHORIZATION, format!("Bearer {ADMIN_TOKEN}"))
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(format!("{{\"instance_reuse\": {reuse}}}"))))?;
+    let response = client.request(request).await?;
+    let status = response.status();
+    let body = response.into_body().collect().await?.to_bytes();
+    anyhow::ensure!(status.is_success(), "setting instance_reuse: {status} {}", String::from_utf8_lossy(&body));
+    Ok(())
 }
 
 /// One request's wall time, milliseconds.

@@ -133,7 +133,11 @@ def serve(
     exception a 500 ``internal`` JSON error (and a traceback on stderr).
     """
     try:
-        reply = answer(read_request(request))
+        # Dropped as soon as it is read, not whenever Python lets go of it: an
+        # instance that still holds its request is never reused (warm instances).
+        with request:
+            image_request = read_request(request)
+        reply = answer(image_request)
     except Refusal as refusal:
         reply = refusal.reply()
     except Exception as e:  # noqa: BLE001 - the client gets a 500, stderr the details

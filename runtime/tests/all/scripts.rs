@@ -270,3 +270,47 @@ fn python_and_javascript_handlers_get_no_network() {
         }
     }
 }
+
+/// With warm instances (`instance_reuse` above 1) a Python or JavaScript
+/// handler's instance, interpreter state and all, serves request after
+/// request and answers each as the first. A gateway of its own, so that
+/// its reuse counter counts only these requests.
+#[test]
+fn warm_python_and_javascript_instances_answer_as_fresh_ones() {
+    let data = crate::harness::fresh_dir("scripts-warm");
+    let mut config = crate::harness::config(data, None);
+    config.instance_reuse = 100;
+    let addr = crate::harness::start(config);
+    let admin_call = |method: Method, path: &str| {
+        crate::harness::anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(crate::harness::ADMIN_TOKEN)
+    };
+    let (status, body) = admin_json(admin_call(Method::POST, "tenants").json(&json!({ "name": "warm" })));
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = admin_json(admin_call(Method::POST, "tenants/warm/keys"));
+    assert_eq!(status, 201, "{body}");
+    let client = client_with_key(body["key"].as_str().unwrap());
+    let reused = || {
+        let text = admin_call(Method::GET, "../../metrics").send().unwrap().text().unwrap();
+        crate::harness::metric(&text, "facegate_instances_reused_total").unwrap()
+    };
+    for (language, suffix) in LANGUAGES {
+        let handler = format!("detect-{suffix}");
+        let bytes = std::fs::read(built(language, "detect")).unwrap();
+        let (status, body) = admin_json(admin_call(Method::PUT, &format!("tenants/warm/handlers/{handler}")).body(bytes));
+        assert_eq!(status, 201, "{body}");
+        let detect = || {
+            // The instance goes back just after the response is sent.
+            std::thread::sleep(std::time::Duration::from_millis(150));
+            let response = client.post(format!("http://{addr}/v1/warm/{handler}")).body(image("grace_hopper.jpg")).send().unwrap();
+            assert_eq!(response.status(), 200, "{handler}");
+            boxes(&response.bytes().unwrap())
+        };
+        let before = reused();
+        let first = detect();
+        assert_eq!(first.len(), 1, "{handler}: {first:?}");
+        for _ in 0..3 {
+            assert_eq!(detect(), first, "{handler}: a warm instance answers as the first");
+        }
+        assert_eq!(reused() - before, 3.0, "{handler}: one instance served all four requests");
+    }
+}
