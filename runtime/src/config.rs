@@ -26,6 +26,8 @@ pub const DEFAULT_MEMORY_LIMIT_MIB: usize = 256;
 pub const DEFAULT_MAX_INSTANCES: u32 = 128;
 /// Default most idle instances kept for reuse, all tenants together.
 pub const DEFAULT_WARM_INSTANCES: u32 = 64;
+/// Default seconds a warm instance waits for a request before it is dropped.
+pub const DEFAULT_WARM_IDLE_SECS: u64 = 60;
 /// Default most `face-detect.infer` calls per request.
 pub const DEFAULT_MAX_INFER_CALLS: u32 = 16;
 /// Default largest uploaded component (64 MiB).
@@ -153,6 +155,11 @@ pub struct ServeConfig {
     /// holds its memory (at most 64 MiB: larger ones are not kept).
     #[arg(long, env = "FACEGATE_WARM_INSTANCES", default_value_t = DEFAULT_WARM_INSTANCES)]
     pub warm_instances: u32,
+
+    /// Seconds an idle warm instance is kept without a request before it is
+    /// dropped (its slot and memory given back).
+    #[arg(long, env = "FACEGATE_WARM_IDLE_SECS", default_value_t = DEFAULT_WARM_IDLE_SECS)]
+    pub warm_idle_secs: u64,
 
     /// Default most `face-detect.infer` calls one request may make.
     #[arg(long, env = "FACEGATE_MAX_INFER_CALLS", default_value_t = DEFAULT_MAX_INFER_CALLS)]

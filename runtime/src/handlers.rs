@@ -20,6 +20,9 @@ pub struct Handler {
     pub name: String,
     /// The version being served.
     pub version: i64,
+    /// Its component's SHA-256 (hex): a version number alone does not name
+    /// the code once a handler is deleted and deployed again.
+    pub sha256: String,
     /// Whether its outgoing HTTP requests are sent (the tenant's grant) or denied.
     pub outgoing_http: bool,
     /// The pre-instantiated component.
@@ -38,12 +41,21 @@ impl Handler {
         tenant: &str,
         name: &str,
         version: i64,
+        sha256: &str,
         outgoing_http: bool,
     ) -> Result<Self, String> {
         let pre =
             linker.instantiate_pre(component).map_err(|e| format!("the component's imports do not match what facegate provides: {e:#}"))?;
         let pre = ProxyPre::new(pre).map_err(|e| format!("the component's wasi:http/incoming-handler export does not match: {e:#}"))?;
-        Ok(Self { tenant: tenant.into(), name: name.to_owned(), version, outgoing_http, pre, warm: WarmInstances::default() })
+        Ok(Self {
+            tenant: tenant.into(),
+            name: name.to_owned(),
+            version,
+            sha256: sha256.to_owned(),
+            outgoing_http,
+            pre,
+            warm: WarmInstances::default(),
+        })
     }
 }
 

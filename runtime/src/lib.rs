@@ -131,7 +131,8 @@ impl Gateway {
             keep_resident: config.memory_keep_resident_kib << 10,
         })?;
         let ticker = EpochTicker::start(&engine);
-        let sandbox = Arc::new(Sandbox::new(engine, models.clone(), config.warm_instances as usize)?);
+        let sandbox =
+            Arc::new(Sandbox::new(engine, models.clone(), config.warm_instances as usize, Duration::from_secs(config.warm_idle_secs))?);
         // Per-tenant counters the control plane clears when a tenant is deleted.
         let http_metrics = Arc::new(metrics::HttpMetrics::default());
         let counters: Vec<Arc<dyn metrics::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone()];

@@ -38,8 +38,8 @@ pub struct SandboxLimits {
     /// Requests one instance may serve (the tenant's `instance_reuse`; 1:
     /// a fresh instance for every request).
     pub instance_reuse: u32,
-    /// Most idle instances the handler keeps (the tenant's concurrency
-    /// limit: more could never be busy at once).
+    /// Most idle instances the tenant keeps, all its handlers together (its
+    /// concurrency limit: more could never be busy at once).
     pub max_idle: usize,
 }
 
@@ -89,8 +89,9 @@ impl Sandbox {
     /// Builds the linker: WASI (granting nothing by configuration),
     /// wasi:http (outgoing requests denied per request unless the tenant is
     /// granted outgoing HTTP, see [`state::GatewayHooks`]) and face-detect;
-    /// keeps at most `warm_instances` idle instances for reuse.
-    pub fn new(engine: Engine, models: Models, warm_instances: usize) -> wasmtime::Result<Self> {
+    /// keeps at most `warm_instances` idle instances for reuse, each for at
+    /// most `warm_idle` without a request.
+    pub fn new(engine: Engine, models: Models, warm_instances: usize, warm_idle: Duration) -> wasmtime::Result<Self> {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         let options = wasmtime_wasi_http::p2::bindings::LinkOptions::default();
@@ -104,7 +105,14 @@ impl Sandbox {
             &mut linker,
             RequestState::http,
         )?;
-        Ok(Self { engine, linker, models, hits: Arc::default(), warm: WarmBudget::new(warm_instances), reused: AtomicU64::new(0) })
+        Ok(Self {
+            engine,
+            linker,
+            models,
+            hits: Arc::default(),
+            warm: WarmBudget::new(warm_instances, warm_idle),
+            reused: AtomicU64::new(0),
+        })
     }
 
     /// The per-tenant counters of limit hits.
@@ -115,6 +123,11 @@ impl Sandbox {
     /// Idle instances kept for reuse now, all handlers.
     pub fn warm_instances(&self) -> usize {
         self.warm.idle()
+    }
+
+    /// How long an idle instance is kept without a request.
+    pub fn warm_idle(&self) -> Duration {
+        self.warm.idle_for()
     }
 
     /// Requests served by a warm instance since start.
@@ -265,7 +278,7 @@ fn keep_warm(
 ) {
     let state = store.data_mut();
     if served < limits.instance_reuse && state.holds_only_stdio() && state.limiter.used() <= WARM_MAX_MEMORY {
-        handler.warm.put(budget, store, proxy, served, limits.max_idle);
+        handler.warm.put(budget, &handler.tenant, limits.max_idle, store, proxy, served);
     }
 }
 

@@ -11,25 +11,40 @@
 //!
 //! What keeps it safe:
 //! - The idle instances live in their [`crate::handlers::Handler`], one
-//!   tenant's one handler version: they never serve another tenant or
-//!   another version, and they go when the version does.
+//!   tenant's one handler version (its component's digest, not only its
+//!   number): they never serve another tenant or another version, nor a
+//!   tenant created again under a deleted one's name (the control plane
+//!   tells them apart by the tenant's incarnation), and they go when the
+//!   version does.
 //! - An instance is kept only if its request returned cleanly (no trap, no
-//!   timeout, not cancelled), it holds no host resources (headers, bodies,
-//!   streams, pollables: the resource table is empty), its memory is at most
-//!   [`WARM_MAX_MEMORY`] and it has served fewer than the tenant's
-//!   `instance_reuse` requests.
+//!   timeout, and not cancelled while the guest still ran: a client that
+//!   leaves after the response head lets the guest finish, as a fresh one
+//!   would), its resource table holds nothing but its standard streams (no
+//!   headers, bodies, pollables; the gateway grants no files or sockets),
+//!   its memory is at most [`WARM_MAX_MEMORY`] and it has served fewer than
+//!   the tenant's `instance_reuse` requests.
 //! - Each request gets its own deadline, infer-call budget, output capture
-//!   and memory limit, as a fresh instance would.
+//!   and memory limit, as a fresh instance would. The limit applies to the
+//!   instance's whole memory, what earlier requests grew included (memory
+//!   never shrinks): an instance already past a lowered limit is not used.
 //! - Idle instances hold wasmtime slots of their own (the engine's pool is
 //!   `--max-instances` plus `--warm-instances`) and no request slot, so they
 //!   never keep a request, of any tenant, from running.
+//! - Bounded in number and time: at most `--warm-instances` idle on the
+//!   server, at most a tenant's `max_concurrency` for one tenant (all its
+//!   handlers; more could never be busy at once), each dropped after
+//!   `--warm-idle-secs` without a request, and all of a tenant's dropped
+//!   when its limits change or it is deleted.
 //!
 //! What a tenant accepts by turning it on: its handler's globals (and
 //! anything it left in its memory) outlive a request, as in a warm AWS
-//! Lambda or a Cloudflare Worker isolate.
+//! Lambda or a Cloudflare Worker isolate; output its handler buffered
+//! without flushing is logged with the request that flushes it.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use wasmtime::Store;
 use wasmtime_wasi_http::p2::bindings::Proxy;
@@ -40,17 +55,21 @@ use crate::state::RequestState;
 /// be kept warm: bounds what idle instances keep resident.
 pub const WARM_MAX_MEMORY: usize = 64 << 20;
 
-/// The server-wide cap on idle instances.
+/// How many idle instances may be kept: the server's cap, and each
+/// tenant's share of it.
 #[derive(Debug)]
 pub struct WarmBudget {
     cap: usize,
+    idle_for: Duration,
     idle: AtomicUsize,
+    per_tenant: Mutex<HashMap<Arc<str>, usize>>,
 }
 
 impl WarmBudget {
-    /// A budget of `cap` idle instances (0 keeps none).
-    pub fn new(cap: usize) -> Arc<Self> {
-        Arc::new(Self { cap, idle: AtomicUsize::new(0) })
+    /// A budget of `cap` idle instances (0 keeps none), each dropped after
+    /// `idle_for` without a request.
+    pub fn new(cap: usize, idle_for: Duration) -> Arc<Self> {
+        Arc::new(Self { cap, idle_for, idle: AtomicUsize::new(0), per_tenant: Mutex::default() })
     }
 
     /// Idle instances now, all handlers.
@@ -58,20 +77,46 @@ impl WarmBudget {
         self.idle.load(Ordering::Relaxed)
     }
 
-    /// Room for one more idle instance, or `None` when the cap is reached.
-    fn try_take(self: &Arc<Self>) -> Option<WarmToken> {
+    /// How long an instance may wait for its next request.
+    pub fn idle_for(&self) -> Duration {
+        self.idle_for
+    }
+
+    /// Room for one more idle instance of `tenant`, or `None` when the
+    /// server's cap or the tenant's `tenant_cap` is reached.
+    fn try_take(self: &Arc<Self>, tenant: &Arc<str>, tenant_cap: usize) -> Option<WarmToken> {
+        let mut per_tenant = self.per_tenant.lock().unwrap_or_else(PoisonError::into_inner);
+        let held = per_tenant.get(tenant).copied().unwrap_or(0);
+        if held >= tenant_cap {
+            return None;
+        }
         self.idle.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.cap).then_some(n + 1)).ok()?;
-        Some(WarmToken(Arc::clone(self)))
+        per_tenant.insert(Arc::clone(tenant), held + 1);
+        Some(WarmToken { budget: Arc::clone(self), tenant: Arc::clone(tenant) })
+    }
+
+    fn give_back(&self, tenant: &str) {
+        let mut per_tenant = self.per_tenant.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(held) = per_tenant.get_mut(tenant) {
+            *held -= 1;
+            if *held == 0 {
+                per_tenant.remove(tenant);
+            }
+        }
+        self.idle.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
 /// One idle instance's place in the [`WarmBudget`], given back when dropped.
 #[derive(Debug)]
-struct WarmToken(Arc<WarmBudget>);
+struct WarmToken {
+    budget: Arc<WarmBudget>,
+    tenant: Arc<str>,
+}
 
 impl Drop for WarmToken {
     fn drop(&mut self) {
-        self.0.idle.fetch_sub(1, Ordering::AcqRel);
+        self.budget.give_back(&self.tenant);
     }
 }
 
@@ -83,10 +128,11 @@ pub struct Warm {
     pub proxy: Proxy,
     /// Requests it has served.
     pub served: u32,
+    idle_since: Instant,
     _token: WarmToken,
 }
 
-/// One handler version's idle instances.
+/// One handler version's idle instances, the one used last on top.
 #[derive(Default)]
 pub struct WarmInstances {
     idle: Mutex<Vec<Warm>>,
@@ -98,20 +144,39 @@ impl WarmInstances {
         self.lock().pop()
     }
 
-    /// Keeps an instance that served `served` requests for the next
-    /// request, unless this handler already keeps `max_idle` or the server
-    /// its cap; then it is dropped (and its memory reset as usual).
-    pub fn put(&self, budget: &Arc<WarmBudget>, store: Store<RequestState>, proxy: Proxy, served: u32, max_idle: usize) {
-        let mut idle = self.lock();
-        if idle.len() >= max_idle {
-            return;
-        }
-        if let Some(token) = budget.try_take() {
-            idle.push(Warm { store, proxy, served, _token: token });
+    /// Keeps an instance of `tenant` that served `served` requests for the
+    /// next request, unless the tenant already keeps `tenant_cap` idle
+    /// instances (all its handlers) or the server its cap; then it is
+    /// dropped (and its memory reset as usual).
+    pub fn put(
+        &self,
+        budget: &Arc<WarmBudget>,
+        tenant: &Arc<str>,
+        tenant_cap: usize,
+        store: Store<RequestState>,
+        proxy: Proxy,
+        served: u32,
+    ) {
+        if let Some(token) = budget.try_take(tenant, tenant_cap) {
+            self.lock().push(Warm { store, proxy, served, idle_since: Instant::now(), _token: token });
         }
     }
 
-    /// Drops every idle instance (the tenant turned reuse off).
+    /// Drops the instances that have been idle longer than `idle_for`;
+    /// returns how many.
+    pub fn expire(&self, idle_for: Duration) -> usize {
+        let expired: Vec<Warm> = {
+            let mut idle = self.lock();
+            // Oldest first: the stack is in the order instances were put back.
+            let stale = idle.iter().take_while(|w| w.idle_since.elapsed() > idle_for).count();
+            idle.drain(..stale).collect()
+        };
+        // Dropped outside the lock: freeing an instance resets its memory.
+        expired.len()
+    }
+
+    /// Drops every idle instance (the tenant turned reuse off, changed its
+    /// limits, or is gone).
     pub fn clear(&self) {
         let dropped = std::mem::take(&mut *self.lock());
         drop(dropped);
@@ -136,18 +201,36 @@ impl WarmInstances {
 mod tests {
     use super::*;
 
+    const IDLE: Duration = Duration::from_secs(60);
+
     #[test]
     fn the_budget_caps_idle_instances_and_tokens_give_their_place_back() {
-        let budget = WarmBudget::new(2);
-        let a = budget.try_take().unwrap();
-        let b = budget.try_take().unwrap();
-        assert!(budget.try_take().is_none());
+        let budget = WarmBudget::new(2, IDLE);
+        let acme: Arc<str> = "acme".into();
+        let a = budget.try_take(&acme, 10).unwrap();
+        let b = budget.try_take(&acme, 10).unwrap();
+        assert!(budget.try_take(&acme, 10).is_none());
         assert_eq!(budget.idle(), 2);
         drop(a);
         assert_eq!(budget.idle(), 1);
-        let c = budget.try_take().unwrap();
+        let c = budget.try_take(&acme, 10).unwrap();
         drop((b, c));
         assert_eq!(budget.idle(), 0);
-        assert!(WarmBudget::new(0).try_take().is_none(), "a cap of 0 keeps nothing");
+        assert!(WarmBudget::new(0, IDLE).try_take(&acme, 10).is_none(), "a cap of 0 keeps nothing");
+    }
+
+    #[test]
+    fn a_tenant_holds_at_most_its_share_and_leaves_the_rest_to_others() {
+        let budget = WarmBudget::new(3, IDLE);
+        let (acme, beta): (Arc<str>, Arc<str>) = ("acme".into(), "beta".into());
+        let a1 = budget.try_take(&acme, 2).unwrap();
+        let a2 = budget.try_take(&acme, 2).unwrap();
+        assert!(budget.try_take(&acme, 2).is_none(), "acme's share is 2");
+        let b1 = budget.try_take(&beta, 2).unwrap();
+        assert!(budget.try_take(&beta, 2).is_none(), "the server's cap of 3 is reached");
+        drop(a1);
+        assert!(budget.try_take(&acme, 2).is_some(), "acme's place came back");
+        drop((a2, b1));
+        assert!(budget.per_tenant.lock().unwrap().is_empty(), "a tenant with none idle leaves no entry");
     }
 }

@@ -27,6 +27,7 @@
 //! | `big-tensor`  | `n` (default 1) `infer` calls with a `side`² zero image    | 200, JSON of each outcome   |
 //! | `count`       | counts its requests in a global                            | 200, `{"served": n}`: 1 in a fresh instance |
 //! | `leak`        | counts, and leaves a header `fields` in the host's table   | 200, `{"served": n}`; the instance is not reused |
+//! | `nap`         | sleeps `ms` (default 100, at most 10000), then counts      | 200, `{"served": n}`             |
 //!
 //! `bad-tensor` takes `case=NAME` to run one case only (each case uses one
 //! of the request's `infer` calls, so a low per-request quota would answer
@@ -42,7 +43,7 @@ use facegate_guest_sdk::{Error, Handler, Request, Response, export_handler};
 
 /// The attacks, as `attack` accepts them (for the 400 message).
 const ATTACKS: &str = "loop, memory, recursion, panic, snoop, bad-tensor, many-calls, \
-                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak";
+                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
 /// `infer` calls made by `many-calls`.
@@ -77,6 +78,7 @@ impl Handler for Hostile {
             "big-tensor" => big_tensors(query.get("side")?, query.get("n")?),
             "count" => Ok(Response::json(200, &json!({ "served": count() }))),
             "leak" => Ok(Response::json(200, &json!({ "served": leak() }))),
+            "nap" => nap(query.get("ms")?),
             other => Err(HttpError::invalid_parameter("attack", &format!("must be one of {ATTACKS}, got {other:?}")).into()),
         }
     }
@@ -338,6 +340,18 @@ fn sleep() -> ! {
     loop {
         subscribe_duration(3_600_000_000_000).block();
     }
+}
+
+/// Sleeps `ms` milliseconds (a request that holds its instance for a known
+/// time), then counts like `count`.
+fn nap(ms: Option<&str>) -> Result<Response, Error> {
+    use facegate_guest_sdk::wasi::clocks::monotonic_clock::subscribe_duration;
+    let ms: u64 = ms.map_or(Ok(100), str::parse).map_err(|_| HttpError::invalid_parameter("ms", "must be a number"))?;
+    if ms > 10_000 {
+        return Err(HttpError::invalid_parameter("ms", "must be at most 10000").into());
+    }
+    subscribe_duration(ms * 1_000_000).block();
+    Ok(Response::json(200, &json!({ "served": count() })))
 }
 
 /// `n` `infer` calls with a `side`×`side` zero image; each outcome reported.

@@ -108,7 +108,7 @@ impl ControlPlane {
 
     fn link(&self, component: &Component, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
         validate::check_imports(self.sandbox.engine(), component).map_err(StoreError::Conflict)?;
-        Handler::link(self.sandbox.linker(), component, &active.tenant, &active.handler, active.version, outgoing_http)
+        Handler::link(self.sandbox.linker(), component, &active.tenant, &active.handler, active.version, &active.sha256, outgoing_http)
             .map_err(|e| StoreError::Internal(anyhow::anyhow!(e)))
     }
 

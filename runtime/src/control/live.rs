@@ -22,6 +22,8 @@ pub struct TenantGate {
 
 /// One tenant in the live snapshot.
 pub struct TenantEntry {
+    /// Which creation of a tenant of this name (see `store::new_incarnation`).
+    pub incarnation: String,
     /// Admission state.
     pub gate: Arc<TenantGate>,
     /// Active handler versions by name.

@@ -269,6 +269,32 @@ impl ControlPlane {
         self.tenant_info(&mut **db, row)
     }
 
+    /// Drops what the server keeps of a tenant that is gone (deleted, or
+    /// deleted and created again): its batcher queues' state, its counters
+    /// and its handlers' idle instances.
+    fn forget_tenant(&self, name: &str, entry: &TenantEntry) {
+        for model in self.models.iter() {
+            model.remove_tenant(name);
+        }
+        for counters in &self.counters {
+            counters.forget_tenant(name);
+        }
+        for handler in entry.handlers.values() {
+            handler.warm.clear();
+        }
+    }
+
+    /// Drops the idle instances of the handlers served now that waited
+    /// longer than `--warm-idle-secs` (the sync thread calls this).
+    pub fn expire_idle_instances(&self) {
+        let idle_for = self.sandbox.warm_idle();
+        for entry in self.live().tenants.values() {
+            for handler in entry.handlers.values() {
+                handler.warm.expire(idle_for);
+            }
+        }
+    }
+
     /// A tenant's weight, from one rule: its override, else `--tenant-weight`, else the default.
     fn weight(&self, tenant: &str, overrides: &LimitOverrides) -> u32 {
         overrides.weight.or_else(|| self.weights.get(tenant).copied()).unwrap_or(self.defaults.weight)
@@ -416,37 +442,50 @@ impl ControlPlane {
         let generation = db.generation()?;
         let old = self.live();
         let mut live = Live::default();
-        for row in db.tenants()? {
+        let rows = db.tenants()?;
+        // A tenant deleted, or deleted and created again under its name,
+        // leaves nothing in the batchers or the counters: the new one starts
+        // afresh, and none of the old one's handlers is served to it.
+        let same_tenant = |name: &str, incarnation: &str| old.tenants.get(name).is_some_and(|e| e.incarnation == incarnation);
+        for (name, entry) in &old.tenants {
+            let recreated = rows.iter().find(|row| row.name == *name).is_some_and(|row| row.incarnation != entry.incarnation);
+            if recreated || !rows.iter().any(|row| row.name == *name) {
+                self.forget_tenant(name, entry);
+            }
+        }
+        for row in rows {
             let limits = self.defaults.with(&row.overrides);
-            let gate = match old.tenants.get(&row.name) {
+            let previous = old.tenants.get(&row.name).filter(|_| same_tenant(&row.name, &row.incarnation));
+            let gate = match previous {
                 Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
-                old_entry => Arc::new(new_gate(limits, old_entry.map(|e| &*e.gate))),
+                previous => {
+                    // Idle instances were made under the old limits (reuse,
+                    // memory, concurrency): none outlives the change.
+                    previous.into_iter().flat_map(|e| e.handlers.values()).for_each(|h| h.warm.clear());
+                    Arc::new(new_gate(limits, previous.map(|e| &*e.gate)))
+                }
             };
             let weight = self.weight(&row.name, &row.overrides);
             for model in self.models.iter() {
                 model.set_tenant_weight(&row.name, weight);
             }
-            live.tenants.insert(row.name, TenantEntry { gate, handlers: HashMap::new() });
-        }
-        // A deleted tenant leaves nothing in the batchers or the counters: a
-        // new tenant of the same name starts afresh.
-        for gone in old.tenants.keys().filter(|name| !live.tenants.contains_key(*name)) {
-            for model in self.models.iter() {
-                model.remove_tenant(gone);
-            }
-            for counters in &self.counters {
-                counters.forget_tenant(gone);
-            }
+            live.tenants.insert(row.name, TenantEntry { incarnation: row.incarnation, gate, handlers: HashMap::new() });
         }
         let mut to_compile = Vec::new();
         for active in db.active_handlers()? {
             let Some(entry) = live.tenants.get_mut(&active.tenant) else { continue };
             let outgoing_http = entry.gate.limits.outgoing_http;
-            let same = |h: &&Arc<Handler>| h.version == active.version && h.outgoing_http == outgoing_http;
+            let same = |h: &&Arc<Handler>| h.version == active.version && h.sha256 == active.sha256 && h.outgoing_http == outgoing_http;
+            // What this tenant (this incarnation of it) served before.
+            let served = old
+                .tenants
+                .get(&active.tenant)
+                .filter(|e| e.incarnation == entry.incarnation)
+                .and_then(|e| e.handlers.get(&active.handler));
             let reused = preloaded
                 .iter()
                 .find(|h| *h.tenant == *active.tenant && h.name == active.handler && same(h))
-                .or_else(|| old.handler(&active.tenant, &active.handler).map(|(_, h)| h).filter(same))
+                .or_else(|| served.filter(same))
                 .cloned();
             let loaded = match reused {
                 Some(handler) => Ok(Some(handler)),
@@ -455,8 +494,7 @@ impl ControlPlane {
             // The version being served stays (if its grant did not change)
             // while the new one compiles, or when it cannot be loaded: a
             // change made elsewhere must not take the handler away.
-            let kept =
-                || old.handler(&active.tenant, &active.handler).map(|(_, h)| h).filter(|h| h.outgoing_http == outgoing_http).cloned();
+            let kept = || served.filter(|h| h.outgoing_http == outgoing_http).cloned();
             let handler = match loaded {
                 Ok(Some(handler)) => Some(handler),
                 Ok(None) => {

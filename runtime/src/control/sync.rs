@@ -5,7 +5,8 @@
 //! store's generation with its snapshot's and rebuilds on a difference
 //! (loading what other nodes deployed: this node's cached artifact, or the
 //! one the deploying node shared). Every heartbeat interval it records the
-//! node's id, address, version, devices and load. When the store is
+//! node's id, address, version, devices and load; every wake-up it drops
+//! the warm instances idle too long (see [`crate::warm`]). When the store is
 //! unreachable it keeps trying; the snapshot it has goes on being served.
 //!
 //! A component with no usable artifact (another engine, a node without the
@@ -163,6 +164,8 @@ impl Worker {
                 None => std::thread::sleep(POLL_INTERVAL),
             }
             reachable = self.sync(reachable);
+            // Here, off the request path: dropping an instance resets its memory.
+            self.control.expire_idle_instances();
             if reachable && Instant::now() >= next_heartbeat {
                 self.heartbeat();
                 next_heartbeat = Instant::now() + HEARTBEAT_INTERVAL;

@@ -57,8 +57,9 @@ impl Upload {
         validate::check_exports(engine, &component).map_err(StoreError::Invalid)?;
         // Link before storing anything: a component that cannot run is refused.
         let linker = self.sandbox.linker();
-        let linked = Handler::link(linker, &component, &self.tenant, &self.handler, 0, self.outgoing_http).map_err(StoreError::Invalid)?;
         let sha256 = sha256_hex(&bytes);
+        let linked =
+            Handler::link(linker, &component, &self.tenant, &self.handler, 0, &sha256, self.outgoing_http).map_err(StoreError::Invalid)?;
         // The cache is this node's own; nothing refers to it until a version does.
         let artifact = write_artifact(&self.blobs, &self.engine_id, &sha256, &component)?;
         // Sealed here, on the compile thread: an HMAC over megabytes is CPU work too.

@@ -59,6 +59,57 @@ fn status(server: &Server, method: Method, path: &str) -> (u16, Value) {
     (response.status().as_u16(), response.json().unwrap_or(Value::Null))
 }
 
+/// What `tenant`'s hostile handler `attack` on `server` says its instance
+/// has served (`attack=count`); `None` unless it answered 200.
+fn served(server: &Server, key: &str, tenant: &str) -> Option<u64> {
+    // An instance goes back to its handler just after its body is sent.
+    std::thread::sleep(Duration::from_millis(150));
+    let response =
+        crate::harness::client_with_key(key).get(format!("http://{}/v1/{tenant}/attack?attack=count", server.addr)).send().unwrap();
+    if response.status() != 200 {
+        return None;
+    }
+    response.json::<Value>().ok()?["served"].as_u64()
+}
+
+/// Creates `tenant` (warm instances on) through `server` with the hostile
+/// handler as `attack`; returns its new key.
+fn warm_hostile_tenant(server: &Server, tenant: &str) -> String {
+    server.json(server.admin(Method::POST, "tenants").json(&json!({ "name": tenant, "limits": { "instance_reuse": 100 } })));
+    let key = server.json(server.admin(Method::POST, &format!("tenants/{tenant}/keys")))["key"].as_str().unwrap().to_owned();
+    server.json(server.admin(Method::PUT, &format!("tenants/{tenant}/handlers/attack")).body(std::fs::read(guest("hostile")).unwrap()));
+    key
+}
+
+/// A tenant deleted and created again under its name, with the same
+/// component at the same version number, while another node looked away
+/// (its sync sees all of it at once): that node serves the new tenant from
+/// a fresh instance, never one left warm by the deleted tenant.
+#[test]
+fn a_tenant_deleted_and_created_again_gets_nothing_of_the_old_one_on_another_node() {
+    let pg = ThrowawayPostgres::start().unwrap();
+    let url = pg.url();
+    let (a, _) = node(&url, "node-a");
+    let (b, _) = node(&url, "node-b");
+    let old_key = warm_hostile_tenant(&a, "reborn");
+    within(Duration::from_secs(10), "B serves the tenant", || served(&b, &old_key, "reborn").is_some());
+    assert!(served(&b, &old_key, "reborn").unwrap() >= 2, "B keeps the instance warm");
+
+    b.pause();
+    a.json(a.admin(Method::DELETE, "tenants/reborn"));
+    let new_key = warm_hostile_tenant(&a, "reborn");
+    b.resume();
+
+    let mut first = None;
+    within(Duration::from_secs(10), "B takes the change", || {
+        first = served(&b, &new_key, "reborn");
+        first.is_some()
+    });
+    assert_eq!(b.probe(&old_key).0, 401, "the deleted tenant's key is gone");
+    assert_eq!(first, Some(1), "the new tenant's first request runs in a fresh instance, not the old tenant's");
+    assert_eq!(served(&b, &new_key, "reborn"), Some(2), "then its own instance is kept warm");
+}
+
 #[test]
 fn three_nodes_on_one_postgres_store_act_as_one_gateway() {
     let pg = ThrowawayPostgres::start().unwrap();

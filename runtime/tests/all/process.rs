@@ -70,6 +70,21 @@ impl Server {
         assert!(status.success(), "kill -TERM failed");
     }
 
+    /// SIGSTOP: the process stands still (its sync thread included) until [`Self::resume`].
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after [`Self::pause`].
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill").args([signal, &self.child.id().to_string()]).status().unwrap();
+        assert!(status.success(), "kill {signal} failed");
+    }
+
     /// Waits up to `limit` for the process to exit; its status, or `None` if it still runs.
     pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + limit;

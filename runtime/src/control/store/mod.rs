@@ -60,6 +60,9 @@ pub struct TenantRow {
     pub overrides: LimitOverrides,
     /// Unix seconds.
     pub created_at: i64,
+    /// Set anew each time a tenant of this name is created (see [`new_incarnation`]).
+    #[serde(skip)]
+    pub incarnation: String,
 }
 
 /// An API key row (never the key itself).
@@ -289,6 +292,13 @@ pub fn open(url: Option<&str>, data_dir: &Path) -> anyhow::Result<Box<dyn Store>
 /// Unix seconds now.
 pub(crate) fn now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+}
+
+/// A new tenant incarnation: 64 random bits, hex. It tells a tenant apart
+/// from an earlier, deleted tenant of the same name, so nothing of the
+/// earlier one (handlers, warm instances, admission state) is served to it.
+pub(crate) fn new_incarnation() -> StoreResult<String> {
+    Ok(super::keys::hex(&super::keys::random::<8>()?))
 }
 
 /// Unix milliseconds now.

@@ -21,7 +21,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
     ActiveHandler, ActiveKeyRow, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError, StoreResult,
-    TenantRow, VersionRow, now,
+    TenantRow, VersionRow, new_incarnation, now,
 };
 use crate::control::keys::sha256_hex;
 use crate::control::limits::LimitOverrides;
@@ -33,7 +33,7 @@ const CHANNEL: &str = "facegate_changes";
 const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1, V2];
+const MIGRATIONS: &[&str] = &[V1, V2, V3];
 
 const V1: &str = "
 CREATE TABLE tenants (
@@ -100,6 +100,12 @@ CREATE TABLE artifacts (
 );
 ";
 
+/// Version 3: a tenant's incarnation, new each time a tenant of that name
+/// is created (rows from before keep '').
+const V3: &str = "
+ALTER TABLE tenants ADD COLUMN incarnation TEXT NOT NULL DEFAULT '';
+";
+
 /// The PostgreSQL store (see the module docs).
 pub struct PgStore {
     config: Config,
@@ -160,15 +166,15 @@ impl PgStore {
     fn select_tenants(&mut self, filter: Option<&str>) -> StoreResult<Vec<TenantRow>> {
         self.with(|c| {
             let rows = match filter {
-                None => c.query("SELECT name, limits, created_at FROM tenants ORDER BY name", &[]),
-                Some(name) => c.query("SELECT name, limits, created_at FROM tenants WHERE name = $1", &[&name]),
+                None => c.query("SELECT name, limits, created_at, incarnation FROM tenants ORDER BY name", &[]),
+                Some(name) => c.query("SELECT name, limits, created_at, incarnation FROM tenants WHERE name = $1", &[&name]),
             }
             .map_err(db_error)?;
             rows.iter()
                 .map(|r| {
                     let name: String = r.get(0);
                     let overrides = serde_json::from_str(r.get(1)).map_err(|e| anyhow::anyhow!("limits of {name}: {e}"))?;
-                    Ok(TenantRow { name, overrides, created_at: r.get(2) })
+                    Ok(TenantRow { name, overrides, created_at: r.get(2), incarnation: r.get(3) })
                 })
                 .collect()
         })
@@ -294,10 +300,11 @@ impl Store for PgStore {
 
     fn create_tenant(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()> {
         let limits = serde_json::to_string(overrides).map_err(anyhow::Error::from)?;
+        let incarnation = new_incarnation()?;
         let inserted = self.write(|c| {
             c.execute(
-                "INSERT INTO tenants (name, limits, created_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
-                &[&name, &limits, &now()],
+                "INSERT INTO tenants (name, limits, created_at, incarnation) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+                &[&name, &limits, &now(), &incarnation],
             )
             .map_err(db_error)
         })?;

@@ -9,13 +9,13 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::{
     ActiveHandler, ActiveKeyRow, DB_FILE, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow,
-    VersionRow, now,
+    VersionRow, new_incarnation, now,
 };
 use crate::control::blobs::Blobs;
 use crate::control::limits::LimitOverrides;
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1, V2];
+const MIGRATIONS: &[&str] = &[V1, V2, V3];
 
 /// The first schema.
 const V1: &str = "
@@ -73,6 +73,12 @@ CREATE TABLE generation (id INTEGER PRIMARY KEY CHECK (id = 1), n INTEGER NOT NU
 INSERT INTO generation (id, n) VALUES (1, 0);
 ";
 
+/// Version 3: a tenant's incarnation, new each time a tenant of that name
+/// is created (rows from before keep '').
+const V3: &str = "
+ALTER TABLE tenants ADD COLUMN incarnation TEXT NOT NULL DEFAULT '';
+";
+
 /// Tables whose changes bump the generation.
 const WATCHED: [&str; 4] = ["tenants", "api_keys", "handlers", "versions"];
 
@@ -105,11 +111,11 @@ impl SqliteStore {
 
     fn select_tenants(&self, sql: &str, args: &[&dyn rusqlite::ToSql]) -> StoreResult<Vec<TenantRow>> {
         let mut stmt = self.conn.prepare(sql)?;
-        let rows = stmt.query_map(args, |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get(2)?)))?;
+        let rows = stmt.query_map(args, |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get(2)?, r.get(3)?)))?;
         rows.map(|row| {
-            let (name, limits, created_at) = row?;
+            let (name, limits, created_at, incarnation) = row?;
             let overrides = serde_json::from_str(&limits).map_err(|e| anyhow::anyhow!("limits of {name}: {e}"))?;
-            Ok(TenantRow { name, overrides, created_at })
+            Ok(TenantRow { name, overrides, created_at, incarnation })
         })
         .collect()
     }
@@ -166,11 +172,11 @@ impl Store for SqliteStore {
     }
 
     fn tenants(&mut self) -> StoreResult<Vec<TenantRow>> {
-        self.select_tenants("SELECT name, limits, created_at FROM tenants ORDER BY name", &[])
+        self.select_tenants("SELECT name, limits, created_at, incarnation FROM tenants ORDER BY name", &[])
     }
 
     fn tenant(&mut self, name: &str) -> StoreResult<TenantRow> {
-        self.select_tenants("SELECT name, limits, created_at FROM tenants WHERE name = ?1", &[&name])?
+        self.select_tenants("SELECT name, limits, created_at, incarnation FROM tenants WHERE name = ?1", &[&name])?
             .pop()
             .ok_or_else(|| StoreError::NotFound(format!("no tenant {name:?}")))
     }
@@ -178,8 +184,8 @@ impl Store for SqliteStore {
     fn create_tenant(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()> {
         let limits = serde_json::to_string(overrides).map_err(anyhow::Error::from)?;
         let inserted = self.conn.execute(
-            "INSERT INTO tenants (name, limits, created_at) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
-            params![name, limits, now()],
+            "INSERT INTO tenants (name, limits, created_at, incarnation) VALUES (?1, ?2, ?3, ?4) ON CONFLICT DO NOTHING",
+            params![name, limits, now(), new_incarnation()?],
         )?;
         if inserted == 0 {
             return Err(StoreError::Conflict(format!("tenant {name:?} exists")));
@@ -390,6 +396,7 @@ mod tests {
         }
         let mut store = SqliteStore::open(&dir).unwrap();
         assert_eq!(store.tenants().unwrap()[0].name, "acme");
+        assert_eq!(store.tenants().unwrap()[0].incarnation, "", "rows from before the incarnation column");
         let before = store.generation().unwrap();
         store.create_tenant("beta", &LimitOverrides::default()).unwrap();
         assert!(store.generation().unwrap() > before, "a change bumps the generation");

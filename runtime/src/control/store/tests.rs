@@ -249,3 +249,18 @@ fn postgres_over_tls_is_verified_against_the_given_ca() {
     assert_eq!(postgres::PgStore::open(&plain).unwrap().tenants().unwrap().len(), 1, "plain TCP when asked for");
     std::fs::remove_file(ca_file).unwrap();
 }
+
+#[test]
+fn a_tenant_created_again_under_its_name_is_a_new_incarnation() {
+    for mut store in stores("incarnation") {
+        let s = &mut *store;
+        let kind = s.describe();
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        let first = s.tenant("acme").unwrap().incarnation;
+        assert_eq!(first.len(), 16, "{kind}: 64 random bits, hex");
+        assert_eq!(s.tenants().unwrap()[0].incarnation, first, "{kind}: listed as read");
+        s.delete_tenant("acme").unwrap();
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        assert_ne!(s.tenant("acme").unwrap().incarnation, first, "{kind}");
+    }
+}
