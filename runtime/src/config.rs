@@ -157,8 +157,8 @@ pub struct ServeConfig {
     pub warm_instances: u32,
 
     /// Seconds an idle warm instance is kept without a request before it is
-    /// dropped (its slot and memory given back).
-    #[arg(long, env = "FACEGATE_WARM_IDLE_SECS", default_value_t = DEFAULT_WARM_IDLE_SECS)]
+    /// dropped (its slot and memory given back); 1 to 86400.
+    #[arg(long, env = "FACEGATE_WARM_IDLE_SECS", default_value_t = DEFAULT_WARM_IDLE_SECS, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub warm_idle_secs: u64,
 
     /// Default most `face-detect.infer` calls one request may make.

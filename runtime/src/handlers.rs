@@ -20,8 +20,8 @@ pub struct Handler {
     pub name: String,
     /// The version being served.
     pub version: i64,
-    /// Its component's SHA-256 (hex): a version number alone does not name
-    /// the code once a handler is deleted and deployed again.
+    /// Its component's SHA-256 (hex), compared with the version number when
+    /// a snapshot reuses a loaded handler: the code itself must match.
     pub sha256: String,
     /// Whether its outgoing HTTP requests are sent (the tenant's grant) or denied.
     pub outgoing_http: bool,

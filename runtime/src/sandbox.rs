@@ -220,8 +220,12 @@ impl Sandbox {
             return (self.new_store(handler, deadline, limits), None, 0);
         }
         match handler.warm.take() {
-            // A lowered memory limit the instance is already past: start afresh.
-            Some(Warm { mut store, proxy, served, .. }) if store.data().limiter.used() <= limits.memory_limit => {
+            // A lowered memory limit the instance is already past, or a
+            // lowered reuse it has reached (it went back under the old
+            // limits, while they changed): start afresh.
+            Some(Warm { mut store, proxy, served, .. })
+                if store.data().limiter.used() <= limits.memory_limit && served < limits.instance_reuse =>
+            {
                 self.renew(&mut store, handler, deadline, limits);
                 self.reused.fetch_add(1, Ordering::Relaxed);
                 (store, Some(proxy), served)

@@ -33,8 +33,10 @@
 //! - Bounded in number and time: at most `--warm-instances` idle on the
 //!   server, at most a tenant's `max_concurrency` for one tenant (all its
 //!   handlers; more could never be busy at once), each dropped after
-//!   `--warm-idle-secs` without a request, and all of a tenant's dropped
-//!   when its limits change or it is deleted.
+//!   `--warm-idle-secs` without a request (checked every sync-thread
+//!   wake-up), and all of a tenant's dropped when its limits change or it
+//!   is deleted (one put back afterwards by a request that started under
+//!   the old limits is used only if it fits the new ones: memory, reuse).
 //!
 //! What a tenant accepts by turning it on: its handler's globals (and
 //! anything it left in its memory) outlive a request, as in a warm AWS

@@ -269,6 +269,58 @@ impl ControlPlane {
         self.tenant_info(&mut **db, row)
     }
 
+    /// Forgets the tenants of `old` that are gone from the store, or were
+    /// deleted and created again under their name (another incarnation):
+    /// the new one starts afresh, and none of the old one's handlers is
+    /// served to it.
+    fn forget_gone(&self, old: &Live, incarnations: &HashMap<String, String>) {
+        for (name, entry) in &old.tenants {
+            if incarnations.get(name) != Some(&entry.incarnation) {
+                self.forget_tenant(name, entry);
+            }
+        }
+    }
+
+    /// The snapshot entry for a tenant row (handlers added later): the gate
+    /// of the same incarnation is kept while its limits are unchanged.
+    fn tenant_entry(&self, old: &Live, row: store::TenantRow) -> (String, TenantEntry) {
+        let limits = self.defaults.with(&row.overrides);
+        let previous = old.tenants.get(&row.name).filter(|e| e.incarnation == row.incarnation);
+        let gate = match previous {
+            Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
+            previous => {
+                // Idle instances were made under the old limits (reuse,
+                // memory, concurrency): none of those waiting now outlives the change.
+                previous.into_iter().flat_map(|e| e.handlers.values()).for_each(|h| h.warm.clear());
+                Arc::new(new_gate(limits, previous.map(|e| &*e.gate)))
+            }
+        };
+        let weight = self.weight(&row.name, &row.overrides);
+        for model in self.models.iter() {
+            model.set_tenant_weight(&row.name, weight);
+        }
+        (row.name, TenantEntry { incarnation: row.incarnation, gate, handlers: HashMap::new() })
+    }
+
+    /// The store is read in several statements: a tenant deleted (and
+    /// perhaps created again) between the first and the last would mix two
+    /// incarnations in one snapshot (the old one's handlers, the new one's
+    /// keys). Such a tenant is left out of this snapshot and forgotten; the
+    /// change bumped the generation, so the next sync brings it in whole.
+    fn drop_recreated_meanwhile(&self, db: &mut dyn Store, live: &mut Live) -> StoreResult<()> {
+        let now: HashMap<String, String> = db.tenants()?.into_iter().map(|r| (r.name, r.incarnation)).collect();
+        let changed: Vec<String> =
+            live.tenants.iter().filter(|(name, entry)| now.get(*name) != Some(&entry.incarnation)).map(|(name, _)| name.clone()).collect();
+        for name in changed {
+            if let Some(entry) = live.tenants.remove(&name) {
+                tracing::info!(tenant = %name, "tenant deleted or created again while the snapshot was read; it follows at the next sync");
+                self.forget_tenant(&name, &entry);
+            }
+            live.keys.retain(|_, key| key.tenant != name);
+        }
+        Ok(())
+    }
+
     /// Drops what the server keeps of a tenant that is gone (deleted, or
     /// deleted and created again): its batcher queues' state, its counters
     /// and its handlers' idle instances.
@@ -443,33 +495,11 @@ impl ControlPlane {
         let old = self.live();
         let mut live = Live::default();
         let rows = db.tenants()?;
-        // A tenant deleted, or deleted and created again under its name,
-        // leaves nothing in the batchers or the counters: the new one starts
-        // afresh, and none of the old one's handlers is served to it.
-        let same_tenant = |name: &str, incarnation: &str| old.tenants.get(name).is_some_and(|e| e.incarnation == incarnation);
-        for (name, entry) in &old.tenants {
-            let recreated = rows.iter().find(|row| row.name == *name).is_some_and(|row| row.incarnation != entry.incarnation);
-            if recreated || !rows.iter().any(|row| row.name == *name) {
-                self.forget_tenant(name, entry);
-            }
-        }
+        let incarnations: HashMap<String, String> = rows.iter().map(|r| (r.name.clone(), r.incarnation.clone())).collect();
+        self.forget_gone(&old, &incarnations);
         for row in rows {
-            let limits = self.defaults.with(&row.overrides);
-            let previous = old.tenants.get(&row.name).filter(|_| same_tenant(&row.name, &row.incarnation));
-            let gate = match previous {
-                Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
-                previous => {
-                    // Idle instances were made under the old limits (reuse,
-                    // memory, concurrency): none outlives the change.
-                    previous.into_iter().flat_map(|e| e.handlers.values()).for_each(|h| h.warm.clear());
-                    Arc::new(new_gate(limits, previous.map(|e| &*e.gate)))
-                }
-            };
-            let weight = self.weight(&row.name, &row.overrides);
-            for model in self.models.iter() {
-                model.set_tenant_weight(&row.name, weight);
-            }
-            live.tenants.insert(row.name, TenantEntry { incarnation: row.incarnation, gate, handlers: HashMap::new() });
+            let entry = self.tenant_entry(&old, row);
+            live.tenants.insert(entry.0, entry.1);
         }
         let mut to_compile = Vec::new();
         for active in db.active_handlers()? {
@@ -517,6 +547,7 @@ impl ControlPlane {
                 live.keys.insert(id, ActiveKey { tenant, secret_sha256 });
             }
         }
+        self.drop_recreated_meanwhile(db, &mut live)?;
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         self.generation.store(generation, Ordering::Release);
         self.synced_at_ms.store(now_ms(), Ordering::Release);

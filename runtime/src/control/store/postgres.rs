@@ -33,7 +33,7 @@ const CHANNEL: &str = "facegate_changes";
 const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1, V2, V3];
+pub(super) const MIGRATIONS: &[&str] = &[V1, V2, V3];
 
 const V1: &str = "
 CREATE TABLE tenants (
@@ -101,9 +101,11 @@ CREATE TABLE artifacts (
 ";
 
 /// Version 3: a tenant's incarnation, new each time a tenant of that name
-/// is created (rows from before keep '').
+/// is created. The default is random too, evaluated per row: rows from
+/// before get one of their own, and so do tenants that a node still
+/// running an older facegate creates during a rolling upgrade.
 const V3: &str = "
-ALTER TABLE tenants ADD COLUMN incarnation TEXT NOT NULL DEFAULT '';
+ALTER TABLE tenants ADD COLUMN incarnation TEXT NOT NULL DEFAULT substr(md5(random()::text || clock_timestamp()::text), 1, 16);
 ";
 
 /// The PostgreSQL store (see the module docs).

@@ -74,9 +74,10 @@ INSERT INTO generation (id, n) VALUES (1, 0);
 ";
 
 /// Version 3: a tenant's incarnation, new each time a tenant of that name
-/// is created (rows from before keep '').
+/// is created; rows from before get one of their own.
 const V3: &str = "
 ALTER TABLE tenants ADD COLUMN incarnation TEXT NOT NULL DEFAULT '';
+UPDATE tenants SET incarnation = lower(hex(randomblob(8)));
 ";
 
 /// Tables whose changes bump the generation.
@@ -396,7 +397,7 @@ mod tests {
         }
         let mut store = SqliteStore::open(&dir).unwrap();
         assert_eq!(store.tenants().unwrap()[0].name, "acme");
-        assert_eq!(store.tenants().unwrap()[0].incarnation, "", "rows from before the incarnation column");
+        assert_eq!(store.tenants().unwrap()[0].incarnation.len(), 16, "rows from before the column get an incarnation too");
         let before = store.generation().unwrap();
         store.create_tenant("beta", &LimitOverrides::default()).unwrap();
         assert!(store.generation().unwrap() > before, "a change bumps the generation");

@@ -264,3 +264,24 @@ fn a_tenant_created_again_under_its_name_is_a_new_incarnation() {
         assert_ne!(s.tenant("acme").unwrap().incarnation, first, "{kind}");
     }
 }
+
+#[test]
+fn a_version_2_postgres_store_is_migrated_and_its_tenants_get_incarnations_of_their_own() {
+    let url = fresh_database("pg-migrate");
+    let mut client = ::postgres::Client::connect(&url, ::postgres::NoTls).unwrap();
+    for migration in &postgres::MIGRATIONS[..2] {
+        client.batch_execute(migration).unwrap();
+    }
+    client
+        .batch_execute(
+            "CREATE TABLE schema_migrations (version INT PRIMARY KEY, applied_at BIGINT NOT NULL);
+             INSERT INTO schema_migrations VALUES (1, 0), (2, 0);
+             INSERT INTO tenants (name, created_at) VALUES ('acme', 1), ('beta', 1);",
+        )
+        .unwrap();
+    drop(client);
+    let mut store = postgres::PgStore::open(&url).unwrap();
+    let incarnations: Vec<String> = store.tenants().unwrap().into_iter().map(|t| t.incarnation).collect();
+    assert_eq!(incarnations.iter().map(String::len).collect::<Vec<_>>(), [16, 16], "{incarnations:?}");
+    assert_ne!(incarnations[0], incarnations[1], "one each");
+}
