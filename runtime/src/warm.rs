@@ -184,16 +184,6 @@ impl WarmInstances {
         drop(dropped);
     }
 
-    /// Idle instances of this handler version.
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    /// Whether none is idle.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Warm>> {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }

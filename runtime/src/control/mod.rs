@@ -273,9 +273,9 @@ impl ControlPlane {
     /// deleted and created again under their name (another incarnation):
     /// the new one starts afresh, and none of the old one's handlers is
     /// served to it.
-    fn forget_gone(&self, old: &Live, incarnations: &HashMap<String, String>) {
+    fn forget_gone(&self, old: &Live, incarnations: &HashMap<&str, &str>) {
         for (name, entry) in &old.tenants {
-            if incarnations.get(name) != Some(&entry.incarnation) {
+            if incarnations.get(name.as_str()) != Some(&entry.incarnation.as_str()) {
                 self.forget_tenant(name, entry);
             }
         }
@@ -308,9 +308,14 @@ impl ControlPlane {
     /// keys). Such a tenant is left out of this snapshot and forgotten; the
     /// change bumped the generation, so the next sync brings it in whole.
     fn drop_recreated_meanwhile(&self, db: &mut dyn Store, live: &mut Live) -> StoreResult<()> {
-        let now: HashMap<String, String> = db.tenants()?.into_iter().map(|r| (r.name, r.incarnation)).collect();
-        let changed: Vec<String> =
-            live.tenants.iter().filter(|(name, entry)| now.get(*name) != Some(&entry.incarnation)).map(|(name, _)| name.clone()).collect();
+        let rows = db.tenants()?;
+        let now = incarnations(rows.iter());
+        let changed: Vec<String> = live
+            .tenants
+            .iter()
+            .filter(|(name, entry)| now.get(name.as_str()) != Some(&entry.incarnation.as_str()))
+            .map(|(name, _)| name.clone())
+            .collect();
         for name in changed {
             if let Some(entry) = live.tenants.remove(&name) {
                 tracing::info!(tenant = %name, "tenant deleted or created again while the snapshot was read; it follows at the next sync");
@@ -495,11 +500,10 @@ impl ControlPlane {
         let old = self.live();
         let mut live = Live::default();
         let rows = db.tenants()?;
-        let incarnations: HashMap<String, String> = rows.iter().map(|r| (r.name.clone(), r.incarnation.clone())).collect();
-        self.forget_gone(&old, &incarnations);
+        self.forget_gone(&old, &incarnations(rows.iter()));
         for row in rows {
-            let entry = self.tenant_entry(&old, row);
-            live.tenants.insert(entry.0, entry.1);
+            let (name, entry) = self.tenant_entry(&old, row);
+            live.tenants.insert(name, entry);
         }
         let mut to_compile = Vec::new();
         for active in db.active_handlers()? {
@@ -553,6 +557,11 @@ impl ControlPlane {
         self.synced_at_ms.store(now_ms(), Ordering::Release);
         Ok(to_compile)
     }
+}
+
+/// Each tenant row's incarnation, by name.
+fn incarnations<'a>(rows: impl Iterator<Item = &'a store::TenantRow>) -> HashMap<&'a str, &'a str> {
+    rows.map(|r| (r.name.as_str(), r.incarnation.as_str())).collect()
 }
 
 /// What one [`ControlPlane::sync`] did.
