@@ -124,6 +124,11 @@ pub struct Measurement {
     pub errors: usize,
     /// Client loops that panicked; their calls are missing from the figures.
     pub failed_clients: usize,
+    /// CPU time of the whole process inside the window per completed call
+    /// (client, gateway and engine together: they share the cores).
+    pub cpu_per_call: Duration,
+    /// Cores the process kept busy on average inside the window.
+    pub cores: f64,
 }
 
 /// A duration in seconds: finite and not negative.
@@ -207,7 +212,10 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
         println!("(gateway: a fresh instance per request, the default; warm: the tenant's instance_reuse = {BENCH_INSTANCE_REUSE})");
         println!("(native: the same SDK pipeline compiled natively behind a bare hyper server, no sandbox, on the same engine)");
     }
-    println!("{:<28} {:>5} {:>10} {:>9} {:>9} {:>7} {:>6}", "configuration", "conc", "req/s", "p50 ms", "p99 ms", "batch", "errors");
+    println!(
+        "{:<28} {:>5} {:>10} {:>9} {:>9} {:>7} {:>6} {:>8} {:>6}",
+        "configuration", "conc", "req/s", "p50 ms", "p99 ms", "batch", "errors", "cpu ms", "cores"
+    );
     let round = duration / rounds;
     for &c in &config.concurrency {
         let warmup = Duration::from_secs_f64(config.warmup);
@@ -314,12 +322,14 @@ impl Tally {
 
 fn print_row(label: &str, concurrency: usize, m: &Measurement) {
     println!(
-        "{label:<28} {concurrency:>5} {:>10.2} {:>9.1} {:>9.1} {:>7.2} {:>6}",
+        "{label:<28} {concurrency:>5} {:>10.2} {:>9.1} {:>9.1} {:>7.2} {:>6} {:>8.2} {:>6.2}",
         m.throughput,
         m.p50.as_secs_f64() * 1e3,
         m.p99.as_secs_f64() * 1e3,
         m.mean_batch,
-        m.errors
+        m.errors,
+        m.cpu_per_call.as_secs_f64() * 1e3,
+        m.cores
     );
     print_failed_clients(m.failed_clients);
 }
@@ -421,6 +431,13 @@ where
 {
     let warmup = Instant::now() + Duration::from_millis(500);
     let end = warmup + duration;
+    // The process's CPU time over the same window the completions count in.
+    let cpu = tokio::spawn(async move {
+        tokio::time::sleep_until(warmup.into()).await;
+        let start = process_cpu();
+        tokio::time::sleep_until(end.into()).await;
+        process_cpu().saturating_sub(start)
+    });
     let tasks: Vec<_> = (0..concurrency)
         .map(|client| {
             let call = call.clone();
@@ -447,7 +464,21 @@ where
             }
         }
     }
+    all.cpu = cpu.await.unwrap_or_default();
     all
+}
+
+/// CPU time of the whole process (Linux); elsewhere wall time since first use.
+#[cfg(target_os = "linux")]
+pub(crate) fn process_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(u64::try_from(t.tv_sec).unwrap_or(0), u32::try_from(t.tv_nsec).unwrap_or(0))
+}
+
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn process_cpu() -> Duration {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed()
 }
 
 /// What one client loop saw (or several, merged).
@@ -458,6 +489,8 @@ pub(crate) struct LoopStats {
     errors: usize,
     /// Client loops that panicked (counted by [`drive`]).
     failed_clients: usize,
+    /// The process's CPU time inside the window (set by [`drive`]).
+    cpu: Duration,
 }
 
 impl LoopStats {
@@ -479,12 +512,14 @@ impl LoopStats {
         self.completed_in_window += other.completed_in_window;
         self.errors += other.errors;
         self.failed_clients += other.failed_clients;
+        self.cpu += other.cpu;
     }
 
     /// Completions per second of `window`, latency percentiles, errors
     /// and failed clients; no batch figure (callers add it).
     pub(crate) fn summarize(mut self, window: Duration) -> Measurement {
         self.latencies.sort();
+        let completed = u32::try_from(self.completed_in_window.max(1)).unwrap_or(u32::MAX);
         Measurement {
             throughput: self.completed_in_window as f64 / window.as_secs_f64(),
             p50: percentile(&self.latencies, 0.5),
@@ -492,6 +527,8 @@ impl LoopStats {
             mean_batch: 0.0,
             errors: self.errors,
             failed_clients: self.failed_clients,
+            cpu_per_call: self.cpu / completed,
+            cores: self.cpu.as_secs_f64() / window.as_secs_f64(),
         }
     }
 }
@@ -717,12 +754,15 @@ mod tests {
 
     #[test]
     fn summarize_sorts_merges_and_divides_by_the_window() {
-        let mut a = LoopStats { latencies: vec![30 * MS, 10 * MS], completed_in_window: 3, errors: 1, failed_clients: 0 };
-        a.merge(LoopStats { latencies: vec![20 * MS], completed_in_window: 1, errors: 0, failed_clients: 1 });
+        let mut a =
+            LoopStats { latencies: vec![30 * MS, 10 * MS], completed_in_window: 3, errors: 1, cpu: 400 * MS, ..LoopStats::default() };
+        a.merge(LoopStats { latencies: vec![20 * MS], completed_in_window: 1, errors: 0, failed_clients: 1, cpu: 200 * MS });
         let m = a.summarize(Duration::from_secs(2));
         assert_eq!(m.throughput, 2.0, "4 completions in 2 s");
         assert_eq!((m.p50, m.p99), (20 * MS, 30 * MS));
         assert_eq!((m.errors, m.failed_clients, m.mean_batch), (1, 1, 0.0));
+        assert_eq!(m.cpu_per_call, 150 * MS, "600 ms of CPU over 4 completions");
+        assert!((m.cores - 0.3).abs() < 1e-9, "600 ms of CPU in 2 s: {}", m.cores);
     }
 
     #[test]

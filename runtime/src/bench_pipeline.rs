@@ -16,7 +16,7 @@
 
 use std::io::Cursor;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use bytes::Bytes;
@@ -27,7 +27,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use image::imageops::FilterType;
 
-use crate::bench::{BenchConfig, start_seeded};
+use crate::bench::{BenchConfig, process_cpu, start_seeded};
 use crate::bench_guest::{BENCH_GUEST, GuestBench};
 use crate::engine::EngineLimits;
 
@@ -311,19 +311,6 @@ fn native_preprocess_ms(bytes: &[u8], side: u32, iterations: usize) -> anyhow::R
         }
     }
     Ok(median(times))
-}
-
-/// CPU time of the whole process (Linux); elsewhere wall time since first use.
-#[cfg(target_os = "linux")]
-fn process_cpu() -> Duration {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
-    Duration::new(u64::try_from(t.tv_sec).unwrap_or(0), u32::try_from(t.tv_nsec).unwrap_or(0))
-}
-
-#[cfg(not(target_os = "linux"))]
-fn process_cpu() -> Duration {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    START.get_or_init(Instant::now).elapsed()
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
