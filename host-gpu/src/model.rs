@@ -32,6 +32,13 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// Bytes of the largest valid input sample: free dimensions at
+    /// [`ModelSpec::max_side`]. What a caller may need to hand over at once.
+    pub fn max_input_bytes(&self) -> usize {
+        let elements = self.input.shape.iter().map(|&d| if d == 0 { self.max_side } else { d }).try_fold(1usize, usize::checked_mul);
+        elements.and_then(|n| n.checked_mul(self.input.element.size())).unwrap_or(usize::MAX)
+    }
+
     /// Checks a sample against the input spec; the error names what is wrong.
     pub fn validate_input(&self, tensor: &Tensor) -> Result<(), InferError> {
         let invalid = |msg: String| Err(InferError::InvalidInput(msg));
@@ -40,7 +47,7 @@ impl ModelSpec {
         }
         let shape = tensor.shape();
         if shape.len() != self.input.shape.len() {
-            return invalid(format!("expected shape like {:?} (0 = any), got {shape:?}", self.input.shape));
+            return invalid(format!("expected shape like {:?} (0 = any), got {}", self.input.shape, crate::tensor::brief_shape(shape)));
         }
         for (axis, (&want, &got)) in self.input.shape.iter().zip(shape).enumerate() {
             self.validate_dim(axis, want, got)?;
@@ -71,6 +78,22 @@ mod tests {
             max_side: 128,
             max_batch: 4,
         }
+    }
+
+    #[test]
+    fn the_largest_input_has_free_dimensions_at_the_max_side() {
+        assert_eq!(spec().max_input_bytes(), 128 * 128 * 3);
+        let f32_fixed = ModelSpec { input: TensorSpec { shape: vec![2, 0], element: ElementType::F32, ..spec().input }, ..spec() };
+        assert_eq!(f32_fixed.max_input_bytes(), 2 * 128 * 4);
+        let huge = ModelSpec { max_side: usize::MAX, ..spec() };
+        assert_eq!(huge.max_input_bytes(), usize::MAX, "saturates");
+    }
+
+    #[test]
+    fn a_shape_of_a_million_dimensions_is_named_briefly() {
+        let t = Tensor::new(vec![1; 1 << 20], ElementType::U8, vec![0]).unwrap();
+        let Err(InferError::InvalidInput(message)) = spec().validate_input(&t) else { panic!("accepted") };
+        assert!(message.len() < 200 && message.contains("1048576 dimensions"), "{message}");
     }
 
     fn image(h: usize, w: usize, c: usize) -> Tensor {

@@ -34,7 +34,7 @@ pub struct Tensor {
 
 /// A tensor whose byte length does not match its shape.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("tensor of shape {shape:?} ({element:?}) needs {expected} bytes, got {actual}")]
+#[error("tensor of shape {} ({element:?}) needs {expected} bytes, got {actual}", brief_shape(shape))]
 pub struct ShapeMismatch {
     /// The declared shape.
     pub shape: Vec<usize>,
@@ -44,6 +44,19 @@ pub struct ShapeMismatch {
     pub expected: usize,
     /// Bytes supplied.
     pub actual: usize,
+}
+
+/// Dimensions shown by [`brief_shape`] before it only counts them.
+const SHAPE_SHOWN: usize = 8;
+
+/// `shape` for a message: in full up to [`SHAPE_SHOWN`] dimensions, else
+/// the first few and the count. A caller's shape can be millions long; its
+/// message must not be.
+pub fn brief_shape(shape: &[usize]) -> String {
+    if shape.len() <= SHAPE_SHOWN {
+        return format!("{shape:?}");
+    }
+    format!("{:?} … ({} dimensions)", &shape[..SHAPE_SHOWN], shape.len())
 }
 
 impl Tensor {
@@ -120,6 +133,15 @@ mod tests {
     fn overflowing_shape_is_rejected_not_panicking() {
         let err = Tensor::new(vec![usize::MAX, 2], ElementType::U8, vec![]).unwrap_err();
         assert_eq!(err.expected, usize::MAX);
+    }
+
+    #[test]
+    fn a_mismatch_names_a_long_shape_briefly() {
+        let err = Tensor::new(vec![u32::MAX as usize; 1 << 20], ElementType::U8, vec![]).unwrap_err();
+        let message = err.to_string();
+        assert!(message.len() < 200 && message.contains("(1048576 dimensions)"), "{message}");
+        let short = Tensor::new(vec![2, 3], ElementType::U8, vec![]).unwrap_err().to_string();
+        assert!(short.starts_with("tensor of shape [2, 3] (U8) needs 6 bytes"), "{short}");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use wasmtime::component::Linker;
 use wasmtime::component::ResourceTableError;
 use wasmtime::{Engine, Store, Trap, UpdateDeadline};
 use wasmtime_wasi_http::p2::bindings::Proxy;
-use wasmtime_wasi_http::p2::bindings::http::types::{ErrorCode, Scheme};
+use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 
@@ -62,9 +62,10 @@ pub enum SandboxError {
     /// The guest returned without setting a response.
     #[error("handler returned without sending a response")]
     NoResponse,
-    /// The guest answered with a wasi:http error code instead of a response.
-    #[error("handler failed: {0:?}")]
-    Guest(ErrorCode),
+    /// The guest answered with a wasi:http error code instead of a response
+    /// (described briefly, see [`guest_text`]).
+    #[error("handler failed: {0}")]
+    Guest(String),
     /// The host failed to set up the request.
     #[error("internal error: {0}")]
     Internal(String),
@@ -78,6 +79,8 @@ pub struct Sandbox {
     hits: Arc<LimitHits>,
     warm: Arc<WarmBudget>,
     reused: AtomicU64,
+    /// Bytes one host call may copy out of a guest (see [`hostcall_fuel`]).
+    hostcall_fuel: usize,
 }
 
 /// Deadline marker error, so a timeout is told apart from other traps.
@@ -105,9 +108,11 @@ impl Sandbox {
             &mut linker,
             RequestState::http,
         )?;
+        let hostcall_fuel = hostcall_fuel(&models);
         Ok(Self {
             engine,
             linker,
+            hostcall_fuel,
             models,
             hits: Arc::default(),
             warm: WarmBudget::new(warm_instances, warm_idle),
@@ -204,7 +209,7 @@ impl Sandbox {
                 task.detach();
                 Ok(response)
             }
-            Ok(Ok(Err(code))) => Err(SandboxError::Guest(code)),
+            Ok(Ok(Err(code))) => Err(SandboxError::Guest(guest_text(&code))),
             Ok(Err(_)) => Err(task_outcome(task.join().await, timeout)),
             Err(_) => Err(SandboxError::Timeout(timeout)),
         }
@@ -256,6 +261,7 @@ impl Sandbox {
         let mut store =
             Store::new(&self.engine, RequestState::new(face, limiter, deadline, limits.max_host_resources, handler.outgoing_http));
         store.limiter(|state| &mut state.limiter);
+        store.set_hostcall_fuel(self.hostcall_fuel);
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(|ctx| {
             if Instant::now() >= ctx.data().deadline {
@@ -342,8 +348,8 @@ fn classify_trap(err: &wasmtime::Error, timeout: Duration) -> SandboxError {
     let reason = match err.downcast_ref::<Trap>() {
         Some(Trap::StackOverflow) => "stack overflow".to_owned(),
         Some(Trap::UnreachableCodeReached) => "unreachable executed (a panic or abort in the handler)".to_owned(),
-        Some(trap) => trap.to_string(),
-        None => root_cause(err),
+        Some(trap) => guest_text(&format_args!("{trap}")),
+        None => guest_text(&format_args!("{}", root_cause(err))),
     };
     SandboxError::Trap(reason)
 }
@@ -357,9 +363,58 @@ fn host_limit(err: &wasmtime::Error) -> Option<String> {
     {
         return Some("a header map over its size limit".to_owned());
     }
-    // wasmtime-wasi's message for a `wasi:random` request over its cap.
     let text = err.root_cause().to_string();
+    // wasmtime's message when a host call's arguments exceed the store's hostcall fuel.
+    if text.contains("fuel allocated for hostcalls has been exhausted") {
+        return Some("a host call handed over more data than the host takes in one call".to_owned());
+    }
+    // wasmtime-wasi's message for a `wasi:random` request over its cap.
     (text.starts_with("requested len") && text.contains("exceeds limit")).then(|| "a wasi:random request over its size limit".to_owned())
+}
+
+/// Room above the largest model input in [`hostcall_fuel`].
+const HOSTCALL_SLACK: usize = 1 << 20;
+/// The least [`hostcall_fuel`]: well above what any other host call takes
+/// (header maps 64 KiB, stream writes one permit).
+const HOSTCALL_FLOOR: usize = 4 << 20;
+
+/// Bytes one host call may copy out of a guest (wasmtime's hostcall fuel,
+/// 128 MiB by default): the largest valid model input, with room. wasmtime
+/// copies a call's arguments into host memory before the host function
+/// runs, outside the tenant's memory limit; a call over this traps instead.
+fn hostcall_fuel(models: &Models) -> usize {
+    let largest = models.iter().map(|b| b.spec().max_input_bytes()).max().unwrap_or(0);
+    largest.saturating_add(HOSTCALL_SLACK).max(HOSTCALL_FLOOR)
+}
+
+/// Longest text of a guest's making (an error code's message, a trap's
+/// description) that reaches a log line or an error response.
+const GUEST_TEXT_MAX: usize = 1024;
+
+/// `value` as text, cut at [`GUEST_TEXT_MAX`] bytes. Formatting stops
+/// there, so a guest's 100 MB message costs the host no more than that.
+fn guest_text(value: &dyn std::fmt::Debug) -> String {
+    let mut text = Capped(String::new());
+    if std::fmt::write(&mut text, format_args!("{value:?}")).is_err() {
+        text.0.push_str("… (cut)");
+    }
+    text.0
+}
+
+/// A string that refuses (with `fmt::Error`) to grow past [`GUEST_TEXT_MAX`].
+struct Capped(String);
+
+impl std::fmt::Write for Capped {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let room = GUEST_TEXT_MAX.saturating_sub(self.0.len());
+        if s.len() <= room {
+            self.0.push_str(s);
+            return Ok(());
+        }
+        let end = (0..=room).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+        self.0.push_str(&s[..end]);
+        Err(std::fmt::Error)
+    }
 }
 
 /// The reason shown to the client: known limits by name, anything else
@@ -396,4 +451,22 @@ fn log_output(handler: &Handler, request_id: &str, store: &Store<RequestState>, 
 
 fn internal(err: impl std::fmt::Display) -> SandboxError {
     SandboxError::Internal(err.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use wasmtime_wasi_http::p2::bindings::http::types::ErrorCode;
+
+    use super::*;
+
+    #[test]
+    fn a_guests_long_error_message_is_cut() {
+        let code = ErrorCode::InternalError(Some("\u{1}".repeat(8 << 20)));
+        let text = guest_text(&code);
+        assert!(text.len() <= GUEST_TEXT_MAX + "… (cut)".len(), "{} bytes", text.len());
+        assert!(text.starts_with("ErrorCode::InternalError(Some(\"\\u{1}") && text.ends_with("… (cut)"), "{text}");
+        assert_eq!(guest_text(&ErrorCode::ConnectionRefused), "ErrorCode::ConnectionRefused", "short ones are whole");
+        let multibyte = guest_text(&"é".repeat(GUEST_TEXT_MAX));
+        assert!(multibyte.ends_with("… (cut)"), "cut on a character boundary: {multibyte}");
+    }
 }

@@ -32,7 +32,8 @@ const STDIO_STREAMS: usize = 3;
 pub const RANDOM_MAX_BYTES: u64 = 1 << 20;
 
 /// Host memory one request can make the host hold through its resources,
-/// at most: every resource at its largest.
+/// at most: every resource at its largest. (While a host call runs, its
+/// arguments add at most the store's hostcall fuel, see `sandbox.rs`.)
 pub fn host_memory_bound(max_host_resources: usize) -> usize {
     max_host_resources * (FIELD_SIZE_LIMIT.max(BODY_CHUNK_BYTES * (BODY_BUFFER_CHUNKS + 1)))
 }

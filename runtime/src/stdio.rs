@@ -108,10 +108,24 @@ impl StdoutStream for CappedCapture {
     }
 }
 
+/// Longest line [`escape_for_log`] makes. Escaping turns a control byte
+/// into five or six characters (`\u{1}`), so without it a capture of
+/// control bytes would log several times its size.
+pub const LOG_LINE_MAX: usize = 16 * 1024;
+
 /// `bytes` as one log-safe line: UTF-8 lossily, control characters
-/// (newlines included) escaped, so a guest cannot forge log lines.
+/// (newlines included) escaped, so a guest cannot forge log lines; cut at
+/// [`LOG_LINE_MAX`] bytes (then ending in `…`).
 pub fn escape_for_log(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).trim_end().escape_debug().to_string()
+    let mut line = String::new();
+    for c in String::from_utf8_lossy(bytes).trim_end().escape_debug() {
+        if line.len() + c.len_utf8() > LOG_LINE_MAX {
+            line.push('…');
+            break;
+        }
+        line.push(c);
+    }
+    line
 }
 
 #[cfg(test)]
@@ -127,6 +141,14 @@ mod tests {
         assert!(capture.check_write().is_ok(), "a full capture still takes writes");
         let (kept, dropped) = capture.contents();
         assert_eq!((&kept[..], dropped), (&b"0123456789"[..], 6));
+    }
+
+    #[test]
+    fn escaping_cannot_make_a_line_longer_than_its_cap() {
+        let line = escape_for_log(&[1u8; 16 * 1024]);
+        assert!(line.len() <= LOG_LINE_MAX + '…'.len_utf8() && line.ends_with('…'), "{} bytes", line.len());
+        assert!(line.starts_with("\\u{1}\\u{1}"), "{}", &line[..20]);
+        assert_eq!(escape_for_log(b"short\n"), "short", "short lines are whole");
     }
 
     #[test]

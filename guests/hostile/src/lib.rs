@@ -28,6 +28,12 @@
 //! | `count`       | counts its requests in a global                            | 200, `{"served": n}`: 1 in a fresh instance |
 //! | `leak`        | counts, and leaves a header `fields` in the host's table   | 200, `{"served": n}`; the instance is not reused |
 //! | `nap`         | sleeps `ms` (default 100, at most 10000), then counts      | 200, `{"served": n}`             |
+//! | `error-code`  | answers with a wasi:http `internal-error` whose message is `mib` (default 8) MiB of control bytes | 500 `handler_failed`, the message cut |
+//! | `lift`        | one `infer` call with `mib` (default 64) MiB of data       | 500 `resource_limit` past the host's per-call cap |
+//!
+//! `error-code` answers through the `wasi:http` response outparam itself
+//! (the SDK's handlers never send an error code), so it is read from the
+//! raw query before the SDK sees the request.
 //!
 //! `bad-tensor` takes `case=NAME` to run one case only (each case uses one
 //! of the request's `infer` calls, so a low per-request quota would answer
@@ -39,11 +45,13 @@ use std::hint::black_box;
 use facegate_guest_sdk::face_detect::{self, ElementType, Tensor};
 use facegate_guest_sdk::http::HttpError;
 use facegate_guest_sdk::serde_json::{Value, json};
-use facegate_guest_sdk::{Error, Handler, Request, Response, export_handler};
+use facegate_guest_sdk::wasi::http::types::{ErrorCode, IncomingRequest, ResponseOutparam};
+use facegate_guest_sdk::{Error, Handler, Request, Response};
 
 /// The attacks, as `attack` accepts them (for the 400 message).
 const ATTACKS: &str = "loop, memory, recursion, panic, snoop, bad-tensor, many-calls, \
-                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap";
+                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap, \
+                       error-code, lift";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
 /// `infer` calls made by `many-calls`.
@@ -79,12 +87,33 @@ impl Handler for Hostile {
             "count" => Ok(Response::json(200, &json!({ "served": count() }))),
             "leak" => Ok(Response::json(200, &json!({ "served": leak() }))),
             "nap" => nap(query.get("ms")?),
+            "lift" => lift(query.get("mib")?),
             other => Err(HttpError::invalid_parameter("attack", &format!("must be one of {ATTACKS}, got {other:?}")).into()),
         }
     }
 }
 
-export_handler!(Hostile);
+impl facegate_guest_sdk::wasi::exports::http::incoming_handler::Guest for Hostile {
+    fn handle(request: IncomingRequest, out: ResponseOutparam) {
+        let query = request.path_with_query().unwrap_or_default();
+        match error_code_mib(&query) {
+            Some(mib) => ResponseOutparam::set(out, Err(ErrorCode::InternalError(Some("\u{1}".repeat(mib * MIB))))),
+            None => facegate_guest_sdk::http::serve::<Hostile>(request, out),
+        }
+    }
+}
+
+facegate_guest_sdk::wasi::http::proxy::export!(Hostile);
+
+/// For `attack=error-code`: its `mib` (default 8); `None` for other attacks.
+fn error_code_mib(path_with_query: &str) -> Option<usize> {
+    let (_, query) = path_with_query.split_once('?')?;
+    let pairs: Vec<(&str, &str)> = query.split('&').filter_map(|pair| pair.split_once('=')).collect();
+    pairs
+        .iter()
+        .any(|&pair| pair == ("attack", "error-code"))
+        .then(|| pairs.iter().find(|(key, _)| *key == "mib").and_then(|(_, v)| v.parse().ok()).unwrap_or(8))
+}
 
 /// Counts forever; `black_box` keeps the optimiser from removing the loop.
 fn spin() -> ! {
@@ -175,6 +204,7 @@ fn cases() -> Vec<(&'static str, &'static str, Tensor)> {
         ("wrong_element", MODEL, Tensor { shape: vec![640, 640, 3], element: ElementType::F32, data: vec![0; 640 * 640 * 3 * 4] }),
         ("bad_side", MODEL, u8_tensor(&[100, 100, 3], 100 * 100 * 3)),
         ("unknown_model", "nope", small_image()),
+        ("huge_rank", MODEL, u8_tensor(&vec![1; 1 << 20], 1)),
         ("valid", MODEL, small_image()),
     ]
 }
@@ -193,7 +223,8 @@ fn bad_tensors(only: Option<&str>) -> Result<Response, Error> {
     let results: Vec<Value> = cases
         .into_iter()
         .map(|(case, model, input)| {
-            let shape = input.shape.clone();
+            // A million dimensions are not echoed back.
+            let shape = if input.shape.len() <= 8 { json!(input.shape) } else { json!(format!("{} dimensions", input.shape.len())) };
             let mut result = json!({ "case": case, "model": model, "shape": shape });
             match face_detect::infer(model, &input) {
                 Ok(outputs) => {
@@ -355,6 +386,19 @@ fn nap(ms: Option<&str>) -> Result<Response, Error> {
 }
 
 /// `n` `infer` calls with a `side`×`side` zero image; each outcome reported.
+/// One `infer` call with `mib` (default 64) MiB of zeros, in a shape that
+/// would match them; says what came back, if the host let it return.
+fn lift(mib: Option<&str>) -> Result<Response, Error> {
+    let mib: usize = mib.map_or(Ok(64), |v| v.parse().map_err(|_| HttpError::invalid_parameter("mib", "must be a number")))?;
+    let len = mib * MIB;
+    let input = u8_tensor(&[1, u32::try_from(len / 3).unwrap_or(u32::MAX), 3], len - len % 3);
+    let outcome = match face_detect::infer(MODEL, &input) {
+        Ok(_) => "ok".to_owned(),
+        Err(e) => describe(&e),
+    };
+    Ok(Response::json(200, &json!({ "mib": mib, "outcome": outcome })))
+}
+
 fn big_tensors(side: Option<&str>, n: Option<&str>) -> Result<Response, Error> {
     let parse = |name: &str, value: Option<&str>, default: u32| -> Result<u32, Error> {
         value.map_or(Ok(default), |v| v.parse().map_err(|_| HttpError::invalid_parameter(name, "must be a number").into()))

@@ -136,6 +136,16 @@ pub struct OnnxBackend {
     scratch: Vec<f32>,
 }
 
+/// Floats of the input buffer kept between batches however large the last
+/// was: a batch of eight 640×640 images (39 MB).
+const SCRATCH_KEEP: usize = 8 * 3 * 640 * 640;
+
+/// Whether to free an input buffer of `capacity` floats before a batch of
+/// `needed`: when it is past [`SCRATCH_KEEP`] and this batch is not.
+fn drop_scratch(capacity: usize, needed: usize) -> bool {
+    capacity > SCRATCH_KEEP && needed <= SCRATCH_KEEP
+}
+
 impl OnnxBackend {
     /// Opens a session for `config` on `device`. [`init_onnx_runtime`] must have succeeded.
     pub fn new(config: ImageModelConfig, device: &Device) -> Result<Self, BackendError> {
@@ -148,6 +158,11 @@ impl OnnxBackend {
 
     fn fill_input(&mut self, inputs: &[&Tensor], h: usize, w: usize) {
         let sample = 3 * h * w;
+        // One batch of the largest images grows the buffer to hundreds of
+        // MB: keep that only while such batches come, not for good.
+        if drop_scratch(self.scratch.capacity(), inputs.len() * sample) {
+            self.scratch = Vec::new();
+        }
         self.scratch.clear();
         self.scratch.resize(inputs.len() * sample, 0.0);
         for (input, out) in inputs.iter().zip(self.scratch.chunks_exact_mut(sample)) {
@@ -311,6 +326,14 @@ mod tests {
             tensorrt_profile(&config),
             ["input.1:1x3x32x32".to_owned(), "input.1:16x3x640x640".into(), "input.1:16x3x2048x2048".into()]
         );
+    }
+
+    #[test]
+    fn a_buffer_grown_by_huge_images_is_freed_at_the_next_normal_batch() {
+        let huge = 8 * 3 * 2048 * 2048;
+        assert!(!drop_scratch(huge, huge), "kept while huge batches come");
+        assert!(drop_scratch(huge, 3 * 640 * 640), "freed for a normal one");
+        assert!(!drop_scratch(SCRATCH_KEEP, 3 * 32 * 32), "a normal-sized buffer is kept");
     }
 
     #[test]

@@ -84,7 +84,14 @@ impl wit::Host for FaceDetectView<'_> {
     }
 }
 
+/// Most dimensions an input tensor may have. A longer shape is refused
+/// before the host converts or describes it: a guest can pass millions.
+const MAX_RANK: usize = 8;
+
 fn to_host_tensor(t: wit::Tensor) -> Result<facegate_host_gpu::Tensor, wit::Error> {
+    if t.shape.len() > MAX_RANK {
+        return Err(wit::Error::InvalidInput(format!("a tensor has at most {MAX_RANK} dimensions, this one has {}", t.shape.len())));
+    }
     let shape = t.shape.into_iter().map(|d| d as usize).collect();
     facegate_host_gpu::Tensor::new(shape, element_from_wit(t.element), t.data).map_err(|e| wit::Error::InvalidInput(e.to_string()))
 }

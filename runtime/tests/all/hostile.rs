@@ -106,6 +106,7 @@ fn malformed_tensors_get_clean_errors() {
         ("wrong_element", "invalid-input"),
         ("bad_side", "invalid-input"),
         ("unknown_model", "unknown-model"),
+        ("huge_rank", "invalid-input: a tensor has at most 8 dimensions, this one has 1048576"),
     ];
     while_well_behaved_tenant_calls(|| {
         for (case, error) in expected {
@@ -113,12 +114,39 @@ fn malformed_tensors_get_clean_errors() {
             assert_eq!(status, 200, "{case}: {body}");
             let result = &body["results"][0];
             assert_eq!(result["ok"], false, "{case}: {body}");
-            assert!(result["error"].as_str().unwrap().starts_with(error), "{case}: {body}");
+            let message = result["error"].as_str().unwrap();
+            assert!(message.starts_with(error), "{case}: {body}");
+            // The host never echoes an input's shape in full (a million dimensions here).
+            assert!(message.len() < 300, "{case}: a message of {} bytes", message.len());
         }
         let (status, body, _) = attack("attack=bad-tensor&case=valid");
         assert_eq!((status, &body["results"][0]["ok"]), (200, &Value::Bool(true)), "{body}");
         assert_eq!(body["results"][0]["outputs"].as_array().unwrap().len(), 4);
     });
+}
+
+/// A guest's error code carrying 8 MiB of control bytes: the host neither
+/// logs nor answers it in full (escaped, it would be 40 MB).
+#[test]
+fn a_huge_error_message_from_a_guest_is_cut() {
+    let (status, body, _) = while_well_behaved_tenant_calls(|| attack("attack=error-code&mib=8"));
+    assert_eq!((status, body["error"]["code"].as_str()), (500, Some("handler_failed")), "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.len() < 2048 && message.contains("InternalError") && message.ends_with("… (cut)"), "{} bytes", message.len());
+}
+
+/// wasmtime copies a host call's arguments into host memory, outside the
+/// tenant's memory limit, before the host function runs. One call may
+/// hand over the largest valid model input (2048²×3 bytes) with room to
+/// spare, not 64 MiB.
+#[test]
+fn a_host_call_past_the_per_call_cap_ends_only_its_request() {
+    let (status, body, _) = while_well_behaved_tenant_calls(|| attack("attack=lift&mib=64"));
+    assert_eq!((status, body["error"]["code"].as_str()), (500, Some("resource_limit")), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("more data than the host takes in one call"), "{body}");
+    let (status, body, _) = attack("attack=lift&mib=12");
+    assert_eq!(status, 200, "a largest-input-sized call is taken: {body}");
+    assert!(body["outcome"].as_str().unwrap().starts_with("invalid-input"), "{body}");
 }
 
 #[test]
