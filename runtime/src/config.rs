@@ -161,6 +161,14 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_WARM_IDLE_SECS", default_value_t = DEFAULT_WARM_IDLE_SECS, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub warm_idle_secs: u64,
 
+    /// Whether handlers granted outgoing HTTP (a tenant's `outgoing_http`)
+    /// may also reach loopback, private, link-local and other non-public
+    /// addresses. `false`: public addresses only, so a granted handler
+    /// reaches neither this host (its admin API) nor the cloud's metadata
+    /// service nor internal networks.
+    #[arg(long, env = "FACEGATE_OUTGOING_ALLOW_PRIVATE", default_value_t = false, action = clap::ArgAction::Set)]
+    pub outgoing_allow_private: bool,
+
     /// Default most `face-detect.infer` calls one request may make.
     #[arg(long, env = "FACEGATE_MAX_INFER_CALLS", default_value_t = DEFAULT_MAX_INFER_CALLS)]
     pub max_infer_calls: u32,

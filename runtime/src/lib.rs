@@ -30,6 +30,7 @@ pub mod http;
 pub mod instances;
 pub mod limiter;
 pub mod metrics;
+pub mod outgoing;
 pub mod sandbox;
 pub mod state;
 pub mod stdio;
@@ -131,8 +132,9 @@ impl Gateway {
             keep_resident: config.memory_keep_resident_kib << 10,
         })?;
         let ticker = EpochTicker::start(&engine);
-        let sandbox =
-            Arc::new(Sandbox::new(engine, models.clone(), config.warm_instances as usize, Duration::from_secs(config.warm_idle_secs))?);
+        let warm = (config.warm_instances as usize, Duration::from_secs(config.warm_idle_secs));
+        let egress = outgoing::Egress { allow_private: config.outgoing_allow_private };
+        let sandbox = Arc::new(Sandbox::new(engine, models.clone(), warm, egress)?);
         // Per-tenant counters the control plane clears when a tenant is deleted.
         let http_metrics = Arc::new(metrics::HttpMetrics::default());
         let counters: Vec<Arc<dyn metrics::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone()];

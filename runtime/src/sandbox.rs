@@ -21,6 +21,7 @@ use crate::face_detect::{self, FaceDetectCtx};
 use crate::handlers::Handler;
 use crate::limiter::{InstanceLimiter, MemoryLimitExceeded};
 use crate::metrics::{Limit, LimitHits};
+use crate::outgoing::Egress;
 use crate::state::{self, RequestState};
 use crate::stdio::escape_for_log;
 use crate::warm::{WARM_MAX_MEMORY, Warm, WarmBudget};
@@ -81,6 +82,8 @@ pub struct Sandbox {
     reused: AtomicU64,
     /// Bytes one host call may copy out of a guest (see [`hostcall_fuel`]).
     hostcall_fuel: usize,
+    /// Where granted outgoing requests may go.
+    egress: Egress,
 }
 
 /// Deadline marker error, so a timeout is told apart from other traps.
@@ -93,8 +96,9 @@ impl Sandbox {
     /// wasi:http (outgoing requests denied per request unless the tenant is
     /// granted outgoing HTTP, see [`state::GatewayHooks`]) and face-detect;
     /// keeps at most `warm_instances` idle instances for reuse, each for at
-    /// most `warm_idle` without a request.
-    pub fn new(engine: Engine, models: Models, warm_instances: usize, warm_idle: Duration) -> wasmtime::Result<Self> {
+    /// most `warm_idle` without a request; granted outgoing requests go
+    /// where `egress` allows.
+    pub fn new(engine: Engine, models: Models, (warm_instances, warm_idle): (usize, Duration), egress: Egress) -> wasmtime::Result<Self> {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         let options = wasmtime_wasi_http::p2::bindings::LinkOptions::default();
@@ -113,6 +117,7 @@ impl Sandbox {
             engine,
             linker,
             hostcall_fuel,
+            egress,
             models,
             hits: Arc::default(),
             warm: WarmBudget::new(warm_instances, warm_idle),
@@ -249,6 +254,7 @@ impl Sandbox {
         state.limiter.set_limit(limits.memory_limit);
         state.table.set_max_capacity(limits.max_host_resources);
         state.hooks.outgoing_http = handler.outgoing_http;
+        state.hooks.deadline = deadline;
         state.stdio.clear();
         store.set_epoch_deadline(1);
     }
@@ -258,8 +264,10 @@ impl Sandbox {
         // One budget for all memories and tables; a growth past it traps with
         // a clear reason instead of letting the guest's allocator abort.
         let limiter = InstanceLimiter::new(limits.memory_limit);
-        let mut store =
-            Store::new(&self.engine, RequestState::new(face, limiter, deadline, limits.max_host_resources, handler.outgoing_http));
+        let mut store = Store::new(
+            &self.engine,
+            RequestState::new(face, limiter, deadline, limits.max_host_resources, (handler.outgoing_http, self.egress)),
+        );
         store.limiter(|state| &mut state.limiter);
         store.set_hostcall_fuel(self.hostcall_fuel);
         store.set_epoch_deadline(1);

@@ -10,6 +10,7 @@ use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpC
 
 use crate::face_detect::{FaceDetectCtx, FaceDetectView};
 use crate::limiter::InstanceLimiter;
+use crate::outgoing::{Egress, Sent};
 use crate::stdio::CappedCapture;
 
 /// Bytes of a guest's stdout and stderr kept for the logs, per request;
@@ -40,23 +41,24 @@ pub fn host_memory_bound(max_host_resources: usize) -> usize {
 
 /// The wasi:http hooks of a request: small body buffers, and outgoing
 /// requests denied unless the tenant is granted outgoing HTTP.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct GatewayHooks {
     /// The tenant's grant.
     pub outgoing_http: bool,
+    /// Where granted requests may go (server-wide).
+    pub egress: Egress,
+    /// The request's deadline: no outgoing request waits past it.
+    pub deadline: Instant,
 }
 
 /// What `send_request` returns (the hook's own signature).
-type SendFuture = Box<
-    dyn std::future::Future<
-            Output = Result<(hyper::Response<WasiBody>, Box<dyn std::future::Future<Output = Result<(), HttpError>> + Send>), HttpError>,
-        > + Send,
->;
+type SendFuture = Box<dyn std::future::Future<Output = Result<Sent, HttpError>> + Send>;
 
 impl WasiHttpHooks for GatewayHooks {
     /// Without the grant, every outgoing request fails with
     /// `HTTP-request-denied` (JavaScript components import the interface
-    /// whether or not they use it); with it, the default client sends it.
+    /// whether or not they use it); with it, [`crate::outgoing`] sends it
+    /// where `egress` allows (`destination-IP-prohibited` elsewhere).
     fn send_request(
         &mut self,
         request: hyper::Request<WasiBody>,
@@ -67,11 +69,7 @@ impl WasiHttpHooks for GatewayHooks {
         if !self.outgoing_http {
             return Box::new(async { Err(HttpError::HttpRequestDenied) });
         }
-        Box::new(async move {
-            use http_body_util::BodyExt;
-            let (response, io) = wasmtime_wasi_http::default_send_request(request, options).await?;
-            Ok((response.map(BodyExt::boxed_unsync), Box::new(io) as Box<dyn std::future::Future<Output = _> + Send>))
-        })
+        Box::new(crate::outgoing::send(request, options, self.egress, self.deadline))
     }
 
     fn p2_outgoing_body_buffer_chunks(&mut self) -> usize {
@@ -111,7 +109,7 @@ impl RequestState {
         limiter: InstanceLimiter,
         deadline: Instant,
         max_host_resources: usize,
-        outgoing_http: bool,
+        (outgoing_http, egress): (bool, Egress),
     ) -> Self {
         let stdio = CappedCapture::new(STDIO_CAPTURE_BYTES);
         let wasi = WasiCtx::builder()
@@ -126,7 +124,7 @@ impl RequestState {
         table.set_max_capacity(max_host_resources);
         let mut http = WasiHttpCtx::new();
         http.set_field_size_limit(FIELD_SIZE_LIMIT);
-        Self { table, wasi, http, hooks: GatewayHooks { outgoing_http }, face_detect, limiter, deadline, stdio }
+        Self { table, wasi, http, hooks: GatewayHooks { outgoing_http, egress, deadline }, face_detect, limiter, deadline, stdio }
     }
 }
 
@@ -172,7 +170,17 @@ mod tests {
     #[tokio::test]
     async fn outgoing_requests_are_denied_without_the_grant() {
         let request = hyper::Request::get("https://example.com/").body(WasiBody::default()).unwrap();
-        let sent = GatewayHooks { outgoing_http: false }.send_request(request, None, Box::new(async { Ok(()) }));
+        let mut hooks = GatewayHooks { outgoing_http: false, egress: Egress { allow_private: true }, deadline: Instant::now() };
+        let sent = hooks.send_request(request, None, Box::new(async { Ok(()) }));
         assert!(matches!(Box::into_pin(sent).await, Err(HttpError::HttpRequestDenied)));
+    }
+
+    #[tokio::test]
+    async fn granted_requests_go_only_where_egress_allows() {
+        let request = hyper::Request::get("http://169.254.169.254/latest/").body(WasiBody::default()).unwrap();
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        let mut hooks = GatewayHooks { outgoing_http: true, egress: Egress::default(), deadline };
+        let sent = hooks.send_request(request, None, Box::new(async { Ok(()) }));
+        assert!(matches!(Box::into_pin(sent).await, Err(HttpError::DestinationIpProhibited)));
     }
 }

@@ -29,6 +29,7 @@
 //! | `leak`        | counts, and leaves a header `fields` in the host's table   | 200, `{"served": n}`; the instance is not reused |
 //! | `nap`         | sleeps `ms` (default 100, at most 10000), then counts      | 200, `{"served": n}`             |
 //! | `error-code`  | answers with a wasi:http `internal-error` whose message is `mib` (default 8) MiB of control bytes | 500 `handler_failed`, the message cut |
+//! | `fetch`       | an outgoing `GET` of `url` (`http://host:port/path`)       | 200, JSON: `ok: STATUS` or the error code |
 //! | `lift`        | one `infer` call with `mib` (default 64) MiB of data       | 500 `resource_limit` past the host's per-call cap |
 //!
 //! `error-code` answers through the `wasi:http` response outparam itself
@@ -51,7 +52,7 @@ use facegate_guest_sdk::{Error, Handler, Request, Response};
 /// The attacks, as `attack` accepts them (for the 400 message).
 const ATTACKS: &str = "loop, memory, recursion, panic, snoop, bad-tensor, many-calls, \
                        fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap, \
-                       error-code, lift";
+                       error-code, lift, fetch";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
 /// `infer` calls made by `many-calls`.
@@ -88,6 +89,7 @@ impl Handler for Hostile {
             "leak" => Ok(Response::json(200, &json!({ "served": leak() }))),
             "nap" => nap(query.get("ms")?),
             "lift" => lift(query.get("mib")?),
+            "fetch" => Ok(Response::json(200, &json!({ "outcome": fetch(query.get("url")?.unwrap_or("")) }))),
             other => Err(HttpError::invalid_parameter("attack", &format!("must be one of {ATTACKS}, got {other:?}")).into()),
         }
     }
@@ -386,6 +388,35 @@ fn nap(ms: Option<&str>) -> Result<Response, Error> {
 }
 
 /// `n` `infer` calls with a `side`×`side` zero image; each outcome reported.
+/// An outgoing `GET` of `url` through `wasi:http/outgoing-handler`:
+/// `"ok: STATUS"` or `"error: CODE"`.
+fn fetch(url: &str) -> String {
+    use facegate_guest_sdk::wasi::http::outgoing_handler;
+    use facegate_guest_sdk::wasi::http::types::{Fields, OutgoingRequest, Scheme};
+    let (scheme, rest) = url.split_once("://").unwrap_or(("http", url));
+    let (authority, path) = rest.find('/').map_or((rest, "/"), |at| rest.split_at(at));
+    let request = OutgoingRequest::new(Fields::new());
+    let scheme = if scheme == "https" { Scheme::Https } else { Scheme::Http };
+    if request.set_scheme(Some(&scheme)).is_err()
+        || request.set_authority(Some(authority)).is_err()
+        || request.set_path_with_query(Some(path)).is_err()
+    {
+        return format!("error: cannot make a request of {url:?}");
+    }
+    let response = match outgoing_handler::handle(request, None) {
+        Ok(future) => {
+            future.subscribe().block();
+            future.get()
+        }
+        Err(code) => return format!("error: {code:?}"),
+    };
+    match response {
+        Some(Ok(Ok(response))) => format!("ok: {}", response.status()),
+        Some(Ok(Err(code))) => format!("error: {code:?}"),
+        other => format!("error: {other:?}"),
+    }
+}
+
 /// One `infer` call with `mib` (default 64) MiB of zeros, in a shape that
 /// would match them; says what came back, if the host let it return.
 fn lift(mib: Option<&str>) -> Result<Response, Error> {

@@ -9,6 +9,7 @@ mod connections;
 mod console;
 mod control;
 mod detect;
+mod egress;
 mod harness;
 mod hostile;
 mod isolation;

@@ -13,7 +13,7 @@ use crate::harness::{self, ADMIN_TOKEN, admin, admin_json, anonymous, client_wit
 
 /// Creates `tenant` with `limits`, deploys the hostile handler as `attack`;
 /// returns the tenant's key.
-fn hostile_tenant(tenant: &str, limits: Value) -> String {
+pub(crate) fn hostile_tenant(tenant: &str, limits: Value) -> String {
     let (status, body) = admin_json(admin(Method::POST, "tenants").json(&json!({ "name": tenant, "limits": limits })));
     assert_eq!(status, 201, "{body}");
     let (status, body) = admin_json(admin(Method::POST, &format!("tenants/{tenant}/keys")));
@@ -28,7 +28,7 @@ fn hostile_tenant(tenant: &str, limits: Value) -> String {
 /// One request to `tenant`'s hostile handler: status and JSON answer. Waits
 /// a little first: an instance goes back to its handler just after its
 /// response body is sent.
-fn call(key: &str, tenant: &str, attack: &str) -> (u16, Value) {
+pub(crate) fn call(key: &str, tenant: &str, attack: &str) -> (u16, Value) {
     std::thread::sleep(Duration::from_millis(150));
     let response = client_with_key(key).get(url(&format!("/v1/{tenant}/attack?attack={attack}"))).send().unwrap();
     let status = response.status().as_u16();

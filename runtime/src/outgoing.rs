@@ -1,0 +1,360 @@
+//! Outgoing HTTP of tenants granted it (`outgoing_http`): where a request
+//! may go, and the client that sends it.
+//!
+//! A granted handler must not reach what only the host can: the gateway's
+//! own listeners and admin API on loopback, the cloud's metadata service
+//! (169.254.169.254, credentials), databases and other services on private
+//! networks. So the name is resolved here, every address is checked, and
+//! the connection goes to a checked address: no second lookup that DNS
+//! rebinding could answer differently. By default only public addresses
+//! are allowed; `--outgoing-allow-private` lifts that for deployments whose
+//! handlers call internal services on purpose.
+//!
+//! Name lookups run on tokio's blocking pool and keep running after a
+//! request gives up, so at most [`MAX_LOOKUPS`] run at once: a guest cannot
+//! fill the pool the admin API also uses.
+//!
+//! The client follows wasmtime-wasi-http's `default_send_request` (HTTP/1.1,
+//! TLS by rustls; the same timeouts, capped by the request's deadline).
+
+use std::future::{Future, poll_fn};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::pin::{Pin, pin};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+use tokio_rustls::rustls::pki_types::ServerName;
+use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody};
+
+/// Name lookups running at once, all requests together.
+pub const MAX_LOOKUPS: usize = 16;
+
+/// Which destinations a granted handler may reach.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Egress {
+    /// Also loopback, private, link-local and other non-public addresses.
+    pub allow_private: bool,
+}
+
+/// What the client hands back: the response, and the connection's I/O,
+/// which the caller drives while the body is read.
+pub type Sent = (hyper::Response<WasiBody>, Box<dyn Future<Output = Result<(), HttpError>> + Send>);
+
+/// Sends `request` to a destination `egress` allows, giving up at `deadline`.
+pub async fn send(
+    request: hyper::Request<WasiBody>,
+    options: Option<RequestOptions>,
+    egress: Egress,
+    deadline: Instant,
+) -> Result<Sent, HttpError> {
+    let uri = request.uri();
+    let authority = uri.authority().ok_or(HttpError::HttpRequestUriInvalid)?;
+    let tls = uri.scheme() == Some(&hyper::http::uri::Scheme::HTTPS);
+    let (host, port) = (authority.host().to_owned(), authority.port_u16().unwrap_or(if tls { 443 } else { 80 }));
+    let timeouts = Timeouts::new(options, deadline);
+    let addr = tokio::time::timeout(timeouts.connect, destination(&host, port, egress)).await.map_err(|_| HttpError::DnsTimeout)??;
+    let tcp = match tokio::time::timeout(timeouts.connect, TcpStream::connect(addr)).await {
+        Ok(stream) => stream.map_err(HttpError::Connect)?,
+        Err(_) => return Err(HttpError::ConnectionTimeout),
+    };
+    let stream: Box<dyn Stream> = if tls { Box::new(tls_connect(&host, tcp).await?) } else { Box::new(tcp) };
+    let (mut sender, conn) = tokio::time::timeout(timeouts.connect, hyper::client::conn::http1::handshake(TokioIo::new(stream)))
+        .await
+        .map_err(|_| HttpError::ConnectionTimeout)??;
+    let request = origin_form(request);
+    let send = async move {
+        let response = tokio::time::timeout(timeouts.first_byte, sender.send_request(request))
+            .await
+            .map_err(|_| HttpError::ConnectionReadTimeout)??;
+        Ok::<_, HttpError>(response.map(|incoming| TimedBody::new(incoming, timeouts.between_bytes).boxed_unsync()))
+    };
+    let (response, conn) = drive_until_response(send, conn).await?;
+    let io = async move {
+        match conn {
+            Some(conn) => conn.await.map_err(|e| if e.is_timeout() { HttpError::HttpResponseTimeout } else { e.into() }),
+            None => Ok(()),
+        }
+    };
+    Ok((response, Box::new(io)))
+}
+
+/// The address to connect to: `host` resolved (or parsed, for an IP
+/// literal), the first address `egress` allows; `DestinationIpProhibited`
+/// when it allows none of them.
+async fn destination(host: &str, port: u16, egress: Egress) -> Result<SocketAddr, HttpError> {
+    let literal = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let addrs: Vec<SocketAddr> = match literal.parse::<IpAddr>() {
+        Ok(ip) => vec![SocketAddr::new(ip, port)],
+        Err(_) => lookup(host, port).await?,
+    };
+    addrs.into_iter().find(|a| egress.allow_private || is_public(a.ip())).ok_or(HttpError::DestinationIpProhibited)
+}
+
+/// `host`'s addresses, at most [`MAX_LOOKUPS`] lookups at once.
+async fn lookup(host: &str, port: u16) -> Result<Vec<SocketAddr>, HttpError> {
+    static LOOKUPS: Semaphore = Semaphore::const_new(MAX_LOOKUPS);
+    let _permit = LOOKUPS.acquire().await.map_err(|_| HttpError::DnsTimeout)?;
+    let found = tokio::net::lookup_host((host, port)).await;
+    let addrs: Vec<SocketAddr> = found.map_err(|e| HttpError::DnsError { rcode: Some(e.to_string()), info_code: None })?.collect();
+    if addrs.is_empty() {
+        return Err(HttpError::DestinationNotFound);
+    }
+    Ok(addrs)
+}
+
+/// Whether `ip` is a public (globally routed) address: not loopback,
+/// private, shared (CGNAT), link-local, unique-local, multicast,
+/// documentation, benchmarking, reserved or unspecified; IPv4 inside IPv6
+/// (mapped, compatible, NAT64, 6to4) is judged as the IPv4 it carries.
+pub fn is_public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => is_public_v4(v4),
+        IpAddr::V6(v6) => embedded_v4(v6).map_or_else(|| is_public_v6(v6), is_public_v4),
+    }
+}
+
+fn is_public_v4(ip: Ipv4Addr) -> bool {
+    let [a, b, c, _] = ip.octets();
+    let special = ip.is_unspecified()
+        || ip.is_loopback()
+        || ip.is_private()
+        || ip.is_link_local()
+        || ip.is_broadcast()
+        || ip.is_multicast()
+        || ip.is_documentation()
+        || a == 0
+        || (a == 100 && b & 0xC0 == 64) // shared address space (CGNAT), 100.64/10
+        || (a == 192 && b == 0 && c == 0) // IETF protocol assignments, 192.0.0/24
+        || (a == 198 && b & 0xFE == 18) // benchmarking, 198.18/15
+        || a >= 240; // reserved
+    !special
+}
+
+fn is_public_v6(ip: Ipv6Addr) -> bool {
+    let s = ip.segments();
+    let special = ip.is_unspecified()
+        || ip.is_loopback()
+        || ip.is_multicast()
+        || s[0] & 0xFE00 == 0xFC00 // unique local, fc00::/7
+        || s[0] & 0xFFC0 == 0xFE80 // link-local, fe80::/10
+        || s[0] & 0xFFC0 == 0xFEC0 // site-local (deprecated), fec0::/10
+        || (s[0] == 0x2001 && s[1] == 0x0DB8) // documentation
+        || (s[0] == 0x0100 && s[1..4] == [0, 0, 0]); // discard-only, 100::/64
+    !special
+}
+
+/// The IPv4 address an IPv6 one carries: mapped (`::ffff:a.b.c.d`),
+/// compatible (`::a.b.c.d`), NAT64 (`64:ff9b::/96`) or 6to4 (`2002::/16`).
+fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
+    let s = ip.segments();
+    let tail = |hi: u16, lo: u16| Ipv4Addr::from((u32::from(hi) << 16) | u32::from(lo));
+    match s {
+        [0, 0, 0, 0, 0, 0xFFFF, hi, lo] | [0, 0, 0, 0, 0, 0, hi, lo] if !ip.is_loopback() && !ip.is_unspecified() => Some(tail(hi, lo)),
+        [0x64, 0xFF9B, 0, 0, 0, 0, hi, lo] => Some(tail(hi, lo)),
+        [0x2002, hi, lo, ..] => Some(tail(hi, lo)),
+        _ => None,
+    }
+}
+
+/// The client's timeouts: the guest's options (600 s each by default, as
+/// wasmtime's client), none past the request's deadline.
+#[derive(Clone, Copy)]
+struct Timeouts {
+    connect: Duration,
+    first_byte: Duration,
+    between_bytes: Duration,
+}
+
+impl Timeouts {
+    fn new(options: Option<RequestOptions>, deadline: Instant) -> Self {
+        const DEFAULT: Duration = Duration::from_secs(600);
+        let left = deadline.saturating_duration_since(Instant::now());
+        let pick = |chosen: Option<Duration>| chosen.unwrap_or(DEFAULT).min(left);
+        Self {
+            connect: pick(options.and_then(|o| o.connect_timeout)),
+            first_byte: pick(options.and_then(|o| o.first_byte_timeout)),
+            // Tokio's interval panics on zero.
+            between_bytes: pick(options.and_then(|o| o.between_bytes_timeout)).max(Duration::from_nanos(1)),
+        }
+    }
+}
+
+/// What a connection runs over: TCP, or TLS over TCP.
+trait Stream: AsyncRead + AsyncWrite + Send + Sync + Unpin + 'static {}
+impl<T> Stream for T where T: AsyncRead + AsyncWrite + Send + Sync + Unpin + 'static {}
+
+/// TLS to `host` over `tcp`, verified against the system's roots.
+async fn tls_connect(host: &str, tcp: TcpStream) -> Result<impl Stream, HttpError> {
+    let name = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let server = ServerName::try_from(name.to_owned()).map_err(HttpError::InvalidDnsNameError)?;
+    let config = tls_config().ok_or(HttpError::ConfigurationError)?;
+    tokio_rustls::TlsConnector::from(config).connect(server, tcp).await.map_err(HttpError::Tls)
+}
+
+/// The client TLS configuration, built once: ring, the system's roots;
+/// `None` if rustls refused it (then every HTTPS request fails).
+fn tls_config() -> Option<Arc<ClientConfig>> {
+    static CONFIG: OnceLock<Option<Arc<ClientConfig>>> = OnceLock::new();
+    CONFIG
+        .get_or_init(|| {
+            let mut roots = RootCertStore::empty();
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+            let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+            let builder = ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions();
+            match builder {
+                Ok(builder) => Some(Arc::new(builder.with_root_certificates(roots).with_no_client_auth())),
+                Err(e) => {
+                    tracing::error!(error = %e, "outgoing HTTPS unavailable: no TLS client configuration");
+                    None
+                }
+            }
+        })
+        .clone()
+}
+
+/// The request with only path and query in its URI (scheme and authority
+/// go only to a proxy); the `Host` header carries the authority.
+fn origin_form(mut request: hyper::Request<WasiBody>) -> hyper::Request<WasiBody> {
+    let path = request.uri().path_and_query().map_or("/", |p| p.as_str()).to_owned();
+    if let Ok(uri) = hyper::Uri::builder().path_and_query(path).build() {
+        *request.uri_mut() = uri;
+    }
+    request
+}
+
+/// Waits for the response head while driving the connection's I/O;
+/// returns the connection too if it has not finished (it carries the body).
+async fn drive_until_response<S, C>(send: S, conn: C) -> Result<(hyper::Response<WasiBody>, Option<C>), HttpError>
+where
+    S: Future<Output = Result<hyper::Response<WasiBody>, HttpError>>,
+    C: Future<Output = Result<(), hyper::Error>> + Unpin,
+{
+    let mut send = pin!(send);
+    let mut conn = Some(conn);
+    let response = poll_fn(|cx| match send.as_mut().poll(cx) {
+        Poll::Ready(result) => Poll::Ready(result),
+        Poll::Pending => {
+            let Some(running) = conn.as_mut() else { return Poll::Pending };
+            let finished = ready!(Pin::new(running).poll(cx));
+            conn = None;
+            match finished {
+                Ok(()) => send.as_mut().poll(cx),
+                Err(e) => Poll::Ready(Err(HttpError::from(e))),
+            }
+        }
+    })
+    .await?;
+    Ok((response, conn))
+}
+
+/// A response body that fails when no bytes come for `between_bytes`.
+struct TimedBody {
+    incoming: Incoming,
+    timeout: tokio::time::Interval,
+}
+
+impl TimedBody {
+    fn new(incoming: Incoming, between_bytes: Duration) -> Self {
+        let mut timeout = tokio::time::interval(between_bytes);
+        timeout.reset();
+        Self { incoming, timeout }
+    }
+}
+
+impl hyper::body::Body for TimedBody {
+    type Data = Bytes;
+    type Error = HttpError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<hyper::body::Frame<Bytes>, HttpError>>> {
+        match Pin::new(&mut self.incoming).poll_frame(cx) {
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Ready(Some(Err(e))) => {
+                Poll::Ready(Some(Err(if e.is_timeout() { HttpError::HttpResponseTimeout } else { HttpError::from(e) })))
+            }
+            Poll::Ready(Some(Ok(frame))) => {
+                self.timeout.reset();
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Pending => {
+                ready!(self.timeout.poll_tick(cx));
+                Poll::Ready(Some(Err(HttpError::ConnectionReadTimeout)))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.incoming.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.incoming.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn public(text: &str) -> bool {
+        is_public(text.parse().unwrap())
+    }
+
+    #[test]
+    fn only_public_addresses_are_public() {
+        for internal in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "100.64.0.1",
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+            "198.18.0.1",
+            "240.0.0.1",
+            "::1",
+            "::",
+            "fe80::1",
+            "fd00::1",
+            "::ffff:127.0.0.1",
+            "::ffff:169.254.169.254",
+            "64:ff9b::a00:1",
+            "2002:c0a8:101::1",
+        ] {
+            assert!(!public(internal), "{internal} counted as public");
+        }
+        for external in ["93.184.215.14", "8.8.8.8", "2606:4700:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"] {
+            assert!(public(external), "{external} counted as internal");
+        }
+    }
+
+    #[tokio::test]
+    async fn literals_and_names_of_internal_addresses_are_prohibited() {
+        let denied = Egress::default();
+        for host in ["127.0.0.1", "[::1]", "169.254.169.254", "localhost"] {
+            let outcome = destination(host, 80, denied).await;
+            assert!(matches!(outcome, Err(HttpError::DestinationIpProhibited)), "{host}: {outcome:?}");
+        }
+        let allowed = Egress { allow_private: true };
+        assert_eq!(destination("127.0.0.1", 8080, allowed).await.unwrap(), "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(destination("[::1]", 80, allowed).await.unwrap(), "[::1]:80".parse().unwrap());
+    }
+
+    #[test]
+    fn no_timeout_outlives_the_deadline() {
+        let timeouts = Timeouts::new(None, Instant::now() + Duration::from_secs(2));
+        assert!(timeouts.connect <= Duration::from_secs(2) && timeouts.first_byte <= Duration::from_secs(2));
+        let past = Timeouts::new(None, Instant::now() - Duration::from_secs(1));
+        assert_eq!(past.between_bytes, Duration::from_nanos(1), "never zero");
+    }
+}
