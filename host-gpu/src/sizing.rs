@@ -71,6 +71,13 @@ const CURRENT_WEIGHT: f64 = 0.3;
 /// (load cancels out) and noisy, so they average over ~20 probes.
 const RATIO_WEIGHT: f64 = 0.1;
 
+/// Elements of the sample a batch's size is counted in: a 640×640 RGB
+/// image. Larger samples come in proportionally smaller batches, so one
+/// batch's working memory (its input, the engine's activations) stays
+/// about that of `max_batch` samples at 640×640: a tenant's largest images
+/// cannot make the engine allocate (and its arena keep) many times more.
+pub const REFERENCE_SAMPLE: usize = 640 * 640 * 3;
+
 /// Whether batch sizes are learned or fixed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Sizing {
@@ -100,16 +107,24 @@ impl BatchSizer {
         Self { max_batch: max_batch.max(1), sizing, start_large, shapes: HashMap::new() }
     }
 
-    fn initial(&self) -> usize {
-        if self.start_large { self.max_batch } else { 1 }
+    /// The largest batch of `shape`: `max_batch`, fewer for samples larger
+    /// than [`REFERENCE_SAMPLE`] so that a batch never holds more elements
+    /// than `max_batch` reference samples (at least one sample).
+    pub fn shape_max(&self, shape: &[usize]) -> usize {
+        let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).unwrap_or(usize::MAX).max(1);
+        (self.max_batch.saturating_mul(REFERENCE_SAMPLE) / elements).clamp(1, self.max_batch)
+    }
+
+    fn initial(&self, shape: &[usize]) -> usize {
+        if self.start_large { self.shape_max(shape) } else { 1 }
     }
 
     /// The most samples the next batch of `shape` should take.
     pub fn limit(&self, shape: &[usize]) -> usize {
         if self.sizing == Sizing::Fixed {
-            return self.max_batch;
+            return self.shape_max(shape);
         }
-        self.shapes.get(shape).map_or(self.initial(), Ladder::limit)
+        self.shapes.get(shape).map_or_else(|| self.initial(shape), Ladder::limit)
     }
 
     /// The size currently chosen for `shape`, probes aside (for a shape not
@@ -117,8 +132,8 @@ impl BatchSizer {
     pub fn chosen(&self, shape: &[usize]) -> usize {
         match (self.sizing, self.shapes.get(shape)) {
             (Sizing::Adaptive, Some(ladder)) => ladder.sizes[ladder.chosen],
-            (Sizing::Adaptive, None) => self.initial(),
-            (Sizing::Fixed, _) => self.max_batch,
+            (Sizing::Adaptive, None) => self.initial(shape),
+            (Sizing::Fixed, _) => self.shape_max(shape),
         }
     }
 
@@ -148,7 +163,7 @@ impl BatchSizer {
         if self.sizing == Sizing::Fixed || size == 0 {
             return;
         }
-        let (max_batch, start_large) = (self.max_batch, self.start_large);
+        let (max_batch, start_large) = (self.shape_max(shape), self.start_large);
         let ladder = self.shapes.entry(shape.to_vec()).or_insert_with(|| Ladder::new(max_batch, start_large));
         let before = ladder.chosen;
         ladder.record(size, elapsed.as_secs_f64() / size as f64);
@@ -450,6 +465,21 @@ mod tests {
 
     fn share_of(sizes: &[usize], size: usize) -> f64 {
         sizes.iter().filter(|&&n| n == size).count() as f64 / sizes.len() as f64
+    }
+
+    #[test]
+    fn samples_larger_than_the_reference_come_in_smaller_batches() {
+        for sizing in [Sizing::Fixed, Sizing::Adaptive] {
+            let sizer = BatchSizer::new(8, sizing, true);
+            assert_eq!(sizer.limit(&[640, 640, 3]), 8, "{sizing:?}");
+            assert_eq!(sizer.limit(&[160, 160, 3]), 8, "{sizing:?}: smaller ones are not batched beyond max_batch");
+            assert_eq!(sizer.limit(&[1280, 1280, 3]), 2, "{sizing:?}");
+            assert_eq!(sizer.limit(&[2048, 2048, 3]), 1, "{sizing:?}");
+            assert_eq!(sizer.limit(&[usize::MAX, 2, 3]), 1, "{sizing:?}: overflow is one sample");
+        }
+        let mut learner = BatchSizer::new(8, Sizing::Adaptive, true);
+        learner.record(&[1280, 1280, 3], 2, Duration::from_millis(10));
+        assert_eq!(learner.chosen(&[1280, 1280, 3]), 2, "its ladder stops at the shape's largest batch");
     }
 
     #[test]
