@@ -32,7 +32,9 @@
 //!   never keep a request, of any tenant, from running.
 //! - Bounded in number and time: at most `--warm-instances` idle on the
 //!   server, at most a tenant's `max_concurrency` for one tenant (all its
-//!   handlers; more could never be busy at once), each dropped after
+//!   handlers; more could never be busy at once), the last eighth of the
+//!   places only for tenants holding less than their fair share (the cap
+//!   divided among the tenants holding places and one more), each dropped after
 //!   `--warm-idle-secs` without a request (checked every sync-thread
 //!   wake-up), and all of a tenant's dropped when its limits change or it
 //!   is deleted (one put back afterwards by a request that started under
@@ -85,11 +87,20 @@ impl WarmBudget {
     }
 
     /// Room for one more idle instance of `tenant`, or `None` when the
-    /// server's cap or the tenant's `tenant_cap` is reached.
+    /// server's cap or the tenant's `tenant_cap` is reached, or when only
+    /// the last eighth of the cap is left and the tenant already holds its
+    /// fair share (as for instance slots, see `instances.rs`): two busy
+    /// tenants cannot keep all the places, and others' handlers warm none.
     fn try_take(self: &Arc<Self>, tenant: &Arc<str>, tenant_cap: usize) -> Option<WarmToken> {
         let mut per_tenant = self.per_tenant.lock().unwrap_or_else(PoisonError::into_inner);
         let held = per_tenant.get(tenant).copied().unwrap_or(0);
         if held >= tenant_cap {
+            return None;
+        }
+        let free = self.cap.saturating_sub(self.idle.load(Ordering::Acquire));
+        // The holders, the asker if new, and one more not yet arrived.
+        let fair_share = (self.cap / (per_tenant.len() + usize::from(held == 0) + 1)).max(1);
+        if free <= self.cap / 8 && held >= fair_share {
             return None;
         }
         self.idle.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.cap).then_some(n + 1)).ok()?;
@@ -224,5 +235,19 @@ mod tests {
         assert!(budget.try_take(&acme, 2).is_some(), "acme's place came back");
         drop((a2, b1));
         assert!(budget.per_tenant.lock().unwrap().is_empty(), "a tenant with none idle leaves no entry");
+    }
+
+    #[test]
+    fn the_last_eighth_is_kept_for_tenants_below_their_fair_share() {
+        let budget = WarmBudget::new(16, IDLE);
+        let names: Vec<Arc<str>> = ["acme", "beta", "gamma"].map(Arc::from).into();
+        let take_all = |tenant: &Arc<str>| std::iter::from_fn(|| budget.try_take(tenant, 16)).collect::<Vec<_>>();
+        let acme = take_all(&names[0]);
+        assert_eq!(acme.len(), 14, "alone, acme stops where the last eighth (2) begins");
+        let beta = take_all(&names[1]);
+        assert_eq!(beta.len(), 2, "beta, below its share, gets the rest");
+        assert!(budget.try_take(&names[2], 16).is_none(), "the cap holds");
+        drop(acme);
+        assert_eq!(take_all(&names[2]).len(), 12, "places given back go to whoever asks, up to the last eighth");
     }
 }
