@@ -3,6 +3,7 @@
 //! limit, epoch deadline with async yield, and a call budget for
 //! face-detect. A trap or a timeout ends that request only.
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -402,25 +403,32 @@ const GUEST_TEXT_MAX: usize = 1024;
 /// `value` as text, cut at [`GUEST_TEXT_MAX`] bytes. Formatting stops
 /// there, so a guest's 100 MB message costs the host no more than that.
 fn guest_text(value: &dyn std::fmt::Debug) -> String {
-    let mut text = Capped(String::new());
+    let mut text = Capped { text: String::new(), max: GUEST_TEXT_MAX };
     if std::fmt::write(&mut text, format_args!("{value:?}")).is_err() {
-        text.0.push_str("… (cut)");
+        text.text.push_str("… (cut)");
     }
-    text.0
+    text.text
 }
 
-/// A string that refuses (with `fmt::Error`) to grow past [`GUEST_TEXT_MAX`].
-struct Capped(String);
+/// Longest error chain of a failed guest written to the log (it can hold
+/// a wasm backtrace, whose function names the guest chose).
+const LOG_ERROR_MAX: usize = 8 * 1024;
+
+/// A string that refuses (with `fmt::Error`) to grow past `max` bytes.
+struct Capped {
+    text: String,
+    max: usize,
+}
 
 impl std::fmt::Write for Capped {
     fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        let room = GUEST_TEXT_MAX.saturating_sub(self.0.len());
+        let room = self.max.saturating_sub(self.text.len());
         if s.len() <= room {
-            self.0.push_str(s);
+            self.text.push_str(s);
             return Ok(());
         }
         let end = (0..=room).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
-        self.0.push_str(&s[..end]);
+        self.text.push_str(&s[..end]);
         Err(std::fmt::Error)
     }
 }
@@ -432,10 +440,19 @@ fn root_cause(err: &wasmtime::Error) -> String {
     if text.contains("table") && text.contains("grow") {
         "table limit exceeded".to_owned()
     } else {
-        let causes: Vec<String> = err.chain().map(|e| e.to_string()).collect();
-        tracing::warn!(error = %causes.join(": ").escape_debug(), "guest failed");
+        tracing::warn!(error = %error_chain(err).escape_debug(), "guest failed");
         "the handler failed".to_owned()
     }
+}
+
+/// `err` and its causes, `: `-separated, cut at [`LOG_ERROR_MAX`] bytes.
+fn error_chain(err: &wasmtime::Error) -> String {
+    let mut causes = Capped { text: String::new(), max: LOG_ERROR_MAX };
+    let written = err.chain().enumerate().try_for_each(|(i, e)| if i == 0 { write!(causes, "{e}") } else { write!(causes, ": {e}") });
+    if written.is_err() {
+        causes.text.push_str("… (cut)");
+    }
+    causes.text
 }
 
 /// Logs what the guest wrote to stdout/stderr, escaped and attributed;
@@ -474,6 +491,9 @@ mod tests {
         assert!(text.len() <= GUEST_TEXT_MAX + "… (cut)".len(), "{} bytes", text.len());
         assert!(text.starts_with("ErrorCode::InternalError(Some(\"\\u{1}") && text.ends_with("… (cut)"), "{text}");
         assert_eq!(guest_text(&ErrorCode::ConnectionRefused), "ErrorCode::ConnectionRefused", "short ones are whole");
+        let chain = wasmtime::Error::msg("x".repeat(1 << 20)).context("a host call failed");
+        let logged = error_chain(&chain);
+        assert!(logged.starts_with("a host call failed: xxx") && logged.len() <= LOG_ERROR_MAX + "… (cut)".len(), "{}", logged.len());
         let multibyte = guest_text(&"é".repeat(GUEST_TEXT_MAX));
         assert!(multibyte.ends_with("… (cut)"), "cut on a character boundary: {multibyte}");
     }
