@@ -164,9 +164,16 @@ pub struct ServeConfig {
     /// Whether handlers granted outgoing HTTP (a tenant's `outgoing_http`)
     /// may also reach loopback, private, link-local and other non-public
     /// addresses. `false`: public addresses only, so a granted handler
-    /// reaches neither this host (its admin API) nor the cloud's metadata
-    /// service nor internal networks.
-    #[arg(long, env = "FACEGATE_OUTGOING_ALLOW_PRIVATE", default_value_t = false, action = clap::ArgAction::Set)]
+    /// reaches neither this host's loopback listeners (its admin API) nor
+    /// the cloud's metadata service nor internal networks.
+    #[arg(
+        long,
+        env = "FACEGATE_OUTGOING_ALLOW_PRIVATE",
+        default_value_t = false,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
     pub outgoing_allow_private: bool,
 
     /// Default most `face-detect.infer` calls one request may make.
@@ -438,6 +445,19 @@ mod tests {
         for bad in ["gpu", "cuda", "cuda:-1", "cuda:x"] {
             assert!(Cli::try_parse_from(["facegate", "serve", "--devices", bad]).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+    fn private_outgoing_addresses_are_off_unless_the_flag_is_given() {
+        let allow = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["facegate", "serve"].iter().chain(args)).unwrap();
+            let Command::Serve(config) = cli.command else { panic!("not serve") };
+            config.outgoing_allow_private
+        };
+        assert!(!allow(&[]));
+        assert!(allow(&["--outgoing-allow-private"]), "a bare flag turns it on");
+        assert!(!allow(&["--outgoing-allow-private", "false"]));
     }
 
     #[test]

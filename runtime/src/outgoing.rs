@@ -10,12 +10,20 @@
 //! are allowed; `--outgoing-allow-private` lifts that for deployments whose
 //! handlers call internal services on purpose.
 //!
-//! Name lookups run on tokio's blocking pool and keep running after a
-//! request gives up, so at most [`MAX_LOOKUPS`] run at once: a guest cannot
-//! fill the pool the admin API also uses.
+//! "Public" is about the address, not the machine: if this host has a
+//! public address of its own, a granted handler can reach what listens on
+//! it, as anyone on the internet could. Bind the admin API and other
+//! internal services to loopback or private addresses.
+//!
+//! Name lookups run on blocking threads and keep running after a request
+//! gives up, so at most [`MAX_LOOKUPS`] run at once (a lookup holds its
+//! place until its thread returns): a guest cannot fill the pool the admin
+//! API also uses.
 //!
 //! The client follows wasmtime-wasi-http's `default_send_request` (HTTP/1.1,
-//! TLS by rustls; the same timeouts, capped by the request's deadline).
+//! TLS by rustls; the same timeouts), trying each allowed address in turn;
+//! connecting (lookup, TCP, TLS, HTTP handshake) must finish within the
+//! connect timeout, and no timeout runs past the request's deadline.
 
 use std::future::{Future, poll_fn};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -59,17 +67,22 @@ pub async fn send(
     let uri = request.uri();
     let authority = uri.authority().ok_or(HttpError::HttpRequestUriInvalid)?;
     let tls = uri.scheme() == Some(&hyper::http::uri::Scheme::HTTPS);
-    let (host, port) = (authority.host().to_owned(), authority.port_u16().unwrap_or(if tls { 443 } else { 80 }));
-    let timeouts = Timeouts::new(options, deadline);
-    let addr = tokio::time::timeout(timeouts.connect, destination(&host, port, egress)).await.map_err(|_| HttpError::DnsTimeout)??;
-    let tcp = match tokio::time::timeout(timeouts.connect, TcpStream::connect(addr)).await {
-        Ok(stream) => stream.map_err(HttpError::Connect)?,
-        Err(_) => return Err(HttpError::ConnectionTimeout),
+    let default_port = if tls { 443 } else { 80 };
+    let port = match authority.port_u16() {
+        Some(port) => port,
+        // `host:99999` or `host:abc`: the URI crate keeps them, but has no port.
+        None if has_port_part(authority.as_str()) => return Err(HttpError::HttpRequestUriInvalid),
+        None => default_port,
     };
-    let stream: Box<dyn Stream> = if tls { Box::new(tls_connect(&host, tcp).await?) } else { Box::new(tcp) };
-    let (mut sender, conn) = tokio::time::timeout(timeouts.connect, hyper::client::conn::http1::handshake(TokioIo::new(stream)))
-        .await
-        .map_err(|_| HttpError::ConnectionTimeout)??;
+    let host = authority.host().to_owned();
+    let timeouts = Timeouts::new(options, deadline);
+    let connect = async {
+        let addrs = destinations(&host, port, egress).await?;
+        let tcp = connect_any(&addrs).await?;
+        let stream: Box<dyn Stream> = if tls { Box::new(tls_connect(&host, tcp).await?) } else { Box::new(tcp) };
+        Ok::<_, HttpError>(hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?)
+    };
+    let (mut sender, conn) = tokio::time::timeout(timeouts.connect, connect).await.map_err(|_| HttpError::ConnectionTimeout)??;
     let request = origin_form(request);
     let send = async move {
         let response = tokio::time::timeout(timeouts.first_byte, sender.send_request(request))
@@ -87,28 +100,56 @@ pub async fn send(
     Ok((response, Box::new(io)))
 }
 
-/// The address to connect to: `host` resolved (or parsed, for an IP
-/// literal), the first address `egress` allows; `DestinationIpProhibited`
-/// when it allows none of them.
-async fn destination(host: &str, port: u16, egress: Egress) -> Result<SocketAddr, HttpError> {
+/// Whether `authority` (`[userinfo@]host[:port]`) has a port part.
+fn has_port_part(authority: &str) -> bool {
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, rest)| rest);
+    let after_host = host_port.rsplit_once(']').map_or(host_port, |(_, rest)| rest);
+    after_host.contains(':')
+}
+
+/// The addresses to try: `host` resolved (or parsed, for an IP literal),
+/// those `egress` allows; `DestinationIpProhibited` when it allows none.
+async fn destinations(host: &str, port: u16, egress: Egress) -> Result<Vec<SocketAddr>, HttpError> {
     let literal = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
     let addrs: Vec<SocketAddr> = match literal.parse::<IpAddr>() {
         Ok(ip) => vec![SocketAddr::new(ip, port)],
-        Err(_) => lookup(host, port).await?,
+        Err(_) => lookup(host.to_owned(), port).await?,
     };
-    addrs.into_iter().find(|a| egress.allow_private || is_public(a.ip())).ok_or(HttpError::DestinationIpProhibited)
+    let allowed: Vec<SocketAddr> = addrs.into_iter().filter(|a| egress.allow_private || is_public(a.ip())).collect();
+    if allowed.is_empty() {
+        return Err(HttpError::DestinationIpProhibited);
+    }
+    Ok(allowed)
 }
 
-/// `host`'s addresses, at most [`MAX_LOOKUPS`] lookups at once.
-async fn lookup(host: &str, port: u16) -> Result<Vec<SocketAddr>, HttpError> {
+/// `host`'s addresses, resolved on a blocking thread that holds one of
+/// [`MAX_LOOKUPS`] places until it returns, even if the request gave up.
+async fn lookup(host: String, port: u16) -> Result<Vec<SocketAddr>, HttpError> {
     static LOOKUPS: Semaphore = Semaphore::const_new(MAX_LOOKUPS);
-    let _permit = LOOKUPS.acquire().await.map_err(|_| HttpError::DnsTimeout)?;
-    let found = tokio::net::lookup_host((host, port)).await;
-    let addrs: Vec<SocketAddr> = found.map_err(|e| HttpError::DnsError { rcode: Some(e.to_string()), info_code: None })?.collect();
+    let permit = LOOKUPS.acquire().await.map_err(|_| HttpError::DnsTimeout)?;
+    let found = tokio::task::spawn_blocking(move || {
+        let _held = permit;
+        std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port)).map(Iterator::collect::<Vec<_>>)
+    })
+    .await
+    .map_err(|_| HttpError::DnsTimeout)?;
+    let addrs = found.map_err(|e| HttpError::DnsError { rcode: Some(e.to_string()), info_code: None })?;
     if addrs.is_empty() {
         return Err(HttpError::DestinationNotFound);
     }
     Ok(addrs)
+}
+
+/// A connection to the first of `addrs` that accepts one.
+async fn connect_any(addrs: &[SocketAddr]) -> Result<TcpStream, HttpError> {
+    let mut last = None;
+    for addr in addrs {
+        match TcpStream::connect(addr).await {
+            Ok(stream) => return Ok(stream),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.map_or(HttpError::DestinationUnavailable, HttpError::Connect))
 }
 
 /// Whether `ip` is a public (globally routed) address: not loopback,
@@ -148,6 +189,11 @@ fn is_public_v6(ip: Ipv6Addr) -> bool {
         || s[0] & 0xFFC0 == 0xFE80 // link-local, fe80::/10
         || s[0] & 0xFFC0 == 0xFEC0 // site-local (deprecated), fec0::/10
         || (s[0] == 0x2001 && s[1] == 0x0DB8) // documentation
+        || s[0] & 0xFFF0 == 0x3FF0 // documentation, 3fff::/20
+        || (s[0] == 0x2001 && s[1] == 0) // Teredo, 2001::/32: an obfuscated IPv4 inside
+        || (s[0] == 0x2001 && s[1] == 2 && s[2] == 0) // benchmarking, 2001:2::/48
+        || (s[0] == 0x64 && s[1] == 0xFF9B && s[2] == 1) // local-use NAT64, 64:ff9b:1::/48 (RFC 8215)
+        || (s[0..4] == [0, 0, 0, 0] && s[4] == 0xFFFF && s[5] == 0) // IPv4-translated, ::ffff:0:0:0/96
         || (s[0] == 0x0100 && s[1..4] == [0, 0, 0]); // discard-only, 100::/64
     !special
 }
@@ -196,18 +242,28 @@ impl<T> Stream for T where T: AsyncRead + AsyncWrite + Send + Sync + Unpin + 'st
 async fn tls_connect(host: &str, tcp: TcpStream) -> Result<impl Stream, HttpError> {
     let name = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
     let server = ServerName::try_from(name.to_owned()).map_err(HttpError::InvalidDnsNameError)?;
-    let config = tls_config().ok_or(HttpError::ConfigurationError)?;
+    // The first use reads the system's certificates: on a blocking thread.
+    let config = match TLS_CONFIG.get() {
+        Some(config) => config.clone(),
+        None => tokio::task::spawn_blocking(tls_config).await.map_err(|_| HttpError::ConfigurationError)?,
+    };
+    let config = config.ok_or(HttpError::ConfigurationError)?;
     tokio_rustls::TlsConnector::from(config).connect(server, tcp).await.map_err(HttpError::Tls)
 }
+
+/// See [`tls_config`].
+static TLS_CONFIG: OnceLock<Option<Arc<ClientConfig>>> = OnceLock::new();
 
 /// The client TLS configuration, built once: ring, the system's roots;
 /// `None` if rustls refused it (then every HTTPS request fails).
 fn tls_config() -> Option<Arc<ClientConfig>> {
-    static CONFIG: OnceLock<Option<Arc<ClientConfig>>> = OnceLock::new();
-    CONFIG
+    TLS_CONFIG
         .get_or_init(|| {
             let mut roots = RootCertStore::empty();
-            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+            let (added, _) = roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+            if added == 0 {
+                tracing::warn!("no system root certificates found: outgoing HTTPS requests will fail (install ca-certificates)");
+            }
             let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
             let builder = ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions();
             match builder {
@@ -330,6 +386,9 @@ mod tests {
             "::ffff:169.254.169.254",
             "64:ff9b::a00:1",
             "2002:c0a8:101::1",
+            "64:ff9b:1::a00:1",
+            "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+            "3fff::1",
         ] {
             assert!(!public(internal), "{internal} counted as public");
         }
@@ -341,13 +400,32 @@ mod tests {
     #[tokio::test]
     async fn literals_and_names_of_internal_addresses_are_prohibited() {
         let denied = Egress::default();
-        for host in ["127.0.0.1", "[::1]", "169.254.169.254", "localhost"] {
-            let outcome = destination(host, 80, denied).await;
+        for host in ["127.0.0.1", "[::1]", "169.254.169.254", "localhost", "2130706433", "127.1"] {
+            let outcome = destinations(host, 80, denied).await;
             assert!(matches!(outcome, Err(HttpError::DestinationIpProhibited)), "{host}: {outcome:?}");
         }
         let allowed = Egress { allow_private: true };
-        assert_eq!(destination("127.0.0.1", 8080, allowed).await.unwrap(), "127.0.0.1:8080".parse().unwrap());
-        assert_eq!(destination("[::1]", 80, allowed).await.unwrap(), "[::1]:80".parse().unwrap());
+        assert_eq!(destinations("127.0.0.1", 8080, allowed).await.unwrap(), ["127.0.0.1:8080".parse().unwrap()]);
+        assert_eq!(destinations("[::1]", 80, allowed).await.unwrap(), ["[::1]:80".parse().unwrap()]);
+    }
+
+    #[tokio::test]
+    async fn a_port_out_of_range_is_an_invalid_uri_not_port_80() {
+        let request = hyper::Request::get("http://example.com:99999/").body(WasiBody::default()).unwrap();
+        let outcome = send(request, None, Egress::default(), Instant::now() + Duration::from_secs(5)).await;
+        assert!(matches!(outcome, Err(HttpError::HttpRequestUriInvalid)), "{:?}", outcome.err());
+        assert!(has_port_part("a:b@example.com:") && has_port_part("[::1]:x") && has_port_part("h:80"));
+        assert!(!has_port_part("a:b@example.com") && !has_port_part("[::1]") && !has_port_part("example.com"));
+    }
+
+    #[tokio::test]
+    async fn the_next_address_is_tried_when_one_refuses() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let open = listener.local_addr().unwrap();
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+        let stream = connect_any(&[closed, open]).await.unwrap();
+        assert_eq!(stream.peer_addr().unwrap(), open);
+        assert!(matches!(connect_any(&[closed]).await, Err(HttpError::Connect(_))));
     }
 
     #[test]

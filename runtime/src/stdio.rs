@@ -108,10 +108,10 @@ impl StdoutStream for CappedCapture {
     }
 }
 
-/// Longest line [`escape_for_log`] makes. Escaping turns a control byte
-/// into five or six characters (`\u{1}`), so without it a capture of
-/// control bytes would log several times its size.
-pub const LOG_LINE_MAX: usize = 16 * 1024;
+/// Longest line [`escape_for_log`] makes: twice the capture, so text
+/// whose quotes and backslashes escaping doubles is logged whole, while a
+/// capture of control bytes (five or six characters each, `\u{1}`) is cut.
+pub const LOG_LINE_MAX: usize = 2 * crate::state::STDIO_CAPTURE_BYTES;
 
 /// `bytes` as one log-safe line: UTF-8 lossily, control characters
 /// (newlines included) escaped, so a guest cannot forge log lines; cut at
@@ -145,10 +145,12 @@ mod tests {
 
     #[test]
     fn escaping_cannot_make_a_line_longer_than_its_cap() {
-        let line = escape_for_log(&[1u8; 16 * 1024]);
+        let line = escape_for_log(&[1u8; crate::state::STDIO_CAPTURE_BYTES]);
         assert!(line.len() <= LOG_LINE_MAX + '…'.len_utf8() && line.ends_with('…'), "{} bytes", line.len());
         assert!(line.starts_with("\\u{1}\\u{1}"), "{}", &line[..20]);
         assert_eq!(escape_for_log(b"short\n"), "short", "short lines are whole");
+        let quotes = escape_for_log(&[b'"'; crate::state::STDIO_CAPTURE_BYTES]);
+        assert!(!quotes.ends_with('…'), "a full capture of quotes is whole");
     }
 
     #[test]

@@ -136,14 +136,12 @@ pub struct OnnxBackend {
     scratch: Vec<f32>,
 }
 
-/// Floats of the input buffer kept between batches however large the last
-/// was: a batch of eight 640×640 images (39 MB).
-const SCRATCH_KEEP: usize = 8 * 3 * 640 * 640;
-
 /// Whether to free an input buffer of `capacity` floats before a batch of
-/// `needed`: when it is past [`SCRATCH_KEEP`] and this batch is not.
-fn drop_scratch(capacity: usize, needed: usize) -> bool {
-    capacity > SCRATCH_KEEP && needed <= SCRATCH_KEEP
+/// `needed`: when it is past `keep` (a full batch of 640×640 images; the
+/// batcher gives larger images smaller batches, so only a single sample
+/// larger than that can pass it) and this batch is not.
+fn drop_scratch(capacity: usize, needed: usize, keep: usize) -> bool {
+    capacity > keep && needed <= keep
 }
 
 impl OnnxBackend {
@@ -160,7 +158,8 @@ impl OnnxBackend {
         let sample = 3 * h * w;
         // One batch of the largest images grows the buffer to hundreds of
         // MB: keep that only while such batches come, not for good.
-        if drop_scratch(self.scratch.capacity(), inputs.len() * sample) {
+        let keep = self.config.max_batch.max(1).saturating_mul(crate::sizing::REFERENCE_SAMPLE);
+        if drop_scratch(self.scratch.capacity(), inputs.len() * sample, keep) {
             self.scratch = Vec::new();
         }
         self.scratch.clear();
@@ -330,10 +329,10 @@ mod tests {
 
     #[test]
     fn a_buffer_grown_by_huge_images_is_freed_at_the_next_normal_batch() {
-        let huge = 8 * 3 * 2048 * 2048;
-        assert!(!drop_scratch(huge, huge), "kept while huge batches come");
-        assert!(drop_scratch(huge, 3 * 640 * 640), "freed for a normal one");
-        assert!(!drop_scratch(SCRATCH_KEEP, 3 * 32 * 32), "a normal-sized buffer is kept");
+        let (keep, huge) = (8 * 3 * 640 * 640, 8 * 3 * 2048 * 2048);
+        assert!(!drop_scratch(huge, huge, keep), "kept while huge batches come");
+        assert!(drop_scratch(huge, 3 * 640 * 640, keep), "freed for a normal one");
+        assert!(!drop_scratch(keep, 3 * 32 * 32, keep), "a normal-sized buffer is kept");
     }
 
     #[test]
