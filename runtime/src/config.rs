@@ -163,9 +163,9 @@ pub struct ServeConfig {
 
     /// Whether handlers granted outgoing HTTP (a tenant's `outgoing_http`)
     /// may also reach loopback, private, link-local and other non-public
-    /// addresses. `false`: public addresses only, so a granted handler
-    /// reaches neither this host's loopback listeners (its admin API) nor
-    /// the cloud's metadata service nor internal networks.
+    /// addresses, and this host's own. `false`: public addresses of other
+    /// hosts only, so a granted handler reaches neither this host (its
+    /// admin API) nor the cloud's metadata service nor internal networks.
     #[arg(
         long,
         env = "FACEGATE_OUTGOING_ALLOW_PRIVATE",

@@ -10,10 +10,9 @@
 //! are allowed; `--outgoing-allow-private` lifts that for deployments whose
 //! handlers call internal services on purpose.
 //!
-//! "Public" is about the address, not the machine: if this host has a
-//! public address of its own, a granted handler can reach what listens on
-//! it, as anyone on the internet could. Bind the admin API and other
-//! internal services to loopback or private addresses.
+//! This host's own interface addresses are refused too, public ones
+//! included: through them a handler would reach services bound to all
+//! addresses (`0.0.0.0`) from inside, past any firewall in front.
 //!
 //! Name lookups run on blocking threads and keep running after a request
 //! gives up, so at most [`MAX_LOOKUPS`] run at once (a lookup holds its
@@ -115,11 +114,30 @@ async fn destinations(host: &str, port: u16, egress: Egress) -> Result<Vec<Socke
         Ok(ip) => vec![SocketAddr::new(ip, port)],
         Err(_) => lookup(host.to_owned(), port).await?,
     };
-    let allowed: Vec<SocketAddr> = addrs.into_iter().filter(|a| egress.allow_private || is_public(a.ip())).collect();
+    let own = own_addresses();
+    let allowed: Vec<SocketAddr> = addrs.into_iter().filter(|a| allowed(a.ip(), egress, &own)).collect();
     if allowed.is_empty() {
         return Err(HttpError::DestinationIpProhibited);
     }
     Ok(allowed)
+}
+
+/// Whether a granted request may go to `ip`: anywhere with private
+/// addresses allowed; else a public address that is not one of `own`.
+fn allowed(ip: IpAddr, egress: Egress, own: &[IpAddr]) -> bool {
+    egress.allow_private || (is_public(ip) && !own.contains(&ip.to_canonical()))
+}
+
+/// This host's interface addresses, read at each request (interfaces come
+/// and go; reading them is one netlink dump).
+fn own_addresses() -> Vec<IpAddr> {
+    match if_addrs::get_if_addrs() {
+        Ok(interfaces) => interfaces.iter().map(|i| i.ip().to_canonical()).collect(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read this host's interface addresses");
+            Vec::new()
+        }
+    }
 }
 
 /// `host`'s addresses, resolved on a blocking thread that holds one of
@@ -395,6 +413,17 @@ mod tests {
         for external in ["93.184.215.14", "8.8.8.8", "2606:4700:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"] {
             assert!(public(external), "{external} counted as internal");
         }
+    }
+
+    #[test]
+    fn this_hosts_own_addresses_are_refused_even_public_ones() {
+        let own: Vec<IpAddr> = vec!["93.184.215.14".parse().unwrap(), "10.0.0.5".parse().unwrap()];
+        let strict = Egress::default();
+        assert!(!allowed("93.184.215.14".parse().unwrap(), strict, &own), "own public address");
+        assert!(!allowed("::ffff:93.184.215.14".parse().unwrap(), strict, &own), "the same, mapped");
+        assert!(allowed("8.8.8.8".parse().unwrap(), strict, &own));
+        assert!(allowed("93.184.215.14".parse().unwrap(), Egress { allow_private: true }, &own));
+        assert!(own_addresses().contains(&"127.0.0.1".parse().unwrap()), "the interfaces are read");
     }
 
     #[tokio::test]
