@@ -106,15 +106,19 @@ fn has_port_part(authority: &str) -> bool {
     after_host.contains(':')
 }
 
+/// `host` without the brackets of an IPv6 literal.
+fn bare_host(host: &str) -> &str {
+    host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host)
+}
+
 /// The addresses to try: `host` resolved (or parsed, for an IP literal),
 /// those `egress` allows; `DestinationIpProhibited` when it allows none.
 async fn destinations(host: &str, port: u16, egress: Egress) -> Result<Vec<SocketAddr>, HttpError> {
-    let literal = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
-    let addrs: Vec<SocketAddr> = match literal.parse::<IpAddr>() {
+    let addrs: Vec<SocketAddr> = match bare_host(host).parse::<IpAddr>() {
         Ok(ip) => vec![SocketAddr::new(ip, port)],
         Err(_) => lookup(host.to_owned(), port).await?,
     };
-    let own = own_addresses();
+    let own = if egress.allow_private { Vec::new() } else { own_addresses() };
     let allowed: Vec<SocketAddr> = addrs.into_iter().filter(|a| allowed(a.ip(), egress, &own)).collect();
     if allowed.is_empty() {
         return Err(HttpError::DestinationIpProhibited);
@@ -258,8 +262,7 @@ impl<T> Stream for T where T: AsyncRead + AsyncWrite + Send + Sync + Unpin + 'st
 
 /// TLS to `host` over `tcp`, verified against the system's roots.
 async fn tls_connect(host: &str, tcp: TcpStream) -> Result<impl Stream, HttpError> {
-    let name = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
-    let server = ServerName::try_from(name.to_owned()).map_err(HttpError::InvalidDnsNameError)?;
+    let server = ServerName::try_from(bare_host(host).to_owned()).map_err(HttpError::InvalidDnsNameError)?;
     // The first use reads the system's certificates: on a blocking thread.
     let config = match TLS_CONFIG.get() {
         Some(config) => config.clone(),

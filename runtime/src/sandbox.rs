@@ -357,8 +357,8 @@ fn classify_trap(err: &wasmtime::Error, timeout: Duration) -> SandboxError {
     let reason = match err.downcast_ref::<Trap>() {
         Some(Trap::StackOverflow) => "stack overflow".to_owned(),
         Some(Trap::UnreachableCodeReached) => "unreachable executed (a panic or abort in the handler)".to_owned(),
-        Some(trap) => guest_text(&format_args!("{trap}")),
-        None => guest_text(&format_args!("{}", root_cause(err))),
+        Some(trap) => trap.to_string(),
+        None => root_cause(err),
     };
     SandboxError::Trap(reason)
 }
@@ -396,15 +396,20 @@ fn hostcall_fuel(models: &Models) -> usize {
     largest.saturating_add(HOSTCALL_SLACK).max(HOSTCALL_FLOOR)
 }
 
-/// Longest text of a guest's making (an error code's message, a trap's
-/// description) that reaches a log line or an error response.
+/// Longest text of a guest's making (an error code's message) that
+/// reaches a log line or an error response.
 const GUEST_TEXT_MAX: usize = 1024;
 
 /// `value` as text, cut at [`GUEST_TEXT_MAX`] bytes. Formatting stops
 /// there, so a guest's 100 MB message costs the host no more than that.
 fn guest_text(value: &dyn std::fmt::Debug) -> String {
-    let mut text = Capped { text: String::new(), max: GUEST_TEXT_MAX };
-    if std::fmt::write(&mut text, format_args!("{value:?}")).is_err() {
+    capped(GUEST_TEXT_MAX, |text| write!(text, "{value:?}"))
+}
+
+/// What `write` writes, cut at `max` bytes and then marked `… (cut)`.
+fn capped(max: usize, write: impl FnOnce(&mut Capped) -> std::fmt::Result) -> String {
+    let mut text = Capped { text: String::new(), max };
+    if write(&mut text).is_err() {
         text.text.push_str("… (cut)");
     }
     text.text
@@ -447,12 +452,9 @@ fn root_cause(err: &wasmtime::Error) -> String {
 
 /// `err` and its causes, `: `-separated, cut at [`LOG_ERROR_MAX`] bytes.
 fn error_chain(err: &wasmtime::Error) -> String {
-    let mut causes = Capped { text: String::new(), max: LOG_ERROR_MAX };
-    let written = err.chain().enumerate().try_for_each(|(i, e)| if i == 0 { write!(causes, "{e}") } else { write!(causes, ": {e}") });
-    if written.is_err() {
-        causes.text.push_str("… (cut)");
-    }
-    causes.text
+    capped(LOG_ERROR_MAX, |causes| {
+        err.chain().enumerate().try_for_each(|(i, e)| if i == 0 { write!(causes, "{e}") } else { write!(causes, ": {e}") })
+    })
 }
 
 /// Logs what the guest wrote to stdout/stderr, escaped and attributed;
