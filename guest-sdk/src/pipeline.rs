@@ -207,8 +207,8 @@ pub fn detect(bytes: &[u8], options: &DetectOptions) -> Result<Detection, Error>
 }
 
 /// Finds the faces in the image in `bytes`, decoding only what the
-/// letterbox needs ([`image::decode_for_letterbox`]: a large JPEG at 1/2,
-/// 1/4 or 1/8 scale). Faces are in the original image's pixels. For
+/// letterbox needs ([`image::decode_for_letterbox`]: a large JPEG at a
+/// scale of n/8). Faces are in the original image's pixels. For
 /// handlers that need the pixels at full size (blur, crop), use [`detect`].
 pub fn detect_faces(bytes: &[u8], options: &DetectOptions) -> Result<FaceReport, Error> {
     let start = Instant::now();
