@@ -17,17 +17,20 @@
 //! Name lookups run on blocking threads and keep running after a request
 //! gives up, so at most [`MAX_LOOKUPS`] run at once (a lookup holds its
 //! place until its thread returns): a guest cannot fill the pool the admin
-//! API also uses.
+//! API also uses. One tenant holds at most [`TENANT_LOOKUPS`] of them: a
+//! tenant whose names never answer (its own DNS server, say) waits on its
+//! own share and leaves the other granted tenants theirs.
 //!
 //! The client follows wasmtime-wasi-http's `default_send_request` (HTTP/1.1,
 //! TLS by rustls; the same timeouts), trying each allowed address in turn;
 //! connecting (lookup, TCP, TLS, HTTP handshake) must finish within the
 //! connect timeout, and no timeout runs past the request's deadline.
 
+use std::collections::HashMap;
 use std::future::{Future, poll_fn};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::pin::{Pin, pin};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
@@ -37,13 +40,15 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
-use tokio::sync::Semaphore;
+use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody};
 
 /// Name lookups running at once, all requests together.
 pub const MAX_LOOKUPS: usize = 16;
+/// Name lookups one tenant's requests may run at once.
+pub const TENANT_LOOKUPS: usize = MAX_LOOKUPS / 4;
 
 /// Which destinations a granted handler may reach.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -56,11 +61,12 @@ pub struct Egress {
 /// which the caller drives while the body is read.
 pub type Sent = (hyper::Response<WasiBody>, Box<dyn Future<Output = Result<(), HttpError>> + Send>);
 
-/// Sends `request` to a destination `egress` allows, giving up at `deadline`.
+/// Sends `tenant`'s `request` to a destination `egress` allows, giving up
+/// at `deadline`.
 pub async fn send(
     request: hyper::Request<WasiBody>,
     options: Option<RequestOptions>,
-    egress: Egress,
+    (egress, tenant): (Egress, Arc<str>),
     deadline: Instant,
 ) -> Result<Sent, HttpError> {
     let uri = request.uri();
@@ -76,7 +82,7 @@ pub async fn send(
     let host = authority.host().to_owned();
     let timeouts = Timeouts::new(options, deadline);
     let connect = async {
-        let addrs = destinations(&host, port, egress).await?;
+        let addrs = destinations(&host, port, egress, &tenant).await?;
         let tcp = connect_any(&addrs).await?;
         let stream: Box<dyn Stream> = if tls { Box::new(tls_connect(&host, tcp).await?) } else { Box::new(tcp) };
         Ok::<_, HttpError>(hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?)
@@ -113,10 +119,10 @@ fn bare_host(host: &str) -> &str {
 
 /// The addresses to try: `host` resolved (or parsed, for an IP literal),
 /// those `egress` allows; `DestinationIpProhibited` when it allows none.
-async fn destinations(host: &str, port: u16, egress: Egress) -> Result<Vec<SocketAddr>, HttpError> {
+async fn destinations(host: &str, port: u16, egress: Egress, tenant: &Arc<str>) -> Result<Vec<SocketAddr>, HttpError> {
     let addrs: Vec<SocketAddr> = match bare_host(host).parse::<IpAddr>() {
         Ok(ip) => vec![SocketAddr::new(ip, port)],
-        Err(_) => lookup(host.to_owned(), port).await?,
+        Err(_) => lookup(host.to_owned(), port, tenant).await?,
     };
     let own = if egress.allow_private { Vec::new() } else { own_addresses() };
     let allowed: Vec<SocketAddr> = addrs.into_iter().filter(|a| allowed(a.ip(), egress, &own)).collect();
@@ -145,12 +151,13 @@ fn own_addresses() -> Vec<IpAddr> {
 }
 
 /// `host`'s addresses, resolved on a blocking thread that holds one of
-/// [`MAX_LOOKUPS`] places until it returns, even if the request gave up.
-async fn lookup(host: String, port: u16) -> Result<Vec<SocketAddr>, HttpError> {
-    static LOOKUPS: Semaphore = Semaphore::const_new(MAX_LOOKUPS);
-    let permit = LOOKUPS.acquire().await.map_err(|_| HttpError::DnsTimeout)?;
+/// `tenant`'s [`TENANT_LOOKUPS`] places and one of all [`MAX_LOOKUPS`]
+/// until it returns, even if the request gave up.
+async fn lookup(host: String, port: u16, tenant: &Arc<str>) -> Result<Vec<SocketAddr>, HttpError> {
+    static PLACES: LazyLock<LookupPlaces> = LazyLock::new(|| LookupPlaces::new(MAX_LOOKUPS, TENANT_LOOKUPS));
+    let places = PLACES.take(tenant).await.map_err(|_| HttpError::DnsTimeout)?;
     let found = tokio::task::spawn_blocking(move || {
-        let _held = permit;
+        let _held = places;
         std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port)).map(Iterator::collect::<Vec<_>>)
     })
     .await
@@ -160,6 +167,42 @@ async fn lookup(host: String, port: u16) -> Result<Vec<SocketAddr>, HttpError> {
         return Err(HttpError::DestinationNotFound);
     }
     Ok(addrs)
+}
+
+/// Places for name lookups: `total` for all tenants together, at most
+/// `share` of them for each.
+struct LookupPlaces {
+    all: Arc<Semaphore>,
+    share: usize,
+    /// Each tenant with lookups running or waiting: its share's places.
+    tenants: Mutex<HashMap<Arc<str>, Arc<Semaphore>>>,
+}
+
+/// A lookup's places, its tenant's and one of all, given back when dropped.
+type Places = (OwnedSemaphorePermit, OwnedSemaphorePermit);
+
+impl LookupPlaces {
+    fn new(total: usize, share: usize) -> Self {
+        Self { all: Arc::new(Semaphore::new(total)), share, tenants: Mutex::default() }
+    }
+
+    /// Waits for a place of `tenant`'s share, then for one of all: a
+    /// tenant at its share waits without holding a place others need.
+    async fn take(&self, tenant: &Arc<str>) -> Result<Places, AcquireError> {
+        let own = self.share_of(tenant).acquire_owned().await?;
+        let any = Arc::clone(&self.all).acquire_owned().await?;
+        Ok((own, any))
+    }
+
+    /// `tenant`'s share, made on its first lookup; the shares of tenants
+    /// with no lookup running or waiting (nobody else holds them) are
+    /// dropped here, so the map holds only tenants with lookups.
+    fn share_of(&self, tenant: &Arc<str>) -> Arc<Semaphore> {
+        // Nothing panics while the map is held, so a poisoned lock still holds a sound map.
+        let mut tenants = self.tenants.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        tenants.retain(|_, share| Arc::strong_count(share) > 1);
+        Arc::clone(tenants.entry(Arc::clone(tenant)).or_insert_with(|| Arc::new(Semaphore::new(self.share))))
+    }
 }
 
 /// A connection to the first of `addrs` that accepts one.
@@ -381,6 +424,28 @@ impl hyper::body::Body for TimedBody {
 mod tests {
     use super::*;
 
+    /// A tenant gets no more than its share of the lookup places, while
+    /// another tenant still gets its own; all tenants together no more
+    /// than the total; a place given back is taken by the next in line.
+    #[tokio::test]
+    async fn one_tenant_holds_at_most_its_share_of_lookup_places() {
+        let places = LookupPlaces::new(5, 2);
+        let quick = Duration::from_millis(50);
+        let (busy, other, third): (Arc<str>, Arc<str>, Arc<str>) = ("busy".into(), "other".into(), "third".into());
+        let mut held = vec![places.take(&busy).await.unwrap(), places.take(&busy).await.unwrap()];
+        assert!(tokio::time::timeout(quick, places.take(&busy)).await.is_err(), "a third place for one tenant");
+        held.push(tokio::time::timeout(quick, places.take(&other)).await.expect("another tenant waits").unwrap());
+        held.push(places.take(&other).await.unwrap());
+        held.push(places.take(&third).await.unwrap());
+        assert!(tokio::time::timeout(quick, places.take(&third)).await.is_err(), "past the total");
+        drop(held.remove(0));
+        let next = tokio::time::timeout(quick, places.take(&busy)).await.expect("a place given back").unwrap();
+        drop((held, next));
+        assert_eq!(places.all.available_permits(), 5, "every place given back");
+        let _share = places.share_of(&third);
+        assert_eq!(places.tenants.lock().unwrap().len(), 1, "idle tenants' shares are dropped");
+    }
+
     fn public(text: &str) -> bool {
         is_public(text.parse().unwrap())
     }
@@ -431,20 +496,20 @@ mod tests {
 
     #[tokio::test]
     async fn literals_and_names_of_internal_addresses_are_prohibited() {
-        let denied = Egress::default();
+        let (denied, tenant): (Egress, Arc<str>) = (Egress::default(), "t".into());
         for host in ["127.0.0.1", "[::1]", "169.254.169.254", "localhost", "2130706433", "127.1"] {
-            let outcome = destinations(host, 80, denied).await;
+            let outcome = destinations(host, 80, denied, &tenant).await;
             assert!(matches!(outcome, Err(HttpError::DestinationIpProhibited)), "{host}: {outcome:?}");
         }
         let allowed = Egress { allow_private: true };
-        assert_eq!(destinations("127.0.0.1", 8080, allowed).await.unwrap(), ["127.0.0.1:8080".parse().unwrap()]);
-        assert_eq!(destinations("[::1]", 80, allowed).await.unwrap(), ["[::1]:80".parse().unwrap()]);
+        assert_eq!(destinations("127.0.0.1", 8080, allowed, &tenant).await.unwrap(), ["127.0.0.1:8080".parse().unwrap()]);
+        assert_eq!(destinations("[::1]", 80, allowed, &tenant).await.unwrap(), ["[::1]:80".parse().unwrap()]);
     }
 
     #[tokio::test]
     async fn a_port_out_of_range_is_an_invalid_uri_not_port_80() {
         let request = hyper::Request::get("http://example.com:99999/").body(WasiBody::default()).unwrap();
-        let outcome = send(request, None, Egress::default(), Instant::now() + Duration::from_secs(5)).await;
+        let outcome = send(request, None, (Egress::default(), "t".into()), Instant::now() + Duration::from_secs(5)).await;
         assert!(matches!(outcome, Err(HttpError::HttpRequestUriInvalid)), "{:?}", outcome.err());
         assert!(has_port_part("a:b@example.com:") && has_port_part("[::1]:x") && has_port_part("h:80"));
         assert!(!has_port_part("a:b@example.com") && !has_port_part("[::1]") && !has_port_part("example.com"));

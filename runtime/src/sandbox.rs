@@ -267,7 +267,13 @@ impl Sandbox {
         let limiter = InstanceLimiter::new(limits.memory_limit);
         let mut store = Store::new(
             &self.engine,
-            RequestState::new(face, limiter, deadline, limits.max_host_resources, (handler.outgoing_http, self.egress)),
+            RequestState::new(
+                face,
+                limiter,
+                deadline,
+                limits.max_host_resources,
+                (handler.outgoing_http, self.egress, Arc::clone(&handler.tenant)),
+            ),
         );
         store.limiter(|state| &mut state.limiter);
         store.set_hostcall_fuel(self.hostcall_fuel);

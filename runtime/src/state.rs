@@ -1,6 +1,7 @@
 //! The data of one request's [`wasmtime::Store`]: it owns the single
 //! [`ResourceTable`]; each capability borrows it through a view.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use wasmtime::component::ResourceTable;
@@ -45,6 +46,8 @@ pub fn host_memory_bound(max_host_resources: usize) -> usize {
 pub struct GatewayHooks {
     /// The tenant's grant.
     pub outgoing_http: bool,
+    /// The tenant, whose share of name lookups a granted request takes.
+    pub tenant: Arc<str>,
     /// Where granted requests may go (server-wide).
     pub egress: Egress,
     /// The request's deadline: no outgoing request waits past it.
@@ -69,7 +72,7 @@ impl WasiHttpHooks for GatewayHooks {
         if !self.outgoing_http {
             return Box::new(async { Err(HttpError::HttpRequestDenied) });
         }
-        Box::new(crate::outgoing::send(request, options, self.egress, self.deadline))
+        Box::new(crate::outgoing::send(request, options, (self.egress, Arc::clone(&self.tenant)), self.deadline))
     }
 
     fn p2_outgoing_body_buffer_chunks(&mut self) -> usize {
@@ -102,14 +105,15 @@ pub struct RequestState {
 }
 
 impl RequestState {
-    /// State for one request: a WASI context that grants nothing, a resource
-    /// table of at most `max_host_resources` entries, outgoing HTTP as granted.
+    /// State for one request of `tenant`: a WASI context that grants
+    /// nothing, a resource table of at most `max_host_resources` entries,
+    /// outgoing HTTP as granted.
     pub fn new(
         face_detect: FaceDetectCtx,
         limiter: InstanceLimiter,
         deadline: Instant,
         max_host_resources: usize,
-        (outgoing_http, egress): (bool, Egress),
+        (outgoing_http, egress, tenant): (bool, Egress, Arc<str>),
     ) -> Self {
         let stdio = CappedCapture::new(STDIO_CAPTURE_BYTES);
         let wasi = WasiCtx::builder()
@@ -124,7 +128,7 @@ impl RequestState {
         table.set_max_capacity(max_host_resources);
         let mut http = WasiHttpCtx::new();
         http.set_field_size_limit(FIELD_SIZE_LIMIT);
-        Self { table, wasi, http, hooks: GatewayHooks { outgoing_http, egress, deadline }, face_detect, limiter, deadline, stdio }
+        Self { table, wasi, http, hooks: GatewayHooks { outgoing_http, tenant, egress, deadline }, face_detect, limiter, deadline, stdio }
     }
 }
 
@@ -170,7 +174,8 @@ mod tests {
     #[tokio::test]
     async fn outgoing_requests_are_denied_without_the_grant() {
         let request = hyper::Request::get("https://example.com/").body(WasiBody::default()).unwrap();
-        let mut hooks = GatewayHooks { outgoing_http: false, egress: Egress { allow_private: true }, deadline: Instant::now() };
+        let mut hooks =
+            GatewayHooks { outgoing_http: false, tenant: "t".into(), egress: Egress { allow_private: true }, deadline: Instant::now() };
         let sent = hooks.send_request(request, None, Box::new(async { Ok(()) }));
         assert!(matches!(Box::into_pin(sent).await, Err(HttpError::HttpRequestDenied)));
     }
@@ -179,7 +184,7 @@ mod tests {
     async fn granted_requests_go_only_where_egress_allows() {
         let request = hyper::Request::get("http://169.254.169.254/latest/").body(WasiBody::default()).unwrap();
         let deadline = Instant::now() + std::time::Duration::from_secs(5);
-        let mut hooks = GatewayHooks { outgoing_http: true, egress: Egress::default(), deadline };
+        let mut hooks = GatewayHooks { outgoing_http: true, tenant: "t".into(), egress: Egress::default(), deadline };
         let sent = hooks.send_request(request, None, Box::new(async { Ok(()) }));
         assert!(matches!(Box::into_pin(sent).await, Err(HttpError::DestinationIpProhibited)));
     }
