@@ -66,7 +66,8 @@ pub type Sent = (hyper::Response<WasiBody>, Box<dyn Future<Output = Result<(), H
 pub async fn send(
     request: hyper::Request<WasiBody>,
     options: Option<RequestOptions>,
-    (egress, tenant): (Egress, Arc<str>),
+    egress: Egress,
+    tenant: Arc<str>,
     deadline: Instant,
 ) -> Result<Sent, HttpError> {
     let uri = request.uri();
@@ -509,7 +510,7 @@ mod tests {
     #[tokio::test]
     async fn a_port_out_of_range_is_an_invalid_uri_not_port_80() {
         let request = hyper::Request::get("http://example.com:99999/").body(WasiBody::default()).unwrap();
-        let outcome = send(request, None, (Egress::default(), "t".into()), Instant::now() + Duration::from_secs(5)).await;
+        let outcome = send(request, None, Egress::default(), "t".into(), Instant::now() + Duration::from_secs(5)).await;
         assert!(matches!(outcome, Err(HttpError::HttpRequestUriInvalid)), "{:?}", outcome.err());
         assert!(has_port_part("a:b@example.com:") && has_port_part("[::1]:x") && has_port_part("h:80"));
         assert!(!has_port_part("a:b@example.com") && !has_port_part("[::1]") && !has_port_part("example.com"));

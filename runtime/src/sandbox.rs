@@ -23,7 +23,7 @@ use crate::handlers::Handler;
 use crate::limiter::{InstanceLimiter, MemoryLimitExceeded};
 use crate::metrics::{Limit, LimitHits};
 use crate::outgoing::Egress;
-use crate::state::{self, RequestState};
+use crate::state::{self, GatewayHooks, RequestState};
 use crate::stdio::escape_for_log;
 use crate::warm::{WARM_MAX_MEMORY, Warm, WarmBudget};
 use facegate_host_gpu::Models;
@@ -270,9 +270,8 @@ impl Sandbox {
             RequestState::new(
                 face,
                 limiter,
-                deadline,
                 limits.max_host_resources,
-                (handler.outgoing_http, self.egress, Arc::clone(&handler.tenant)),
+                GatewayHooks { outgoing_http: handler.outgoing_http, tenant: Arc::clone(&handler.tenant), egress: self.egress, deadline },
             ),
         );
         store.limiter(|state| &mut state.limiter);

@@ -72,7 +72,7 @@ impl WasiHttpHooks for GatewayHooks {
         if !self.outgoing_http {
             return Box::new(async { Err(HttpError::HttpRequestDenied) });
         }
-        Box::new(crate::outgoing::send(request, options, (self.egress, Arc::clone(&self.tenant)), self.deadline))
+        Box::new(crate::outgoing::send(request, options, self.egress, Arc::clone(&self.tenant), self.deadline))
     }
 
     fn p2_outgoing_body_buffer_chunks(&mut self) -> usize {
@@ -105,16 +105,10 @@ pub struct RequestState {
 }
 
 impl RequestState {
-    /// State for one request of `tenant`: a WASI context that grants
-    /// nothing, a resource table of at most `max_host_resources` entries,
-    /// outgoing HTTP as granted.
-    pub fn new(
-        face_detect: FaceDetectCtx,
-        limiter: InstanceLimiter,
-        deadline: Instant,
-        max_host_resources: usize,
-        (outgoing_http, egress, tenant): (bool, Egress, Arc<str>),
-    ) -> Self {
+    /// State for one request: a WASI context that grants nothing, a resource
+    /// table of at most `max_host_resources` entries, outgoing HTTP as
+    /// `hooks` grant it, stopped at `hooks.deadline`.
+    pub fn new(face_detect: FaceDetectCtx, limiter: InstanceLimiter, max_host_resources: usize, hooks: GatewayHooks) -> Self {
         let stdio = CappedCapture::new(STDIO_CAPTURE_BYTES);
         let wasi = WasiCtx::builder()
             .stdout(stdio.clone())
@@ -128,7 +122,7 @@ impl RequestState {
         table.set_max_capacity(max_host_resources);
         let mut http = WasiHttpCtx::new();
         http.set_field_size_limit(FIELD_SIZE_LIMIT);
-        Self { table, wasi, http, hooks: GatewayHooks { outgoing_http, tenant, egress, deadline }, face_detect, limiter, deadline, stdio }
+        Self { table, wasi, http, deadline: hooks.deadline, hooks, face_detect, limiter, stdio }
     }
 }
 
