@@ -240,6 +240,7 @@ fn spawn_workers(
 }
 
 fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut sizer: BatchSizer) {
+    backend.on_worker_thread();
     shared.metrics.record_sizing(index, sizer.chosen(&[]), sizer.learning(&[]));
     let mut rate = DeviceRate::default();
     while let Some((batch, waiting)) = wait_for_batch(shared, &sizer) {

@@ -16,7 +16,7 @@
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! init_onnx_runtime("libonnxruntime.so".as_ref())?;
 //! let config = ImageModelConfig::centerface("centerface.onnx", 8);
-//! let backend = OnnxBackend::new(config, &Device::Cpu { threads: 2 })?;
+//! let backend = OnnxBackend::new(config, &Device::Cpu { threads: 2, cores: Vec::new() })?;
 //! let batcher = Batcher::start(vec![Box::new(backend)], &BatcherConfig::default())?;
 //! let image = Tensor::new(vec![640, 640, 3], ElementType::U8, vec![0; 640 * 640 * 3])?;
 //! let deadline = Instant::now() + Duration::from_secs(5);
@@ -25,6 +25,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod affinity;
 pub mod backend;
 mod batcher;
 mod error;

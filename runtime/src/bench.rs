@@ -167,6 +167,14 @@ pub async fn run(config: BenchConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How the bench's threads share the cores, for its header.
+fn core_layout(engine: &crate::config::EngineConfig) -> String {
+    match engine.inference_cpus.as_slice() {
+        [] => " (all threads share all cores)".into(),
+        cores => format!(" on cores {cores:?} of their own (--inference-cores; handlers, HTTP and clients on the others)"),
+    }
+}
+
 /// Decodes and letterboxes natively with the same SDK code the handlers run in wasm.
 fn preprocess(bytes: &[u8], side: u32) -> anyhow::Result<Tensor> {
     use facegate_guest_sdk::image::{ImageLimits, decode, letterbox};
@@ -199,10 +207,11 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
     let rounds = config.rounds.max(1);
     let engine = &config.serve.engine;
     println!(
-        "devices {:?}, {} CPU workers × {} threads, {:?} batch sizing, {}×{} images; {rounds} interleaved rounds of {:.1} s per row",
+        "devices {:?}, {} CPU workers × {} threads{}, {:?} batch sizing, {}×{} images; {rounds} interleaved rounds of {:.1} s per row",
         engine.devices,
         engine.workers(),
         engine.threads_per_worker(),
+        core_layout(engine),
         engine.batch_sizing,
         config.side,
         config.side,

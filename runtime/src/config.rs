@@ -281,6 +281,22 @@ pub struct EngineConfig {
     #[arg(long, env = "FACEGATE_CPU_THREADS", default_value_t = 0)]
     pub cpu_threads: usize,
 
+    /// Cores reserved for CPU inference (0: none, every thread may run on
+    /// every core). The CPU workers and their ONNX Runtime threads run only
+    /// on the last N cores the process may use, and everything else (the
+    /// tenants' handlers, HTTP, compiling) only on the others, so handlers
+    /// cannot take CPU from inference nor inference from handlers: the
+    /// layout of a machine whose accelerator is a device of its own.
+    /// `--cpu-workers` and `--cpu-threads` then default to the reserved
+    /// cores. Linux only.
+    #[arg(long, env = "FACEGATE_INFERENCE_CORES", default_value_t = 0)]
+    pub inference_cores: usize,
+
+    /// The cores reserved for inference, once [`crate::cores::reserve`] has
+    /// set them apart (empty: none).
+    #[arg(skip)]
+    pub inference_cpus: Vec<usize>,
+
     /// Most samples per device batch. With `--batch-sizing adaptive` each
     /// device learns, per image size, the batch size (up to this) that is
     /// cheapest per image: on a CPU that is 1 for 640×640 images and 4–8
@@ -408,19 +424,23 @@ impl ServeConfig {
 }
 
 impl EngineConfig {
-    /// CPU workers, resolving 0 to one per core.
+    /// CPU workers, resolving 0 to one per inference core.
     pub fn workers(&self) -> usize {
-        if self.cpu_workers > 0 { self.cpu_workers } else { cores() }
+        if self.cpu_workers > 0 { self.cpu_workers } else { self.inference_core_count() }
     }
 
-    /// Intra-op threads per CPU worker, resolving 0 to an even share of the cores.
+    /// Intra-op threads per CPU worker, resolving 0 to an even share of the inference cores.
     pub fn threads_per_worker(&self) -> usize {
-        if self.cpu_threads > 0 { self.cpu_threads } else { (cores() / self.workers()).max(1) }
+        if self.cpu_threads > 0 { self.cpu_threads } else { (self.inference_core_count() / self.workers()).max(1) }
     }
-}
 
-fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    /// The cores CPU inference runs on: those reserved for it, or all.
+    fn inference_core_count(&self) -> usize {
+        match self.inference_cpus.len() {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
 }
 
 #[cfg(test)]

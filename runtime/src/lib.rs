@@ -23,6 +23,7 @@ pub mod cli;
 pub mod compile;
 pub mod config;
 pub mod control;
+pub mod cores;
 pub mod engine;
 pub mod face_detect;
 pub mod handlers;
@@ -60,6 +61,9 @@ use crate::sandbox::Sandbox;
 /// Loads ONNX Runtime and the model, and starts one batcher with one
 /// device worker per GPU and per configured CPU worker.
 pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
+    if config.inference_cores > 0 && config.inference_cpus.is_empty() {
+        anyhow::bail!("--inference-cores: the cores are not set apart yet (cores::reserve, before the async runtime starts)");
+    }
     init_onnx_runtime(&config.onnxruntime)?;
     let threads = config.threads_per_worker();
     let backends = devices(config)
@@ -75,7 +79,7 @@ pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
     for (tenant, weight) in &config.tenant_weights {
         batcher.set_tenant_weight(tenant, *weight);
     }
-    tracing::info!(model = %batcher.spec().name, devices = ?config.devices, cpu_workers = config.workers(), threads, max_batch = batcher.spec().max_batch, "model loaded");
+    tracing::info!(model = %batcher.spec().name, devices = ?config.devices, cpu_workers = config.workers(), threads, inference_cores = ?config.inference_cpus, max_batch = batcher.spec().max_batch, "model loaded");
     let mut models = Models::new();
     models.insert(batcher);
     Ok(models)
@@ -89,7 +93,7 @@ fn devices(config: &EngineConfig) -> Vec<Device> {
         .devices
         .iter()
         .flat_map(|spec| match *spec {
-            DeviceSpec::Cpu => vec![Device::Cpu { threads }; config.workers()],
+            DeviceSpec::Cpu => vec![Device::Cpu { threads, cores: config.inference_cpus.clone() }; config.workers()],
             DeviceSpec::Cuda(device_id) => vec![Device::Cuda { device_id }],
             DeviceSpec::TensorRt(device_id) => vec![Device::TensorRt { device_id, cache_dir: cache_dir.clone() }],
         })

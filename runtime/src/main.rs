@@ -10,7 +10,13 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    // Before the async runtime starts: its threads inherit the handlers' cores.
+    match &mut cli.command {
+        Command::Serve(config) => facegate::cores::reserve(&mut config.engine)?,
+        Command::Bench(config) => facegate::cores::reserve(&mut config.serve.engine)?,
+        _ => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     match cli.command {
         Command::Serve(config) => runtime.block_on(facegate::run(config)),

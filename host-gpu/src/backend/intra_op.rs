@@ -18,13 +18,26 @@ use ort::environment::ThreadManager;
 /// Runtime's own threads would get, rather than Rust's 2 MiB.
 const STACK_BYTES: usize = 8 << 20;
 
-/// Spawns the session's pool threads and remembers their thread ids.
+/// Spawns the session's pool threads, pinned to the session's cores when it
+/// has some, and remembers their thread ids.
 #[derive(Clone, Default)]
 pub(super) struct IntraOpThreads {
     tids: Arc<Mutex<Vec<i32>>>,
+    /// Cores the threads run on; empty: wherever the OS puts them.
+    cores: Arc<[usize]>,
 }
 
 impl IntraOpThreads {
+    /// Pool threads pinned to `cores` (none: not pinned).
+    pub(super) fn new(cores: Vec<usize>) -> Self {
+        Self { tids: Arc::default(), cores: cores.into() }
+    }
+
+    /// The cores the session's threads are pinned to (empty: not pinned).
+    pub(super) fn cores(&self) -> &[usize] {
+        &self.cores
+    }
+
     /// CPU time the pool threads have used so far (zero where the platform
     /// does not tell, so a batch then costs the worker thread's time alone).
     pub(super) fn cpu_time(&self) -> Duration {
@@ -37,12 +50,21 @@ impl ThreadManager for IntraOpThreads {
     type Thread = JoinHandle<()>;
 
     fn create(&self, work: impl FnOnce() + Send + 'static) -> ort::Result<Self::Thread> {
-        let tids = Arc::clone(&self.tids);
+        let (tids, cores) = (Arc::clone(&self.tids), Arc::clone(&self.cores));
         let (started_tx, started) = std::sync::mpsc::sync_channel(1);
         let thread = std::thread::Builder::new()
             .name("ort-intra-op".into())
             .stack_size(STACK_BYTES)
             .spawn(move || {
+                // The cores come from the process's own set, so this fails
+                // only if that set shrank since; the thread then runs where
+                // the OS puts it rather than fail the session (ONNX Runtime
+                // does not recover from a pool thread it could not create).
+                if !cores.is_empty()
+                    && let Err(e) = crate::affinity::pin_current_thread(&cores)
+                {
+                    tracing::warn!(?cores, "cannot pin an ONNX Runtime thread to its cores: {e}");
+                }
                 let tid = current_tid();
                 if let Some(tid) = tid {
                     tids.lock().unwrap_or_else(PoisonError::into_inner).push(tid);

@@ -41,6 +41,11 @@ pub trait Backend: Send + 'static {
     fn pool_cpu_time(&self) -> Duration {
         Duration::ZERO
     }
+
+    /// Called once on the worker thread that drives this backend, before
+    /// its first batch (a CPU session with cores of its own pins the
+    /// thread to them there). Nothing by default.
+    fn on_worker_thread(&mut self) {}
 }
 
 /// The engine failed on a batch. Every call of that batch gets this error;

@@ -24,6 +24,10 @@ pub enum Device {
     Cpu {
         /// Threads ONNX Runtime may use inside one run.
         threads: usize,
+        /// Cores the session's threads (the device worker's and ONNX
+        /// Runtime's pool) are pinned to; empty: not pinned, the OS places
+        /// them among all the others.
+        cores: Vec<usize>,
     },
     /// An NVIDIA GPU through the CUDA execution provider.
     Cuda {
@@ -147,7 +151,10 @@ fn drop_scratch(capacity: usize, needed: usize, keep: usize) -> bool {
 impl OnnxBackend {
     /// Opens a session for `config` on `device`. [`init_onnx_runtime`] must have succeeded.
     pub fn new(config: ImageModelConfig, device: &Device) -> Result<Self, BackendError> {
-        let intra_op = matches!(device, Device::Cpu { .. }).then(IntraOpThreads::default);
+        let intra_op = match device {
+            Device::Cpu { cores, .. } => Some(IntraOpThreads::new(cores.clone())),
+            _ => None,
+        };
         let session = build_session(&config, device, intra_op.clone())
             .map_err(|e| BackendError(format!("cannot load model {} from {}: {e}", config.name, config.path.display())))?;
         let spec = config.spec();
@@ -177,7 +184,7 @@ fn build_session(config: &ImageModelConfig, device: &Device, intra_op: Option<In
         .with_intra_op_spinning(false)?
         .with_inter_threads(1)?;
     builder = match device {
-        Device::Cpu { threads } => {
+        Device::Cpu { threads, .. } => {
             let builder = builder.with_intra_threads((*threads).max(1))?;
             match intra_op {
                 Some(threads) => builder.with_thread_manager(threads)?,
@@ -246,6 +253,17 @@ impl Backend for OnnxBackend {
 
     fn pool_cpu_time(&self) -> Duration {
         self.intra_op.as_ref().map_or(Duration::ZERO, IntraOpThreads::cpu_time)
+    }
+
+    /// Pins the worker thread, which computes its share of each run, to the
+    /// session's cores, as its pool threads are.
+    fn on_worker_thread(&mut self) {
+        let cores = self.intra_op.as_ref().map_or(&[][..], IntraOpThreads::cores);
+        if !cores.is_empty()
+            && let Err(e) = crate::affinity::pin_current_thread(cores)
+        {
+            tracing::warn!(?cores, "cannot pin the device worker to its cores: {e}");
+        }
     }
 
     fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError> {

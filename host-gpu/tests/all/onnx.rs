@@ -30,7 +30,7 @@ fn fixture(name: &str) -> Vec<u8> {
 fn backend() -> OnnxBackend {
     let (lib, model) = artifacts();
     init_onnx_runtime(&lib).unwrap();
-    OnnxBackend::new(ImageModelConfig::centerface(model, 4), &Device::Cpu { threads: 2 }).unwrap()
+    OnnxBackend::new(ImageModelConfig::centerface(model, 4), &Device::Cpu { threads: 2, cores: Vec::new() }).unwrap()
 }
 
 fn reference_input() -> Tensor {
@@ -76,6 +76,48 @@ fn missing_model_is_a_clear_error() {
     let (lib, _) = artifacts();
     init_onnx_runtime(&lib).unwrap();
     let config = ImageModelConfig::centerface("/nonexistent/model.onnx", 1);
-    let err = OnnxBackend::new(config, &Device::Cpu { threads: 1 }).err().unwrap();
+    let err = OnnxBackend::new(config, &Device::Cpu { threads: 1, cores: Vec::new() }).err().unwrap();
     assert!(err.0.contains("/nonexistent/model.onnx"), "{err}");
+}
+
+/// Threads of this process named `ort-intra-op` that may run only on `cores`.
+#[cfg(target_os = "linux")]
+fn pool_threads_on(cores: &[usize]) -> usize {
+    let list = cores.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    let tasks = std::fs::read_dir("/proc/self/task").unwrap();
+    tasks
+        .filter_map(|task| {
+            let path = task.ok()?.path();
+            let name = std::fs::read_to_string(path.join("comm")).ok()?;
+            let status = std::fs::read_to_string(path.join("status")).ok()?;
+            let allowed = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?.trim().to_owned();
+            (name.trim() == "ort-intra-op" && allowed == list).then_some(())
+        })
+        .count()
+}
+
+/// A CPU session given cores of its own (`--inference-cores`) runs its
+/// pool thread and its worker thread only there, and computes the same.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_session_with_cores_of_its_own_runs_only_there() {
+    use facegate_host_gpu::affinity::allowed_cores;
+    let (lib, model) = artifacts();
+    init_onnx_runtime(&lib).unwrap();
+    // The first core: other tests' unpinned pool threads may use every core.
+    let first = allowed_cores().unwrap()[0];
+    let before = pool_threads_on(&[first]);
+    let device = Device::Cpu { threads: 2, cores: vec![first] };
+    let mut backend = OnnxBackend::new(ImageModelConfig::centerface(model, 4), &device).unwrap();
+    assert_eq!(pool_threads_on(&[first]), before + 1, "two threads: the worker and one pool thread, pinned");
+    let (worker_cores, outputs) = std::thread::spawn(move || {
+        backend.on_worker_thread();
+        let outputs = backend.run(&[&reference_input()]).unwrap().remove(0);
+        (allowed_cores().unwrap(), outputs)
+    })
+    .join()
+    .unwrap();
+    assert_eq!(worker_cores, vec![first]);
+    let diff = max_abs_diff(&outputs, &reference_output());
+    assert!(diff <= 1e-3, "max abs diff {diff}");
 }

@@ -97,6 +97,8 @@ pub fn engine_config(home: &Path) -> EngineConfig {
         devices: vec![facegate::config::DeviceSpec::Cpu],
         cpu_workers: 1,
         cpu_threads: 0,
+        inference_cores: 0,
+        inference_cpus: Vec::new(),
         max_batch: 4,
         batch_sizing: facegate_host_gpu::Sizing::Adaptive,
         batch_delay_us: 0,
