@@ -8,6 +8,7 @@ mod cluster;
 mod connections;
 mod console;
 mod control;
+mod cores;
 mod detect;
 mod egress;
 mod harness;

@@ -58,6 +58,11 @@ impl Server {
         Self { child, addr }
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGKILL, and wait for it.
     pub fn kill(mut self) {
         self.child.kill().unwrap(); // SIGKILL on Unix
