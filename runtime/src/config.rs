@@ -272,7 +272,8 @@ pub struct EngineConfig {
     pub devices: Vec<DeviceSpec>,
 
     /// Device workers (ONNX Runtime sessions) on the CPU, each pulling its own
-    /// batches (0: one per core, or per reserved core with `--inference-cores`). One worker using every core halves a lone
+    /// batches (0: one per core, or per reserved core with
+    /// `--inference-cores`). One worker using every core halves a lone
     /// request's latency; one per core gives about the same throughput under load.
     #[arg(long, env = "FACEGATE_CPU_WORKERS", default_value_t = 1)]
     pub cpu_workers: usize,

@@ -12,11 +12,14 @@ fn main() -> anyhow::Result<()> {
         .init();
     let mut cli = Cli::parse();
     // Before the async runtime starts: its threads inherit the handlers' cores.
-    match &mut cli.command {
-        Command::Serve(config) => facegate::cores::reserve(&mut config.engine)?,
-        Command::Bench(config) => facegate::cores::reserve(&mut config.serve.engine)?,
+    let engine = match &mut cli.command {
+        Command::Serve(config) => Some(&mut config.engine),
+        Command::Bench(config) => Some(&mut config.serve.engine),
         _ => None,
     };
+    if let Some(engine) = engine {
+        facegate::cores::reserve(engine)?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     match cli.command {
         Command::Serve(config) => runtime.block_on(facegate::run(config)),

@@ -56,15 +56,9 @@ impl ThreadManager for IntraOpThreads {
             .name("ort-intra-op".into())
             .stack_size(STACK_BYTES)
             .spawn(move || {
-                // The cores come from the process's own set, so this fails
-                // only if that set shrank since; the thread then runs where
-                // the OS puts it rather than fail the session (ONNX Runtime
-                // does not recover from a pool thread it could not create).
-                if !cores.is_empty()
-                    && let Err(e) = crate::affinity::pin_current_thread(&cores)
-                {
-                    tracing::warn!(?cores, "cannot pin an ONNX Runtime thread to its cores: {e}");
-                }
+                // Rather than fail: ONNX Runtime does not recover from a pool
+                // thread it could not create.
+                pin_current_thread(&cores, "an ONNX Runtime pool thread");
                 let tid = current_tid();
                 if let Some(tid) = tid {
                     tids.lock().unwrap_or_else(PoisonError::into_inner).push(tid);
@@ -84,6 +78,17 @@ impl ThreadManager for IntraOpThreads {
 
     fn join(thread: Self::Thread) -> ort::Result<()> {
         thread.join().map_err(|_| ort::Error::new("an ONNX Runtime thread panicked"))
+    }
+}
+
+/// Pins the calling thread (`what`, for the log) to `cores`, if any. The
+/// cores come from the process's own set, so this fails only if that set
+/// shrank since; the thread then runs where the OS puts it, with a warning.
+pub(super) fn pin_current_thread(cores: &[usize], what: &str) {
+    if !cores.is_empty()
+        && let Err(e) = crate::affinity::pin_current_thread(cores)
+    {
+        tracing::warn!(?cores, "cannot pin {what} to its cores: {e}");
     }
 }
 

@@ -12,7 +12,7 @@ use ort::session::Session;
 use ort::session::builder::GraphOptimizationLevel;
 use ort::value::TensorRef;
 
-use super::intra_op::IntraOpThreads;
+use super::intra_op::{self, IntraOpThreads};
 use super::{Backend, BackendError};
 use crate::model::{ModelSpec, TensorSpec};
 use crate::tensor::{ElementType, Tensor};
@@ -258,11 +258,8 @@ impl Backend for OnnxBackend {
     /// Pins the worker thread, which computes its share of each run, to the
     /// session's cores, as its pool threads are.
     fn on_worker_thread(&mut self) {
-        let cores = self.intra_op.as_ref().map_or(&[][..], IntraOpThreads::cores);
-        if !cores.is_empty()
-            && let Err(e) = crate::affinity::pin_current_thread(cores)
-        {
-            tracing::warn!(?cores, "cannot pin the device worker to its cores: {e}");
+        if let Some(pool) = &self.intra_op {
+            intra_op::pin_current_thread(pool.cores(), "the device worker");
         }
     }
 
