@@ -2,7 +2,7 @@
 # One command from a fresh clone to a running gateway: set up, build, and
 # serve the example handlers with the real CenterFace model. On first run the
 # store (.facegate/data) is seeded with tenant "demo" (handlers detect, blur,
-# crop); its API key is printed and saved in .facegate/data/demo.key. The
+# crop); its API key is saved in .facegate/data/demo.key (mode 0600; only the path is printed). The
 # admin API uses FACEGATE_ADMIN_TOKEN, or a token generated into
 # .facegate/data/admin.token (mode 0600).
 set -euo pipefail

@@ -20,10 +20,10 @@ Checks, each a failure:
     schemas bundled in the `kubernetes-validate` package (offline); a
     kind/apiVersion with no schema is an error (the package's CLI only
     warns);
-  - cross references the schema cannot see: selectors match the pod
-    labels, named ports and volumes exist, Secret keys exist in the example
-    Secret, $(VAR) references are defined earlier, the HPA targets the
-    Deployment;
+  - cross references the schema cannot see: selectors (a NetworkPolicy's
+    podSelector too) match the pod labels, named ports and volumes exist,
+    Secret keys exist in the example Secret, $(VAR) references are defined
+    earlier, the HPA targets the Deployment;
   - the pod's hardening (non-root, read-only root, no privilege escalation,
     all capabilities dropped, seccomp RuntimeDefault), probes on /healthz
     and /readyz, a grace period longer than the preStop sleep;
@@ -353,6 +353,9 @@ def cross_check(docs, source, secrets, gpu_expected):
     for pdb in by_kind.get("PodDisruptionBudget", []):
         if not any(matches(pdb["spec"].get("selector"), labels) for _, labels in pod_labels):
             err(f"PodDisruptionBudget/{pdb['metadata']['name']}: selector matches no Deployment's pods")
+    for policy in by_kind.get("NetworkPolicy", []):
+        if not any(matches(policy["spec"].get("podSelector"), labels) for _, labels in pod_labels):
+            err(f"NetworkPolicy/{policy['metadata']['name']}: podSelector matches no Deployment's pods")
     for hpa in by_kind.get("HorizontalPodAutoscaler", []):
         ref = hpa["spec"]["scaleTargetRef"]
         if ref["kind"] != "Deployment" or ref["name"] not in [n for n, _ in pod_labels]:

@@ -28,6 +28,8 @@ const ATTACKS: &[(&str, Attack)] = &[
     ("stderr flood", Attack::Query("attack=stderr")),
     ("sleeping handlers", Attack::Query("attack=sleep")),
     ("1280² tensors", Attack::Query("attack=big-tensor&side=1280&n=2")),
+    ("memory holders, 1 tenant", Attack::Hold { tenants: 1 }),
+    ("memory holders, 2 tenants", Attack::Hold { tenants: 2 }),
     ("slow bodies", Attack::SlowBody),
     ("idle connections", Attack::Idle),
     ("uploads compiling", Attack::Upload),
@@ -42,10 +44,21 @@ const IDLE_PER_CLIENT: usize = 256;
 /// Concurrency of the neighbour tenant.
 const NEIGHBOUR_CONCURRENCY: usize = 4;
 
+/// The bench gateway's memory budget: about what a 4 GiB pod gets
+/// (deploy/k8s), so the memory holders press on it.
+const MEMORY_BUDGET_MIB: u64 = 2048;
+
+/// What each memory holder holds, and for how long: inside a tenant's
+/// default 256 MiB, the budget's business only in aggregate.
+const HOLD_QUERY: &str = "attack=hold&mib=240&ms=2000";
+
 #[derive(Clone, Copy)]
 enum Attack {
     /// GET `/v1/evil/attack?<query>` in closed loops.
     Query(&'static str),
+    /// [`HOLD_QUERY`] in closed loops, the clients split among `tenants`
+    /// hostile tenants (`evil`, `evil2`).
+    Hold { tenants: usize },
     /// Uploads that declare a body and send a byte now and then.
     SlowBody,
     /// Connections that never send a byte, reopened when closed.
@@ -66,16 +79,18 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
         c.request_timeout_ms = 5_000;
         c.max_instances = defaults.max_instances;
         c.tenant_max_concurrency = defaults.tenant_max_concurrency;
+        c.memory_budget_mib = Some(MEMORY_BUDGET_MIB);
         c.admin_token = Some(ADMIN_TOKEN.to_owned());
     })
     .await?;
     let _ = std::fs::remove_dir_all(&seed);
     let demo = (addr, keys.get("demo").context("no demo tenant")?.clone());
-    let evil = keys.get("evil").context("no evil tenant")?.clone();
+    let evil =
+        ["evil", "evil2"].map(|t| keys.get(t).cloned().context("no hostile tenant")).into_iter().collect::<anyhow::Result<Vec<_>>>()?;
     let rounds = config.rounds.max(1);
     let round = duration / rounds;
     println!(
-        "\n== isolation: neighbour demo/detect at concurrency {NEIGHBOUR_CONCURRENCY} alone vs beside {} attacker clients; {rounds} interleaved rounds of {:.1} s ==",
+        "\n== isolation: neighbour demo/detect at concurrency {NEIGHBOUR_CONCURRENCY} alone vs beside {} attacker clients; {rounds} interleaved rounds of {:.1} s; memory budget {MEMORY_BUDGET_MIB} MiB ==",
         config.attackers,
         round.as_secs_f64()
     );
@@ -108,6 +123,9 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
         }
         print_failed_clients(a.failed_clients + b.failed_clients);
     }
+    if config.only.as_deref().is_none_or(|only| HOARDING.contains(only)) {
+        connection_hoarding(&demo, &models, images, config, round).await?;
+    }
     let _ = std::fs::remove_dir_all(crate::bench::bench_data_dir(STORE_LABEL));
     Ok(())
 }
@@ -115,7 +133,7 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
 /// Label of this suite's gateway store (kept while it runs: uploads write to it).
 const STORE_LABEL: usize = 99;
 
-/// A seed directory: `seed_dir`'s tenants plus tenant `evil` serving `hostile` as `attack`.
+/// A seed directory: `seed_dir`'s tenants plus tenants `evil` and `evil2` serving `hostile` as `attack`.
 fn seed_with_attacker(seed_dir: &Path, hostile: &Path) -> anyhow::Result<std::path::PathBuf> {
     let seed = std::env::temp_dir().join(format!("facegate-bench-seed-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&seed);
@@ -131,26 +149,35 @@ fn seed_with_attacker(seed_dir: &Path, hostile: &Path) -> anyhow::Result<std::pa
             std::fs::copy(handler.path(), to.join(handler.file_name()))?;
         }
     }
-    std::fs::create_dir_all(seed.join("evil"))?;
-    std::fs::copy(hostile, seed.join("evil/attack.wasm"))
-        .with_context(|| format!("{} (run deploy/scripts/build-guests.sh)", hostile.display()))?;
+    for tenant in ["evil", "evil2"] {
+        std::fs::create_dir_all(seed.join(tenant))?;
+        std::fs::copy(hostile, seed.join(tenant).join("attack.wasm"))
+            .with_context(|| format!("{} (run deploy/scripts/build-guests.sh)", hostile.display()))?;
+    }
     Ok(seed)
 }
 
+/// Starts `clients` attacker tasks; `keys` are the hostile tenants' (`evil`, `evil2`).
 fn start_attack(
     attack: Attack,
     addr: SocketAddr,
-    key: &str,
+    keys: &[String],
     component: &Bytes,
     clients: usize,
     stop: &Arc<AtomicBool>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     (0..clients)
-        .map(|_| {
-            let (stop, key, component) = (Arc::clone(stop), key.to_owned(), component.clone());
+        .map(|i| {
+            let tenant = match attack {
+                Attack::Hold { tenants } => i % tenants.clamp(1, keys.len()),
+                _ => 0,
+            };
+            let (stop, key, component) = (Arc::clone(stop), keys[tenant].clone(), component.clone());
+            let name = ["evil", "evil2"][tenant];
             tokio::spawn(async move {
                 match attack {
-                    Attack::Query(query) => query_loop(addr, &key, query, &stop).await,
+                    Attack::Query(query) => query_loop(addr, (name, &key), query, &stop).await,
+                    Attack::Hold { .. } => query_loop(addr, (name, &key), HOLD_QUERY, &stop).await,
                     Attack::SlowBody => slow_body_loop(addr, &key, &stop).await,
                     Attack::Idle => idle_loop(addr, &stop).await,
                     Attack::Upload => upload_loop(addr, component, &stop).await,
@@ -160,9 +187,9 @@ fn start_attack(
         .collect()
 }
 
-async fn query_loop(addr: SocketAddr, key: &str, query: &str, stop: &AtomicBool) {
+async fn query_loop(addr: SocketAddr, (tenant, key): (&str, &str), query: &str, stop: &AtomicBool) {
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let url = format!("http://{addr}/v1/evil/attack?{query}");
+    let url = format!("http://{addr}/v1/{tenant}/attack?{query}");
     while !stop.load(Ordering::SeqCst) {
         let Ok(req) = hyper::Request::get(&url).header(hyper::header::AUTHORIZATION, format!("Bearer {key}")).body(Full::default()) else {
             return;
@@ -227,4 +254,195 @@ async fn upload_loop(addr: SocketAddr, component: Bytes, stop: &AtomicBool) {
             Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
         }
     }
+}
+
+/// The connection-hoarding row (`--only` matches its name).
+const HOARDING: &str = "connection hoarding";
+
+/// Connections one address keeps busy (`GET /healthz` every
+/// [`HOARD_REQUEST_EVERY`]): as many as the attacker opened, more
+/// than a listener's default slots, so far more than the address's cap.
+const HOARD_BUSY: usize = 4200;
+
+/// How often each busy hoarded connection sends a request.
+const HOARD_REQUEST_EVERY: Duration = Duration::from_secs(5);
+
+/// Idle keep-alive connections (one request each, then silence), from
+/// addresses of their own, each taking its cap's worth: more than a
+/// listener's default slots.
+const HOARD_IDLE: usize = 4400;
+
+/// How long a hoarding client waits before reopening a closed connection.
+const HOARD_REOPEN_AFTER: Duration = Duration::from_millis(500);
+
+/// Newcomers from another address timed while the listener is full.
+const NEWCOMER_PROBES: usize = 20;
+
+/// The neighbour (from 127.0.0.1) alone vs beside one address keeping
+/// [`HOARD_BUSY`] connections busy and others filling the listener with
+/// [`HOARD_IDLE`] idle keep-alives; then whether newcomers from 127.0.0.2
+/// are served, and how fast. Each round reopens the hoard.
+async fn connection_hoarding(
+    demo: &(SocketAddr, String),
+    models: &facegate_host_gpu::Models,
+    images: &[Bytes],
+    config: &BenchConfig,
+    round: Duration,
+) -> anyhow::Result<()> {
+    let addr = demo.0;
+    // Both ends of every connection are in this process.
+    let gateway =
+        crate::http::open_files::descriptors_needed(crate::config::DEFAULT_MAX_CONNECTIONS, crate::http::open_files::Listeners::Shared);
+    let needed = gateway + (HOARD_BUSY + HOARD_IDLE) as u64;
+    let soft = crate::http::open_files::raise_soft_limit(needed)?;
+    if soft.is_some_and(|soft| soft < needed) {
+        println!("{HOARDING:<24} skipped: the open-file limit is {soft:?}, {needed} needed (raise ulimit -Hn)");
+        return Ok(());
+    }
+    let (mut alone, mut beside, mut newcomers, mut filled) = (LoopStats::default(), LoopStats::default(), Vec::new(), usize::MAX);
+    for _ in 0..config.rounds.max(1) {
+        alone.merge(measure_gateway(demo, models, images, NEIGHBOUR_CONCURRENCY, round, config.side).await.0);
+        let idle = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let hoard = start_hoard(addr, &idle);
+        filled = filled.min(wait_until_filled(&idle).await);
+        beside.merge(measure_gateway(demo, models, images, NEIGHBOUR_CONCURRENCY, round, config.side).await.0);
+        for _ in 0..NEWCOMER_PROBES {
+            newcomers.push(newcomer(addr).await);
+        }
+        for task in hoard {
+            task.abort();
+        }
+    }
+    let window = round * config.rounds.max(1);
+    let (a, b) = (alone.summarize(window), beside.summarize(window));
+    println!(
+        "{HOARDING:<24} {:>10.2} {:>10.2} {:>9.3} {:>9.1} {:>9.1} {:>8.3}",
+        a.throughput,
+        b.throughput,
+        b.throughput / a.throughput,
+        a.p99.as_secs_f64() * 1e3,
+        b.p99.as_secs_f64() * 1e3,
+        b.p99.as_secs_f64() / a.p99.as_secs_f64()
+    );
+    if b.errors > 0 {
+        println!("  {} neighbour requests failed beside this attack", b.errors);
+    }
+    print_failed_clients(a.failed_clients + b.failed_clients);
+    let mut served: Vec<Duration> = newcomers.iter().filter_map(|n| n.as_ref().ok().copied()).collect();
+    served.sort();
+    let refused: Vec<&String> = newcomers.iter().filter_map(|n| n.as_ref().err()).collect();
+    let ms = |d: Option<&Duration>| d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
+    println!(
+        "  newcomers from 127.0.0.2: {}/{} served, p50 {:.1} ms, max {:.1} ms (the listener held at least {filled} idle keep-alives each round; {HOARD_BUSY} busy ones tried from one address)",
+        served.len(),
+        newcomers.len(),
+        ms(served.get(served.len() / 2)),
+        ms(served.last())
+    );
+    if !refused.is_empty() {
+        println!("  newcomers not served: {refused:?}");
+    }
+    Ok(())
+}
+
+/// Starts the hoard: one task per connection. `idle` counts the idle ones open.
+fn start_hoard(addr: SocketAddr, idle: &Arc<std::sync::atomic::AtomicUsize>) -> Vec<tokio::task::JoinHandle<()>> {
+    let busy = (0..HOARD_BUSY).map(|_| tokio::spawn(hoard_busy(addr)));
+    // Each address its cap's worth (the bench gateway runs the defaults).
+    let per_address = match crate::config::DEFAULT_MAX_CONNECTIONS_PER_IP as usize {
+        0 => HOARD_IDLE,
+        cap => cap,
+    };
+    let idle = (0..HOARD_IDLE).map(|i| {
+        let source = std::net::Ipv4Addr::new(127, 0, 1 + (i / per_address / 250) as u8, 1 + (i / per_address % 250) as u8);
+        tokio::spawn(hoard_idle(source.into(), addr, Arc::clone(idle)))
+    });
+    busy.chain(idle).collect()
+}
+
+/// Waits (at most 30 s) until the idle hoard holds every slot the busy
+/// address's cap leaves; how many it held at most.
+async fn wait_until_filled(idle: &std::sync::atomic::AtomicUsize) -> usize {
+    let full = (crate::config::DEFAULT_MAX_CONNECTIONS - crate::config::DEFAULT_MAX_CONNECTIONS_PER_IP) as usize;
+    let mut most = 0;
+    for _ in 0..120 {
+        most = most.max(idle.load(Ordering::SeqCst));
+        if most >= full {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    most
+}
+
+/// One connection from 127.0.0.3 sending `GET /healthz` every
+/// [`HOARD_REQUEST_EVERY`], reopened whenever the gateway closes it.
+async fn hoard_busy(addr: SocketAddr) {
+    let source = std::net::Ipv4Addr::new(127, 0, 0, 3).into();
+    loop {
+        if let Ok(mut stream) = connect_from(source, addr).await {
+            while healthz(&mut stream).await {
+                tokio::time::sleep(HOARD_REQUEST_EVERY).await;
+            }
+        }
+        tokio::time::sleep(HOARD_REOPEN_AFTER).await;
+    }
+}
+
+/// One keep-alive connection from `source`: a request, then silence until
+/// the gateway closes it; reopened then.
+async fn hoard_idle(source: std::net::IpAddr, addr: SocketAddr, idle: Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::AsyncReadExt;
+    loop {
+        if let Ok(mut stream) = connect_from(source, addr).await
+            && healthz(&mut stream).await
+        {
+            idle.fetch_add(1, Ordering::SeqCst);
+            let mut buf = [0u8; 256];
+            while matches!(stream.read(&mut buf).await, Ok(n) if n > 0) {}
+            idle.fetch_sub(1, Ordering::SeqCst);
+        }
+        tokio::time::sleep(HOARD_REOPEN_AFTER).await;
+    }
+}
+
+/// A tenant request (`GET /v1/models`) on a new connection from 127.0.0.2:
+/// how long it took to be served, or what came instead (a status line,
+/// `closed`, `timeout`).
+async fn newcomer(addr: SocketAddr) -> Result<Duration, String> {
+    use tokio::io::AsyncReadExt;
+    let started = std::time::Instant::now();
+    let mut stream = connect_from(std::net::Ipv4Addr::new(127, 0, 0, 2).into(), addr).await.map_err(|e| e.to_string())?;
+    let request = b"GET /v1/models HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n";
+    let mut response = Vec::new();
+    let exchange = async {
+        stream.write_all(request).await?;
+        stream.read_to_end(&mut response).await
+    };
+    match tokio::time::timeout(Duration::from_secs(10), exchange).await {
+        Err(_) => return Err("timeout".to_owned()),
+        Ok(Err(_)) if response.is_empty() => return Err("closed".to_owned()),
+        Ok(_) => {}
+    }
+    match response.starts_with(b"HTTP/1.1 200") {
+        true => Ok(started.elapsed()),
+        false => Err(String::from_utf8_lossy(response.split(|&b| b == b'\r').next().unwrap_or_default()).into_owned()),
+    }
+}
+
+/// `GET /healthz` on `stream`; whether it was answered 200.
+async fn healthz(stream: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    if stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: bench\r\n\r\n").await.is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 1024];
+    matches!(stream.read(&mut buf).await, Ok(n) if n > 0 && buf.starts_with(b"HTTP/1.1 200"))
+}
+
+/// A TCP connection to `addr` from the loopback address `source`.
+async fn connect_from(source: std::net::IpAddr, addr: SocketAddr) -> std::io::Result<tokio::net::TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::new(source, 0))?;
+    socket.connect(addr).await
 }

@@ -1,28 +1,36 @@
 //! The admin client: `facegate tenant|key|deploy|versions|activate|rollback`
-//! talk to a running gateway's admin API (`--url` / `FACEGATE_URL`, token
-//! from `FACEGATE_ADMIN_TOKEN`); `facegate check` inspects a store offline.
+//! talk to a running gateway's admin API (`--url` / `FACEGATE_URL`, `http://`
+//! or `https://` with `--ca-cert` / `FACEGATE_CA_CERT` for a private CA;
+//! token from `FACEGATE_ADMIN_TOKEN`); `facegate check` inspects a store offline.
 //! With `--json` each prints the API's JSON answer, for scripts; otherwise a
 //! short human summary. A refusal prints its message and exits non-zero.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::{Args, Parser, Subcommand};
 use http_body_util::{BodyExt, Full};
-use hyper::{Method, Request, StatusCode};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode, Uri};
+use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
+use tokio_rustls::rustls::pki_types::ServerName;
 
 use crate::control::limits::LimitOverrides;
 
 /// Where the admin API is and how to print.
 #[derive(Debug, Clone, Args)]
 pub struct ClientArgs {
-    /// Base URL of the gateway (plain HTTP; the admin API lives under `/admin/v1/`).
+    /// Base URL of the gateway's admin API (`http://` or `https://`; the
+    /// API lives under `/admin/v1/`).
     #[arg(long, env = "FACEGATE_URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
+
+    /// CA certificates (PEM) to trust for an `https://` URL, e.g. a private
+    /// CA or the gateway's self-signed certificate (default: the system's roots).
+    #[arg(long, env = "FACEGATE_CA_CERT")]
+    pub ca_cert: Option<PathBuf>,
 
     /// Print the API's JSON answer instead of a summary.
     #[arg(long)]
@@ -158,6 +166,7 @@ pub struct Cli {
 
 /// The subcommands.
 #[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant, reason = "parsed once at start and moved once; boxing buys nothing")]
 pub enum Command {
     /// Serve tenants' handlers over HTTP.
     Serve(crate::config::ServeConfig),
@@ -233,7 +242,7 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         C::Serve(_) | C::Bench(_) => bail!("not a client command"),
     };
     let token = std::env::var("FACEGATE_ADMIN_TOKEN").context("set FACEGATE_ADMIN_TOKEN to the gateway's admin token")?;
-    let (status, value) = call(&client.url, &token, method, &path, body, content_type).await?;
+    let (status, value) = call(client, &token, method, &path, body, content_type).await?;
     if !status.is_success() {
         let message = value["error"]["message"].as_str().map_or_else(|| value.to_string(), str::to_owned);
         if client.json {
@@ -251,21 +260,65 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
 }
 
 /// One admin request; returns the status and the JSON answer.
-async fn call(base: &str, token: &str, method: Method, path: &str, body: Bytes, content_type: &str) -> anyhow::Result<(StatusCode, Value)> {
-    let url = format!("{}/admin/v1/{path}", base.trim_end_matches('/'));
+async fn call(
+    client: &ClientArgs,
+    token: &str,
+    method: Method,
+    path: &str,
+    body: Bytes,
+    content_type: &str,
+) -> anyhow::Result<(StatusCode, Value)> {
+    let url = format!("{}/admin/v1/{path}", client.url.trim_end_matches('/'));
+    let uri: Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
+    let authority = uri.authority().with_context(|| format!("bad URL {url}: no host"))?.as_str().to_owned();
     let request = Request::builder()
         .method(method)
-        .uri(&url)
+        .uri(uri.path_and_query().map_or("/", |p| p.as_str()))
+        .header(hyper::header::HOST, authority)
         .header(hyper::header::AUTHORIZATION, format!("Bearer {token}"))
         .header(hyper::header::CONTENT_TYPE, content_type)
         .body(Full::new(body))
         .with_context(|| format!("bad URL {url}"))?;
-    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let response = client.request(request).await.with_context(|| format!("cannot reach {url}"))?;
+    let response = send(&uri, request, client.ca_cert.as_deref()).await.with_context(|| format!("cannot reach {url}"))?;
     let status = response.status();
     let bytes = response.into_body().collect().await.context("reading the answer")?.to_bytes();
     let value = serde_json::from_slice(&bytes).unwrap_or_else(|_| json!({ "error": { "message": String::from_utf8_lossy(&bytes) } }));
     Ok((status, value))
+}
+
+/// Sends one request over a connection of its own (HTTP/1.1; over TLS for
+/// an `https://` URL, trusting `ca` or the system's roots).
+async fn send(uri: &Uri, request: Request<Full<Bytes>>, ca: Option<&Path>) -> anyhow::Result<Response<Incoming>> {
+    let https = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        other => bail!("unsupported URL scheme {:?}: use http:// or https://", other.unwrap_or("")),
+    };
+    // An IPv6 address comes bracketed in a URL, bare everywhere else.
+    let host = uri.host().context("no host")?.trim_start_matches('[').trim_end_matches(']');
+    let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+    let tcp = tokio::net::TcpStream::connect((host, port)).await?;
+    if !https {
+        return exchange(TokioIo::new(tcp), request).await;
+    }
+    let name = ServerName::try_from(host.to_owned()).with_context(|| format!("{host:?} is not a server name"))?;
+    let tls = crate::http::tls::connector(ca)?.connect(name, tcp).await.context("TLS handshake")?;
+    exchange(TokioIo::new(tls), request).await
+}
+
+/// One HTTP/1.1 exchange on a fresh connection.
+async fn exchange<T>(io: T, request: Request<Full<Bytes>>) -> anyhow::Result<Response<Incoming>>
+where
+    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await?;
+    // The connection is driven on its own task until the answer has been read.
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "admin connection ended");
+        }
+    });
+    Ok(sender.send_request(request).await?)
 }
 
 fn print_summary(command: &Command, v: &Value) {

@@ -46,8 +46,11 @@ pub const DEFAULT_COMPILE_NICE: i32 = 10;
 /// Default compile budget of one upload, ms (an 18 MB Python component
 /// takes about 25 s on one core of the reference machine).
 pub const DEFAULT_COMPILE_TIMEOUT_MS: u64 = 120_000;
-/// Shortest admin token accepted.
+/// Shortest admin token accepted (the metrics token too).
 pub const MIN_ADMIN_TOKEN_LEN: usize = 16;
+/// Shortest artifact key accepted: 32 characters (`openssl rand -hex 32`
+/// gives 64), so the key behind native code is not guessable offline.
+pub const MIN_ARTIFACT_KEY_LEN: usize = 32;
 
 /// Everything `facegate serve` needs.
 #[derive(Debug, Clone, Args)]
@@ -106,11 +109,27 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
 
-    /// Serve the admin API and `/metrics` on this address only (plain HTTP;
-    /// keep it on loopback or an internal network); without it they share
-    /// `--listen`.
+    /// Read-only token of `/metrics` (at least 16 characters, not the admin
+    /// token): what Prometheus presents. It opens nothing else; the admin
+    /// token also reads `/metrics`.
+    #[arg(long, env = "FACEGATE_METRICS_TOKEN", hide_env_values = true)]
+    pub metrics_token: Option<String>,
+
+    /// Serve the admin API and `/metrics` on this address only (keep it on
+    /// loopback or an internal network); without it they share `--listen`.
+    /// HTTPS with `--admin-tls-cert`/`--admin-tls-key`, else with
+    /// `--tls-cert`/`--tls-key` when given, else plain HTTP.
     #[arg(long, env = "FACEGATE_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
+
+    /// TLS certificate chain (PEM) of the `--admin-listen` listener; with
+    /// `--admin-tls-key` it speaks HTTPS (default: `--tls-cert`'s).
+    #[arg(long, env = "FACEGATE_ADMIN_TLS_CERT", requires = "admin_tls_key")]
+    pub admin_tls_cert: Option<PathBuf>,
+
+    /// TLS private key (PEM) for `--admin-tls-cert`.
+    #[arg(long, env = "FACEGATE_ADMIN_TLS_KEY", requires = "admin_tls_cert")]
+    pub admin_tls_key: Option<PathBuf>,
 
     /// Largest component an upload may carry (bytes).
     #[arg(long, env = "FACEGATE_MAX_COMPONENT_BYTES", default_value_t = DEFAULT_MAX_COMPONENT_BYTES)]
@@ -134,6 +153,23 @@ pub struct ServeConfig {
     /// this much resident memory per instance slot in use; 0 hands it all back.
     #[arg(long, env = "FACEGATE_MEMORY_KEEP_RESIDENT_KIB", default_value_t = DEFAULT_MEMORY_KEEP_RESIDENT_KIB)]
     pub memory_keep_resident_kib: usize,
+
+    /// The node's memory budget (MiB), shared by all tenants: every request's
+    /// body, linear memories, tables and host resources, and every warm
+    /// instance, are charged to it as well as to their own limits; past it,
+    /// new requests get 503 `overloaded` and a growth fails. Default: three
+    /// quarters of `--memory-total-mib` less the memory the process holds
+    /// once its models are loaded (printed at start). The instance pool's
+    /// resident pages (`--memory-keep-resident-kib`) come out of it, lowered
+    /// to fit in a quarter of it.
+    #[arg(long, env = "FACEGATE_MEMORY_BUDGET_MIB", value_parser = clap::value_parser!(u64).range(64..))]
+    pub memory_budget_mib: Option<u64>,
+
+    /// The memory this process may use in all (MiB), for the default
+    /// `--memory-budget-mib` (Kubernetes: the container's limit, through the
+    /// downward API). Default: the cgroup's `memory.max`, else physical memory.
+    #[arg(long, env = "FACEGATE_MEMORY_TOTAL_MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    pub memory_total_mib: Option<u64>,
 
     /// Most handler instances alive at once, all tenants; further requests get 503.
     #[arg(long, env = "FACEGATE_MAX_INSTANCES", default_value_t = DEFAULT_MAX_INSTANCES)]
@@ -176,6 +212,31 @@ pub struct ServeConfig {
     )]
     pub outgoing_allow_private: bool,
 
+    /// The only ports handlers granted outgoing HTTP may reach,
+    /// comma-separated; a request to another port fails with
+    /// `HTTP-request-denied` before any lookup or connection.
+    #[arg(long, env = "FACEGATE_OUTGOING_PORTS", value_name = "PORT", value_delimiter = ',', default_values_t = crate::outgoing::DEFAULT_PORTS, value_parser = clap::value_parser!(u16).range(1..))]
+    pub outgoing_ports: Vec<u16>,
+
+    /// Address ranges (CIDR, IPv4 or IPv6) handlers granted outgoing HTTP
+    /// may never reach, even public ones and even with
+    /// `--outgoing-allow-private`: the cluster's pod, node and service
+    /// networks where they are public (global IPv6). Repeatable or
+    /// comma-separated; IPv4 inside IPv6 is checked as IPv4.
+    #[arg(long, env = "FACEGATE_OUTGOING_DENY", value_name = "CIDR", value_delimiter = ',', value_parser = crate::outgoing::parse_cidr)]
+    pub outgoing_deny: Vec<ipnet::IpNet>,
+
+    /// Most outgoing connections of one tenant's handlers open at once (a
+    /// connection counts until it closes, after its response body); past
+    /// it a request fails at once with `connection-limit-reached`.
+    #[arg(long, env = "FACEGATE_OUTGOING_MAX_CONNECTIONS_PER_TENANT", default_value_t = crate::outgoing::DEFAULT_TENANT_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub outgoing_max_connections_per_tenant: u32,
+
+    /// Most outgoing connections of all handlers open at once (each is a
+    /// file descriptor); past it a request fails with `connection-limit-reached`.
+    #[arg(long, env = "FACEGATE_OUTGOING_MAX_CONNECTIONS", default_value_t = crate::outgoing::DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub outgoing_max_connections: u32,
+
     /// Default most `face-detect.infer` calls one request may make.
     #[arg(long, env = "FACEGATE_MAX_INFER_CALLS", default_value_t = DEFAULT_MAX_INFER_CALLS)]
     pub max_infer_calls: u32,
@@ -209,10 +270,19 @@ pub struct ServeConfig {
 
     /// Whether this node shares the components it compiles with the other
     /// nodes of a cluster, and loads theirs, through the store (native code,
-    /// so sealed with a key derived from the admin token, which every node
-    /// must then be given alike). `false`: each node compiles each deploy itself.
+    /// so sealed with a key derived from `--artifact-key`, which every node
+    /// must then be given alike; without one nothing is shared). `false`:
+    /// each node compiles each deploy itself.
     #[arg(long, env = "FACEGATE_SHARE_ARTIFACTS", default_value_t = true, action = clap::ArgAction::Set)]
     pub share_artifacts: bool,
+
+    /// Secret that seals the compiled handlers nodes share through the store
+    /// and each node's artifact cache (at least 32 characters, e.g.
+    /// `openssl rand -hex 32`; not the admin or metrics token). The same on
+    /// every node of a cluster; without it nothing is shared and each node
+    /// seals its cache with a random key kept in `--data-dir`.
+    #[arg(long, env = "FACEGATE_ARTIFACT_KEY", hide_env_values = true)]
+    pub artifact_key: Option<String>,
 
     /// Longest an upload's compilation may take (ms); past it the upload is refused.
     #[arg(long, env = "FACEGATE_COMPILE_TIMEOUT_MS", default_value_t = DEFAULT_COMPILE_TIMEOUT_MS)]
@@ -233,21 +303,35 @@ pub struct ServeConfig {
     pub request_head_timeout_ms: u64,
 
     /// Keep-alive connections (HTTP/1.1 and HTTP/2) with no request in flight
-    /// and no I/O for this long (ms) are shut down gracefully (HTTP/2: GOAWAY).
+    /// and none started for this long (ms) are shut down gracefully (HTTP/2:
+    /// GOAWAY). Only requests count: HTTP/2 PINGs and window updates do not.
     // Longer than a client's pause between requests, short enough that
     // abandoned connections give their slots back.
     #[arg(long, env = "FACEGATE_IDLE_TIMEOUT_MS", default_value_t = DEFAULT_IDLE_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
     pub idle_timeout_ms: u64,
 
-    /// Most open client connections per listener; more are closed at once. A
-    /// listener that also serves the admin API keeps a few more for it.
+    /// Longest a connection stays open (s; 0: no limit). Past it (less up
+    /// to a tenth, spread per connection) it is shut down gracefully, its
+    /// requests in flight finishing (HTTP/1: `Connection: close`; HTTP/2:
+    /// GOAWAY), and the client reconnects.
+    // No client keeps a slot forever by using it, and load balancers get to
+    // spread long-lived clients again (after a scale-up, say).
+    #[arg(long, env = "FACEGATE_MAX_CONNECTION_AGE_S", default_value_t = DEFAULT_MAX_CONNECTION_AGE_S)]
+    pub max_connection_age_s: u64,
+
+    /// Most open client connections per listener. When they are all open,
+    /// a new one takes the slot of the connection idle the longest (closed);
+    /// with none idle it is closed at once. A listener that also serves the
+    /// admin API keeps a few more for it. The open-file limit is raised to
+    /// fit at start (or this lowered to fit it, with a warning).
     // Bounds file descriptors and per-connection memory.
     #[arg(long, env = "FACEGATE_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: u32,
 
     /// Most open connections from one client address (IPv6: one /64) per
-    /// listener; more are closed at once (0: no cap).
-    // Off by default: clients behind one NAT or proxy share an address.
+    /// listener; more are closed at once (0: no cap). Behind a proxy, a load
+    /// balancer that rewrites source addresses or kube-proxy's SNAT, every
+    /// client has the proxy's address: set 0 there.
     #[arg(long, env = "FACEGATE_MAX_CONNECTIONS_PER_IP", default_value_t = DEFAULT_MAX_CONNECTIONS_PER_IP)]
     pub max_connections_per_ip: u32,
 }
@@ -374,8 +458,15 @@ pub const DEFAULT_REQUEST_HEAD_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 30_000;
 /// Default most open connections per listener.
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 4096;
-/// Default most connections per client address (0: no cap).
-pub const DEFAULT_MAX_CONNECTIONS_PER_IP: u32 = 0;
+/// Default most connections per client address: a sixteenth of
+/// [`DEFAULT_MAX_CONNECTIONS`], so one address cannot fill a listener, yet
+/// room for the clients of an office or a carrier-grade NAT sharing one
+/// (a browser opens at most 6 HTTP/1.1 connections to a host, 1 of HTTP/2).
+pub const DEFAULT_MAX_CONNECTIONS_PER_IP: u32 = 256;
+/// Default longest life of a connection, s: thousands of requests' worth
+/// for a busy client (its handshakes are paid for), short enough that a
+/// hoarded slot or a load balancer's uneven spread lasts minutes, not days.
+pub const DEFAULT_MAX_CONNECTION_AGE_S: u64 = 600;
 
 impl ServeConfig {
     /// The deadline from accept to a complete first request head.
@@ -387,12 +478,63 @@ impl ServeConfig {
     pub fn idle_timeout(&self) -> Duration {
         Duration::from_millis(self.idle_timeout_ms)
     }
+
+    /// How long a connection may stay open, if bounded.
+    pub fn max_connection_age(&self) -> Option<Duration> {
+        (self.max_connection_age_s > 0).then(|| Duration::from_secs(self.max_connection_age_s))
+    }
 }
 
 impl ServeConfig {
+    /// Checks the secrets (each long enough, one per purpose: no two the
+    /// same) and the admin listener's TLS settings.
+    pub fn check_secrets(&self) -> anyhow::Result<()> {
+        let admin = self.admin_token.as_deref();
+        let metrics = self.metrics_token.as_deref();
+        let artifact = self.artifact_key.as_deref();
+        for (name, secret, min) in [
+            ("admin token", admin, MIN_ADMIN_TOKEN_LEN),
+            ("metrics token", metrics, MIN_ADMIN_TOKEN_LEN),
+            ("artifact key", artifact, MIN_ARTIFACT_KEY_LEN),
+        ] {
+            anyhow::ensure!(secret.is_none_or(|s| s.len() >= min), "the {name} must be at least {min} characters");
+        }
+        let same = |a: Option<&str>, b: Option<&str>| a.is_some() && a == b;
+        anyhow::ensure!(!same(metrics, admin), "the metrics token must not be the admin token (Prometheus would hold the admin API's key)");
+        anyhow::ensure!(
+            !same(artifact, admin) && !same(artifact, metrics),
+            "the artifact key must be a secret of its own, not the admin or metrics token (it decides what native code nodes load)"
+        );
+        anyhow::ensure!(
+            self.admin_tls_cert.is_none() || self.admin_listen.is_some(),
+            "--admin-tls-cert needs --admin-listen (without it the admin API shares --listen and its --tls-cert)"
+        );
+        Ok(())
+    }
+
+    /// The certificate and key the admin listener serves HTTPS with:
+    /// `--admin-tls-*`, else `--tls-*`.
+    pub fn admin_tls_files(&self) -> Option<(&std::path::Path, &std::path::Path)> {
+        match (&self.admin_tls_cert, &self.admin_tls_key, &self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key), _, _) | (None, None, Some(cert), Some(key)) => Some((cert, key)),
+            _ => None,
+        }
+    }
+
     /// The default per-request deadline.
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
+    }
+
+    /// Where handlers granted outgoing HTTP may go, and their connection caps.
+    pub fn egress_rules(&self) -> crate::outgoing::EgressRules {
+        crate::outgoing::EgressRules {
+            allow_private: self.outgoing_allow_private,
+            ports: self.outgoing_ports.clone(),
+            deny: self.outgoing_deny.clone(),
+            max_connections: self.outgoing_max_connections as usize,
+            tenant_connections: self.outgoing_max_connections_per_tenant as usize,
+        }
     }
 
     /// Tenants' default limits (memory and body size are also ceilings).
@@ -484,6 +626,35 @@ mod tests {
 
     #[test]
     #[allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+    fn outgoing_ports_ranges_and_caps_parse_and_bad_ones_stop_the_start() {
+        let parse = |args: &[&str]| Cli::try_parse_from(["facegate", "serve"].iter().chain(args)).map_err(|e| e.to_string());
+        let Command::Serve(defaults) = parse(&[]).unwrap().command else { panic!("not serve") };
+        assert_eq!(defaults.egress_rules(), crate::outgoing::EgressRules::default());
+        assert_eq!(defaults.egress_rules().ports, [80, 443]);
+        let args =
+            ["--outgoing-ports", "443,8443", "--outgoing-deny", "2001:db8::/32", "--outgoing-deny", "10.1.0.0/16,::ffff:192.0.2.0/120"];
+        let Command::Serve(config) = parse(&[&args[..], &["--outgoing-max-connections-per-tenant", "2"]].concat()).unwrap().command else {
+            panic!("not serve")
+        };
+        let rules = config.egress_rules();
+        assert_eq!(rules.ports, [443, 8443]);
+        let deny: Vec<String> = rules.deny.iter().map(ToString::to_string).collect();
+        assert_eq!(deny, ["2001:db8::/32", "10.1.0.0/16", "192.0.2.0/24"], "repeatable and comma-separated; mapped as IPv4");
+        assert_eq!((rules.tenant_connections, rules.max_connections), (2, crate::outgoing::DEFAULT_MAX_CONNECTIONS as usize));
+        let bad = parse(&["--outgoing-deny", "10.0.0.0/8,pods"]).unwrap_err();
+        assert!(bad.contains("--outgoing-deny") && bad.contains("\"pods\" is not a CIDR range"), "{bad}");
+        for bad in [
+            &["--outgoing-ports", "0"][..],
+            &["--outgoing-ports", "http"],
+            &["--outgoing-max-connections-per-tenant", "0"],
+            &["--outgoing-max-connections", "0"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
     fn connection_limits_default_and_refuse_zero() {
         let cli = Cli::try_parse_from(["facegate", "serve", "--idle-timeout-ms", "1500", "--max-connections-per-ip", "8"]).unwrap();
         let Command::Serve(config) = cli.command else { panic!("not serve") };
@@ -495,5 +666,47 @@ mod tests {
         }
         let defaults = ServeConfig::with_data_dir("d".into()).unwrap();
         assert_eq!(defaults.max_connections_per_ip, DEFAULT_MAX_CONNECTIONS_PER_IP);
+        assert!(defaults.max_connections_per_ip > 0, "one address cannot fill a listener by default");
+        assert_eq!(defaults.max_connection_age(), Some(Duration::from_secs(DEFAULT_MAX_CONNECTION_AGE_S)));
+        let cli = Cli::try_parse_from(["facegate", "serve", "--max-connection-age-s", "0"]).unwrap();
+        let Command::Serve(config) = cli.command else { panic!("not serve") };
+        assert_eq!(config.max_connection_age(), None, "0: no age limit");
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+    fn secrets_are_long_enough_and_one_per_purpose() {
+        let check = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["facegate", "serve"].iter().chain(args)).unwrap();
+            let Command::Serve(config) = cli.command else { panic!("not serve") };
+            config.check_secrets().map_err(|e| e.to_string())
+        };
+        let (admin, metrics, artifact) = ("a".repeat(16), "m".repeat(16), "k".repeat(32));
+        assert!(check(&[]).is_ok(), "no secrets at all");
+        assert!(check(&["--admin-token", &admin, "--metrics-token", &metrics, "--artifact-key", &artifact]).is_ok());
+        assert!(check(&["--metrics-token", &"m".repeat(15)]).unwrap_err().contains("metrics token must be at least 16"));
+        assert!(check(&["--artifact-key", &"k".repeat(31)]).unwrap_err().contains("artifact key must be at least 32"));
+        assert!(check(&["--admin-token", &admin, "--metrics-token", &admin]).unwrap_err().contains("must not be the admin token"));
+        let both = "s".repeat(32);
+        assert!(check(&["--admin-token", &both, "--artifact-key", &both]).unwrap_err().contains("secret of its own"));
+        assert!(check(&["--metrics-token", &both, "--artifact-key", &both]).unwrap_err().contains("secret of its own"));
+        let tls = ["--admin-tls-cert", "c.pem", "--admin-tls-key", "k.pem"];
+        assert!(check(&tls).unwrap_err().contains("needs --admin-listen"));
+        assert!(Cli::try_parse_from(["facegate", "serve", "--admin-tls-cert", "c.pem"]).is_err(), "a certificate needs its key");
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+    fn the_admin_listener_takes_its_own_certificate_else_the_public_one() {
+        let files = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["facegate", "serve", "--admin-listen", "127.0.0.1:9090"].iter().chain(args)).unwrap();
+            let Command::Serve(config) = cli.command else { panic!("not serve") };
+            config.admin_tls_files().map(|(c, k)| (c.to_owned(), k.to_owned()))
+        };
+        let pair = |c: &str, k: &str| Some((PathBuf::from(c), PathBuf::from(k)));
+        assert_eq!(files(&[]), None, "plain HTTP");
+        assert_eq!(files(&["--tls-cert", "p.pem", "--tls-key", "pk.pem"]), pair("p.pem", "pk.pem"));
+        let both = ["--tls-cert", "p.pem", "--tls-key", "pk.pem", "--admin-tls-cert", "a.pem", "--admin-tls-key", "ak.pem"];
+        assert_eq!(files(&both), pair("a.pem", "ak.pem"));
     }
 }

@@ -28,7 +28,7 @@ const TABLES_PER_COMPONENT: u32 = 16;
 const TABLE_KEEP_RESIDENT: usize = 64 << 10;
 
 /// Limits that shape the engine.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineLimits {
     /// Most component instances alive at once.
     pub max_instances: u32,
@@ -36,6 +36,32 @@ pub struct EngineLimits {
     pub memory_limit: usize,
     /// Bytes of each linear memory kept resident between instances (`--memory-keep-resident-kib`).
     pub keep_resident: usize,
+}
+
+impl EngineLimits {
+    /// The most host memory the pool keeps resident between instances: every
+    /// memory slot its kept-resident bytes and every table slot
+    /// [`TABLE_KEEP_RESIDENT`]. Nobody's request holds it, so the node's
+    /// memory budget sets it aside.
+    pub fn resident_between_instances(&self) -> usize {
+        self.memory_slots().saturating_mul(self.keep_resident).saturating_add(self.table_resident())
+    }
+
+    /// The largest `keep_resident` (whole pages) whose
+    /// [`resident_between_instances`](Self::resident_between_instances) stays within `bound`.
+    pub fn keep_resident_within(&self, bound: usize) -> usize {
+        const PAGE: usize = 4096;
+        let per_slot = bound.saturating_sub(self.table_resident()) / self.memory_slots().max(1);
+        per_slot / PAGE * PAGE
+    }
+
+    fn memory_slots(&self) -> usize {
+        self.max_instances.max(1) as usize * MEMORIES_PER_COMPONENT as usize
+    }
+
+    fn table_resident(&self) -> usize {
+        self.max_instances.max(1) as usize * TABLES_PER_COMPONENT as usize * TABLE_KEEP_RESIDENT
+    }
 }
 
 /// Builds the engine: component model, async host calls, epoch interruption,
@@ -140,5 +166,23 @@ impl Drop for EpochTicker {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_resident_pages_are_fitted_under_a_bound() {
+        let limits = EngineLimits { max_instances: 10, memory_limit: 1 << 30, keep_resident: 8 << 20 };
+        // 40 memory slots of 8 MiB and 160 table slots of 64 KiB.
+        assert_eq!(limits.resident_between_instances(), 40 * (8 << 20) + 160 * (64 << 10));
+        let keep = limits.keep_resident_within(100 << 20);
+        assert_eq!(keep % 4096, 0);
+        let fitted = EngineLimits { keep_resident: keep, ..limits };
+        assert!(fitted.resident_between_instances() <= 100 << 20);
+        assert!(EngineLimits { keep_resident: keep + 4096, ..limits }.resident_between_instances() > 100 << 20, "the largest that fits");
+        assert_eq!(limits.keep_resident_within(1 << 20), 0, "tables alone over the bound: nothing kept");
     }
 }

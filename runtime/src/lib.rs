@@ -7,12 +7,14 @@
 //! ([`facegate_host_gpu`]).
 //!
 //! Layout: [`config`] (flags), [`engine`] (the wasmtime engine),
+//! [`admission`] (the node's budgets, shared by all tenants),
 //! [`face_detect`] (the host side of the WIT interface), [`state`] (per-request
 //! store data), [`control`] (tenants, keys, handler versions, limits: the
 //! store and its live snapshot), [`handlers`] (a linked handler version),
 //! [`sandbox`] (running one request), [`http`] (server, data-plane and admin
 //! routes), [`cli`] (the admin client), [`metrics`], [`bench`].
 
+pub mod admission;
 pub mod bench;
 mod bench_guest;
 mod bench_isolation;
@@ -49,8 +51,10 @@ use facegate_host_gpu::backend::onnx::{Device, ImageModelConfig, OnnxBackend, in
 use facegate_host_gpu::{Batcher, BatcherConfig, Models};
 use tokio::net::TcpListener;
 
+use crate::admission::memory::MemoryBudget;
+use crate::admission::sizing;
 use crate::compile::CompilePool;
-use crate::config::{DeviceSpec, EngineConfig, MIN_ADMIN_TOKEN_LEN, ServeConfig};
+use crate::config::{DeviceSpec, EngineConfig, ServeConfig};
 use crate::control::store::NodeLoad;
 use crate::control::sync::{NodeIdentity, SyncHandle};
 use crate::control::{ControlPlane, ControlSettings};
@@ -118,6 +122,8 @@ pub struct Gateway {
     /// Keys the seeding created at this start (shown once).
     pub seeded_keys: Vec<control::SeededKey>,
     tls: Option<tokio_rustls::TlsAcceptor>,
+    /// The `--admin-listen` listener's TLS (see [`ServeConfig::admin_tls_files`]).
+    admin_tls: Option<tokio_rustls::TlsAcceptor>,
     _ticker: EpochTicker,
 }
 
@@ -125,20 +131,23 @@ impl Gateway {
     /// Builds the wasmtime engine and sandbox, opens the store (seeding it
     /// when empty and `--seed-dir` is given) and loads every active handler.
     pub fn new(config: &ServeConfig, models: Models) -> anyhow::Result<Self> {
-        if config.admin_token.as_ref().is_some_and(|t| t.len() < MIN_ADMIN_TOKEN_LEN) {
-            anyhow::bail!("the admin token must be at least {MIN_ADMIN_TOKEN_LEN} characters");
-        }
+        preflight(config)?;
         let memory_limit = config.memory_limit_mib << 20;
-        let engine = engine::build(EngineLimits {
-            // Warm instances hold slots of their own (see warm.rs).
-            max_instances: config.max_instances.saturating_add(config.warm_instances),
-            memory_limit,
-            keep_resident: config.memory_keep_resident_kib << 10,
-        })?;
+        let (memory, engine_limits) = node_memory(
+            config,
+            EngineLimits {
+                // Warm instances hold slots of their own (see warm.rs).
+                max_instances: config.max_instances.saturating_add(config.warm_instances),
+                memory_limit,
+                keep_resident: config.memory_keep_resident_kib << 10,
+            },
+        );
+        let engine = engine::build(engine_limits)?;
         let ticker = EpochTicker::start(&engine);
         let warm = (config.warm_instances as usize, Duration::from_secs(config.warm_idle_secs));
-        let egress = outgoing::Egress { allow_private: config.outgoing_allow_private };
-        let sandbox = Arc::new(Sandbox::new(engine, models.clone(), warm, egress)?);
+        let egress = outgoing::Egress::new(config.egress_rules());
+        outgoing::log_rules(egress.rules());
+        let sandbox = Arc::new(Sandbox::new(engine, models.clone(), warm, egress, memory)?);
         // Per-tenant counters the control plane clears when a tenant is deleted.
         let http_metrics = Arc::new(metrics::HttpMetrics::default());
         let counters: Vec<Arc<dyn metrics::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone()];
@@ -149,13 +158,8 @@ impl Gateway {
             weights: config.engine.tenant_weights.iter().cloned().collect(),
             counters,
             pipeline: read_pipeline(&config.pipeline_component),
-            // Nodes given the same admin token share what they compile (see
-            // control::components); one node's store needs no sealed copies.
-            artifact_key: config
-                .admin_token
-                .as_deref()
-                .filter(|_| config.share_artifacts && control::store::is_shared(config.store.as_deref()))
-                .map(control::ArtifactKey::derive),
+            artifact_key: shared_artifact_key(config),
+            cache_key: config.artifact_key.as_deref().map(|secret| control::ArtifactKey::derive(secret).cache_key()),
             // One node's store is local and answers at once: one connection does.
             compile_store: if control::store::is_shared(config.store.as_deref()) {
                 Some(control::store::open(config.store.as_deref(), &config.data_dir)?)
@@ -171,15 +175,25 @@ impl Gateway {
         };
         let live = control.live();
         tracing::info!(tenants = live.tenants.len(), handlers = live.handler_count(), store = control.store_name(), "store loaded");
-        if config.admin_token.is_none() {
-            tracing::warn!("admin API and /metrics off (set --admin-token or FACEGATE_ADMIN_TOKEN to manage tenants and handlers)");
+        match (&config.admin_token, &config.metrics_token) {
+            (None, None) => tracing::warn!(
+                "admin API and /metrics off (set --admin-token or FACEGATE_ADMIN_TOKEN to manage tenants and handlers, --metrics-token for Prometheus)"
+            ),
+            (None, Some(_)) => tracing::warn!(
+                "admin API off (set --admin-token or FACEGATE_ADMIN_TOKEN to manage tenants and handlers); /metrics takes the metrics token"
+            ),
+            _ => {}
         }
         let tls = match (&config.tls_cert, &config.tls_key) {
             (Some(cert), Some(key)) => Some(http::tls::acceptor(cert, key)?),
             _ => None,
         };
+        let admin_tls = match config.admin_tls_files().filter(|_| config.admin_listen.is_some()) {
+            Some((cert, key)) => Some(http::tls::acceptor(cert, key)?),
+            None => None,
+        };
         let app = Arc::new(App::new(Arc::new(control), sandbox, models, config.clone(), http_metrics));
-        Ok(Self { app, tls, seeded_keys, _ticker: ticker })
+        Ok(Self { app, tls, admin_tls, seeded_keys, _ticker: ticker })
     }
 
     /// Serves every route on `listener` until `shutdown` resolves.
@@ -218,7 +232,8 @@ impl Gateway {
     }
 
     /// Serves tenants on `public` and the admin API and metrics on `admin`
-    /// (plain HTTP) until `shutdown` resolves.
+    /// (HTTPS when the admin listener has TLS files, see
+    /// [`ServeConfig::admin_tls_files`]) until `shutdown` resolves.
     pub async fn serve_split(
         self,
         public: TcpListener,
@@ -235,7 +250,7 @@ impl Gateway {
         };
         let stop = &stop;
         let admin = async {
-            let result = http::serve(Arc::clone(&self.app), Plane::Admin, admin, None, wait(stopped.clone())).await;
+            let result = http::serve(Arc::clone(&self.app), Plane::Admin, admin, self.admin_tls.clone(), wait(stopped.clone())).await;
             let _ = stop.send(true);
             result
         };
@@ -256,6 +271,42 @@ impl Gateway {
     }
 }
 
+/// The node's memory budget (see [`admission::sizing`]), with the engine's
+/// limits fitted to it; logged and printed, since everything the node
+/// admits depends on it.
+fn node_memory(config: &ServeConfig, engine: EngineLimits) -> (Arc<MemoryBudget>, EngineLimits) {
+    let available = sizing::available(config.memory_total_mib.map(|mib| mib as usize));
+    let baseline = sizing::resident_set().unwrap_or(0);
+    let budget = match (config.memory_budget_mib, available) {
+        (Some(mib), _) => (mib as usize) << 20,
+        (None, Some(available)) => sizing::default_budget(available.bytes, baseline),
+        (None, None) => {
+            tracing::warn!("cannot tell how much memory this process may use: the node's memory budget is off (set --memory-budget-mib)");
+            usize::MAX
+        }
+    };
+    if let Some(available) = available.filter(|a| budget > a.bytes.saturating_sub(baseline)) {
+        tracing::warn!(
+            budget_mib = budget >> 20,
+            available_mib = available.bytes >> 20,
+            source = available.source,
+            baseline_mib = baseline >> 20,
+            "the memory budget is larger than what is left of the available memory: the kernel may kill the process before the budget refuses anything"
+        );
+    }
+    let split = sizing::split(budget, engine);
+    if split.engine.keep_resident < engine.keep_resident {
+        tracing::warn!(
+            kib = split.engine.keep_resident >> 10,
+            configured_kib = engine.keep_resident >> 10,
+            "--memory-keep-resident-kib lowered to fit a quarter of the memory budget (lower --max-instances/--warm-instances, or raise the budget)"
+        );
+    }
+    let of = available.map_or_else(|| "unknown".to_owned(), |a| format!("{} MiB ({})", a.bytes >> 20, a.source));
+    tracing::info!(budget_mib = split.chargeable >> 20, available = %of, held_at_start_mib = baseline >> 20, pool_resident_mib = split.resident >> 20, "node memory budget (requests and warm instances)");
+    (MemoryBudget::new(split.chargeable), split.engine)
+}
+
 /// Binds `addr` (port 0 picks a free one) and returns the listener and its address.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<(TcpListener, SocketAddr)> {
     let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
@@ -264,7 +315,11 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<(TcpListener, SocketAddr)>
 }
 
 /// `facegate serve`: load everything, listen, serve until SIGINT/SIGTERM.
-pub async fn run(config: ServeConfig) -> anyhow::Result<()> {
+pub async fn run(mut config: ServeConfig) -> anyhow::Result<()> {
+    // Before the model loads (minutes on a GPU): a refusal comes at once.
+    preflight(&config)?;
+    // Before anything opens files: the connection caps get their descriptors.
+    http::open_files::fit_connections(&mut config)?;
     let models = load_models(&config.engine)?;
     let gateway = Gateway::new(&config, models)?;
     let (listener, addr) = bind(config.listen).await?;
@@ -275,19 +330,48 @@ pub async fn run(config: ServeConfig) -> anyhow::Result<()> {
     match config.admin_listen {
         Some(admin_addr) => {
             let (admin, admin_addr) = bind(admin_addr).await?;
-            tracing::info!(%admin_addr, "admin API and metrics listening");
-            println!("admin API and metrics on http://{admin_addr} (for the CLI: export FACEGATE_URL=http://{admin_addr})");
+            let admin_scheme = if config.admin_tls_files().is_some() { "https" } else { "http" };
+            tracing::info!(%admin_addr, scheme = admin_scheme, "admin API and metrics listening");
+            println!(
+                "admin API and metrics on {admin_scheme}://{admin_addr} (for the CLI: export FACEGATE_URL={admin_scheme}://{admin_addr})"
+            );
             gateway.serve_split(listener, admin, shutdown_signal()).await
         }
         None => gateway.serve(listener, shutdown_signal()).await,
     }
 }
 
-/// A first-time user's way in: the demo tenant's key (shown when it is
-/// created; afterwards only where it is saved) and a request to try.
+/// What must hold before anything is loaded: the secrets (see
+/// [`ServeConfig::check_secrets`]) and a data directory of this user's own,
+/// closed to others ([`control::blobs::prepare_data_dir`]).
+fn preflight(config: &ServeConfig) -> anyhow::Result<()> {
+    config.check_secrets()?;
+    control::blobs::prepare_data_dir(&config.data_dir)
+}
+
+/// The key that seals the artifacts this node shares through a cluster's
+/// store (see `control::components`): from `--artifact-key` only, never the
+/// admin token. Without one, sharing is off (each node compiles each deploy
+/// itself), said once here; a single node's store shares nothing anyway.
+fn shared_artifact_key(config: &ServeConfig) -> Option<control::ArtifactKey> {
+    if !config.share_artifacts || !control::store::is_shared(config.store.as_deref()) {
+        return None;
+    }
+    let key = config.artifact_key.as_deref().map(control::ArtifactKey::derive);
+    if key.is_none() {
+        tracing::warn!(
+            "no --artifact-key (FACEGATE_ARTIFACT_KEY): compiled handlers are not shared with the other nodes; each node compiles every deploy itself"
+        );
+    }
+    key
+}
+
+/// A first-time user's way in: where the seeded tenants' keys are saved
+/// (never the keys themselves: stdout ends up in container logs) and a
+/// request to try.
 fn print_demo_key(config: &ServeConfig, seeded: &[control::SeededKey], scheme: &str, addr: SocketAddr) {
     for key in seeded {
-        println!("tenant {}: new API key {} (saved in {})", key.tenant, key.key, key.path.display());
+        println!("tenant {}: new API key saved in {}", key.tenant, key.path.display());
     }
     let path = config.data_dir.join("demo.key");
     if path.exists() {

@@ -110,18 +110,24 @@ impl TenantRequests {
 pub enum CloseReason {
     /// No complete first request head (TLS handshake included) in time.
     HeadTimeout,
-    /// No request in flight and no I/O for the idle timeout.
+    /// No request in flight, and none started, for the idle timeout.
     Idle,
-    /// Every connection slot (and the admin reserve) was taken.
+    /// Every connection slot (and the admin reserve) was taken, and no
+    /// connection was idle to make room.
     OverCapacity,
     /// The client address had its most connections open.
     PerIpCap,
     /// The TLS handshake failed (a handshake that runs out of time is a `HeadTimeout`).
     TlsHandshake,
+    /// Open for `--max-connection-age-s`: shut down gracefully.
+    MaxAge,
+    /// The longest-idle connection of a full listener, closed to admit a newcomer.
+    Evicted,
 }
 
 impl CloseReason {
-    const ALL: [Self; 5] = [Self::HeadTimeout, Self::Idle, Self::OverCapacity, Self::PerIpCap, Self::TlsHandshake];
+    const ALL: [Self; 7] =
+        [Self::HeadTimeout, Self::Idle, Self::OverCapacity, Self::PerIpCap, Self::TlsHandshake, Self::MaxAge, Self::Evicted];
 
     /// The label value.
     pub fn label(self) -> &'static str {
@@ -131,6 +137,8 @@ impl CloseReason {
             Self::OverCapacity => "over_capacity",
             Self::PerIpCap => "per_ip_cap",
             Self::TlsHandshake => "tls_handshake",
+            Self::MaxAge => "max_age",
+            Self::Evicted => "evicted",
         }
     }
 }
@@ -189,6 +197,9 @@ pub enum Limit {
     Deadline,
     /// Linear memories and tables over the tenant's memory limit (500).
     Memory,
+    /// The node's memory budget spent, or the tenant's fair share of it
+    /// taken while memory is scarce (503).
+    NodeMemory,
     /// Host resources (table entries, random bytes) over their limits (500).
     HostResources,
     /// Guest stdout/stderr past the capture cap (output dropped, request unaffected).
@@ -197,6 +208,8 @@ pub enum Limit {
     InferCalls,
     /// Inference queue full, globally or for the tenant (`overloaded` to the guest).
     Queue,
+    /// Outgoing connections at the tenant's or the node's cap (`connection-limit-reached` to the guest).
+    OutgoingConnections,
 }
 
 impl Limit {
@@ -209,10 +222,12 @@ impl Limit {
             Limit::BodyTimeout => "body_timeout",
             Limit::Deadline => "deadline",
             Limit::Memory => "memory",
+            Limit::NodeMemory => "memory_budget",
             Limit::HostResources => "host_resources",
             Limit::Output => "output",
             Limit::InferCalls => "infer_calls",
             Limit::Queue => "queue",
+            Limit::OutgoingConnections => "outgoing_connections",
         }
     }
 }
@@ -268,6 +283,30 @@ pub struct InstanceCounts {
     pub warm: usize,
     /// Requests served by a reused (warm) instance since start.
     pub reused: u64,
+}
+
+/// The node's own gauges: its memory budget and the cluster it counts.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeGauges {
+    /// The node's memory budget, bytes.
+    pub memory_budget: usize,
+    /// Bytes charged to it now.
+    pub memory_charged: usize,
+    /// Live nodes of the cluster, this one included (each enforces its
+    /// share of a tenant's rate and concurrency).
+    pub live_nodes: usize,
+}
+
+/// Appends the node's own gauges.
+pub fn render_node(out: &mut String, node: NodeGauges) {
+    out.push_str("# HELP facegate_memory_budget_bytes The node's memory budget for requests and warm instances.\n# TYPE facegate_memory_budget_bytes gauge\n");
+    let _ = writeln!(out, "facegate_memory_budget_bytes {}", node.memory_budget);
+    out.push_str(
+        "# HELP facegate_memory_charged_bytes Memory charged to the budget now, all tenants.\n# TYPE facegate_memory_charged_bytes gauge\n",
+    );
+    let _ = writeln!(out, "facegate_memory_charged_bytes {}", node.memory_charged);
+    out.push_str("# HELP facegate_live_nodes Live nodes of the cluster as this node counts them (tenants' rate and concurrency are shared among them).\n# TYPE facegate_live_nodes gauge\n");
+    let _ = writeln!(out, "facegate_live_nodes {}", node.live_nodes);
 }
 
 /// Renders everything in Prometheus text format.

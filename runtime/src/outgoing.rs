@@ -1,5 +1,5 @@
 //! Outgoing HTTP of tenants granted it (`outgoing_http`): where a request
-//! may go, and the client that sends it.
+//! may go, how many connections it may hold, and the client that sends it.
 //!
 //! A granted handler must not reach what only the host can: the gateway's
 //! own listeners and admin API on loopback, the cloud's metadata service
@@ -14,12 +14,31 @@
 //! included: through them a handler would reach services bound to all
 //! addresses (`0.0.0.0`) from inside, past any firewall in front.
 //!
+//! Address class is not enough where internal networks are public: a
+//! cluster may give its pods and nodes global IPv6 addresses. The ranges of
+//! `--outgoing-deny` are refused always, public or not, and whether private
+//! addresses are allowed or not. Only the ports of `--outgoing-ports` (80
+//! and 443 by default) may be reached: a handler speaks HTTP to web
+//! servers, not to the mail, cache or database servers a public address may
+//! also run. A port is checked before any lookup or connection.
+//!
+//! Each connection holds a place of its tenant's share and one of the
+//! node's, from before it connects until it closes (the places travel with
+//! its socket, so they are held while the response body is read): one
+//! tenant's handlers cannot open enough connections to take the process's
+//! file descriptors, which `accept` needs for everyone. Past the cap a
+//! request fails at once with `connection-limit-reached`; it does not wait.
+//!
 //! Name lookups run on blocking threads and keep running after a request
 //! gives up, so at most [`MAX_LOOKUPS`] run at once (a lookup holds its
 //! place until its thread returns): a guest cannot fill the pool the admin
 //! API also uses. One tenant holds at most [`TENANT_LOOKUPS`] of them: a
 //! tenant whose names never answer (its own DNS server, say) waits on its
 //! own share and leaves the other granted tenants theirs.
+//!
+//! A refusal is logged once per request and kind (a handler may retry in a
+//! loop; the log must not grow with it); connections refused by the cap
+//! count as a limit hit of the request (see [`Refusals`]).
 //!
 //! The client follows wasmtime-wasi-http's `default_send_request` (HTTP/1.1,
 //! TLS by rustls; the same timeouts), trying each allowed address in turn;
@@ -28,8 +47,10 @@
 
 use std::collections::HashMap;
 use std::future::{Future, poll_fn};
+use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::pin::{Pin, pin};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
@@ -38,7 +59,8 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite};
+use ipnet::{IpNet, Ipv4Net};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::rustls::pki_types::ServerName;
@@ -49,25 +71,184 @@ use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody};
 pub const MAX_LOOKUPS: usize = 16;
 /// Name lookups one tenant's requests may run at once.
 pub const TENANT_LOOKUPS: usize = MAX_LOOKUPS / 4;
+/// Default ports granted requests may go to: HTTP and HTTPS.
+pub const DEFAULT_PORTS: [u16; 2] = [80, 443];
+/// Default outgoing connections open at once, all tenants together: a
+/// bounded share of the process's file descriptors.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 256;
+/// Default outgoing connections of one tenant open at once: one for each
+/// request in flight at the default tenant concurrency.
+pub const DEFAULT_TENANT_CONNECTIONS: u32 = 32;
 
-/// Which destinations a granted handler may reach.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Egress {
+/// What granted handlers may reach, and how many connections they may hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressRules {
     /// Also loopback, private, link-local and other non-public addresses.
     pub allow_private: bool,
+    /// The only ports requests may go to.
+    pub ports: Vec<u16>,
+    /// Ranges refused whatever their class (see [`parse_cidr`]).
+    pub deny: Vec<IpNet>,
+    /// Most connections open at once, all tenants together.
+    pub max_connections: usize,
+    /// Most connections of one tenant open at once.
+    pub tenant_connections: usize,
+}
+
+impl Default for EgressRules {
+    /// Public addresses, ports 80 and 443, nothing denied beyond that, the default caps.
+    fn default() -> Self {
+        Self {
+            allow_private: false,
+            ports: DEFAULT_PORTS.to_vec(),
+            deny: Vec::new(),
+            max_connections: DEFAULT_MAX_CONNECTIONS as usize,
+            tenant_connections: DEFAULT_TENANT_CONNECTIONS as usize,
+        }
+    }
+}
+
+/// The server's egress: its rules and the connection places they grant.
+/// Clones share the places.
+#[derive(Debug, Clone)]
+pub struct Egress {
+    rules: Arc<EgressRules>,
+    connections: Arc<Places>,
+}
+
+impl Egress {
+    /// Egress by `rules`, no connection open yet.
+    pub fn new(rules: EgressRules) -> Self {
+        let connections = Arc::new(Places::new(rules.max_connections, rules.tenant_connections));
+        Self { rules: Arc::new(rules), connections }
+    }
+
+    /// The rules.
+    pub fn rules(&self) -> &EgressRules {
+        &self.rules
+    }
+
+    /// Places for one connection of `caller`'s tenant, held until the
+    /// connection closes; `ConnectionLimitReached` (logged, counted) when
+    /// the tenant or the node has no place free.
+    fn connection_places(&self, caller: &Caller, host: &str, port: u16) -> Result<Held, HttpError> {
+        self.connections.try_take(&caller.tenant).map_err(|full| {
+            let why = match full {
+                Full::Share => "the tenant's outgoing connections at --outgoing-max-connections-per-tenant",
+                Full::All => "outgoing connections at --outgoing-max-connections",
+            };
+            caller.refuse(Refusal::Connections, host, port, why);
+            HttpError::ConnectionLimitReached
+        })
+    }
+}
+
+impl Default for Egress {
+    fn default() -> Self {
+        Self::new(EgressRules::default())
+    }
+}
+
+/// Logs `rules` at start, for an operator to check against the cluster's networks.
+pub fn log_rules(rules: &EgressRules) {
+    let deny: Vec<String> = rules.deny.iter().map(ToString::to_string).collect();
+    tracing::info!(
+        allow_private = rules.allow_private,
+        ports = ?rules.ports,
+        deny = ?deny,
+        max_connections = rules.max_connections,
+        max_connections_per_tenant = rules.tenant_connections,
+        "outgoing HTTP of granted handlers"
+    );
+}
+
+/// `text` as a range for `--outgoing-deny`: `ADDRESS/PREFIX`, IPv4 or IPv6,
+/// its host bits cleared; an IPv4-mapped IPv6 range (`::ffff:10.0.0.0/104`)
+/// becomes the IPv4 range it maps, as addresses are checked.
+pub fn parse_cidr(text: &str) -> Result<IpNet, String> {
+    let net: IpNet = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a CIDR range: expected ADDRESS/PREFIX, e.g. 10.0.0.0/8 or 2001:db8::/32"))?;
+    Ok(match net.trunc() {
+        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.network().to_ipv4_mapped() {
+            Some(v4) => Ipv4Net::new(v4, v6.prefix_len() - 96).map_or(IpNet::V6(v6), IpNet::V4),
+            None => IpNet::V6(v6),
+        },
+        other => other,
+    })
+}
+
+/// Why an outgoing request was refused (each kind logged once per request).
+#[derive(Debug, Clone, Copy)]
+enum Refusal {
+    /// Its port is not in `--outgoing-ports`.
+    Port,
+    /// No address of its host may be reached.
+    Address,
+    /// No connection place free.
+    Connections,
+}
+
+/// The refusals of one request's outgoing requests, shared by the request
+/// (its [`crate::state::GatewayHooks`]) and its requests in flight.
+#[derive(Debug, Default)]
+pub struct Refusals {
+    /// Per [`Refusal`], in its order.
+    counts: [AtomicU32; 3],
+}
+
+impl Refusals {
+    /// Counts one refusal of `kind`; whether it is the first of its kind
+    /// (the one logged).
+    fn count(&self, kind: Refusal) -> bool {
+        self.counts[kind as usize].fetch_add(1, Ordering::Relaxed) == 0
+    }
+
+    /// At the end of a request: its connections refused by the cap (a limit
+    /// hit), every count started afresh for the instance's next request.
+    pub fn take_refused_connections(&self) -> u32 {
+        let [port, address, connections] = &self.counts;
+        port.store(0, Ordering::Relaxed);
+        address.store(0, Ordering::Relaxed);
+        connections.swap(0, Ordering::Relaxed)
+    }
+}
+
+/// Who sends an outgoing request: the tenant whose shares it takes, and
+/// its request's refusals.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The tenant.
+    pub tenant: Arc<str>,
+    /// Its request's refusals.
+    pub refusals: Arc<Refusals>,
+}
+
+impl Caller {
+    /// Records a refusal of `kind` for the request to `host:port`, logged
+    /// with `why` if it is the request's first of that kind.
+    fn refuse(&self, kind: Refusal, host: &str, port: u16, why: &str) {
+        if self.refusals.count(kind) {
+            // Only the request's first refusal of each kind: a handler may retry in a loop.
+            tracing::info!(tenant = %self.tenant, host, port, refusal = ?kind, "outgoing request refused: {why}");
+        }
+    }
 }
 
 /// What the client hands back: the response, and the connection's I/O,
 /// which the caller drives while the body is read.
 pub type Sent = (hyper::Response<WasiBody>, Box<dyn Future<Output = Result<(), HttpError>> + Send>);
 
-/// Sends `tenant`'s `request` to a destination `egress` allows, giving up
-/// at `deadline`.
+/// Sends `caller`'s `request` to a destination `egress` allows, giving up
+/// at `deadline`: `HTTP-request-denied` for a port not allowed,
+/// `destination-IP-prohibited` for an address, `connection-limit-reached`
+/// past the connection caps.
 pub async fn send(
     request: hyper::Request<WasiBody>,
     options: Option<RequestOptions>,
     egress: Egress,
-    tenant: Arc<str>,
+    caller: Caller,
     deadline: Instant,
 ) -> Result<Sent, HttpError> {
     let uri = request.uri();
@@ -81,10 +262,15 @@ pub async fn send(
         None => default_port,
     };
     let host = authority.host().to_owned();
+    if !egress.rules.ports.contains(&port) {
+        caller.refuse(Refusal::Port, &host, port, "port not in --outgoing-ports");
+        return Err(HttpError::HttpRequestDenied);
+    }
     let timeouts = Timeouts::new(options, deadline);
     let connect = async {
-        let addrs = destinations(&host, port, egress, &tenant).await?;
-        let tcp = connect_any(&addrs).await?;
+        let addrs = destinations(&host, port, &egress.rules, &caller).await?;
+        let places = egress.connection_places(&caller, &host, port)?;
+        let tcp = Counted { stream: connect_any(&addrs).await?, _places: places };
         let stream: Box<dyn Stream> = if tls { Box::new(tls_connect(&host, tcp).await?) } else { Box::new(tcp) };
         Ok::<_, HttpError>(hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?)
     };
@@ -119,24 +305,54 @@ fn bare_host(host: &str) -> &str {
 }
 
 /// The addresses to try: `host` resolved (or parsed, for an IP literal),
-/// those `egress` allows; `DestinationIpProhibited` when it allows none.
-async fn destinations(host: &str, port: u16, egress: Egress, tenant: &Arc<str>) -> Result<Vec<SocketAddr>, HttpError> {
+/// those `rules` allow; `DestinationIpProhibited` (logged) when they allow none.
+async fn destinations(host: &str, port: u16, rules: &EgressRules, caller: &Caller) -> Result<Vec<SocketAddr>, HttpError> {
     let addrs: Vec<SocketAddr> = match bare_host(host).parse::<IpAddr>() {
         Ok(ip) => vec![SocketAddr::new(ip, port)],
-        Err(_) => lookup(host.to_owned(), port, tenant).await?,
+        Err(_) => lookup(host.to_owned(), port, &caller.tenant).await?,
     };
-    let own = if egress.allow_private { Vec::new() } else { own_addresses() };
-    let allowed: Vec<SocketAddr> = addrs.into_iter().filter(|a| allowed(a.ip(), egress, &own)).collect();
-    if allowed.is_empty() {
+    let own = if rules.allow_private { Vec::new() } else { own_addresses() };
+    let mut first_refusal = None;
+    let mut allowed = Vec::with_capacity(addrs.len());
+    for addr in addrs {
+        match refusal(addr.ip(), rules, &own) {
+            None => allowed.push(addr),
+            Some(why) => first_refusal = first_refusal.or(Some((addr.ip(), why))),
+        }
+    }
+    if let (true, Some((ip, why))) = (allowed.is_empty(), first_refusal) {
+        caller.refuse(Refusal::Address, host, port, &format!("its address {ip} is {why}"));
         return Err(HttpError::DestinationIpProhibited);
     }
     Ok(allowed)
 }
 
-/// Whether a granted request may go to `ip`: anywhere with private
-/// addresses allowed; else a public address that is not one of `own`.
-fn allowed(ip: IpAddr, egress: Egress, own: &[IpAddr]) -> bool {
-    egress.allow_private || (is_public(ip) && !own.contains(&ip.to_canonical()))
+/// Why a granted request may not go to `ip`, if it may not: a range of
+/// `rules.deny` always; unless private addresses are allowed, an address
+/// that is not public or is one of `own`.
+fn refusal(ip: IpAddr, rules: &EgressRules, own: &[IpAddr]) -> Option<&'static str> {
+    if denied(ip, &rules.deny) {
+        Some("in a range of --outgoing-deny")
+    } else if rules.allow_private {
+        None
+    } else if !is_public(ip) {
+        Some("not public (see --outgoing-allow-private)")
+    } else if own.contains(&ip.to_canonical()) {
+        Some("this host's own")
+    } else {
+        None
+    }
+}
+
+/// Whether `ip` is in one of the `deny` ranges; an IPv6 address that
+/// carries an IPv4 one (mapped, NAT64, 6to4, ...) is also checked as that
+/// IPv4 address, which is where it leads.
+fn denied(ip: IpAddr, deny: &[IpNet]) -> bool {
+    let carried = match ip {
+        IpAddr::V6(v6) => embedded_v4(v6).map(IpAddr::V4),
+        IpAddr::V4(_) => None,
+    };
+    deny.iter().any(|range| range.contains(&ip) || carried.is_some_and(|v4| range.contains(&v4)))
 }
 
 /// This host's interface addresses, read at each request (interfaces come
@@ -155,7 +371,7 @@ fn own_addresses() -> Vec<IpAddr> {
 /// `tenant`'s [`TENANT_LOOKUPS`] places and one of all [`MAX_LOOKUPS`]
 /// until it returns, even if the request gave up.
 async fn lookup(host: String, port: u16, tenant: &Arc<str>) -> Result<Vec<SocketAddr>, HttpError> {
-    static PLACES: LazyLock<LookupPlaces> = LazyLock::new(|| LookupPlaces::new(MAX_LOOKUPS, TENANT_LOOKUPS));
+    static PLACES: LazyLock<Places> = LazyLock::new(|| Places::new(MAX_LOOKUPS, TENANT_LOOKUPS));
     let places = PLACES.take(tenant).await.map_err(|_| HttpError::DnsTimeout)?;
     let found = tokio::task::spawn_blocking(move || {
         let _held = places;
@@ -170,34 +386,51 @@ async fn lookup(host: String, port: u16, tenant: &Arc<str>) -> Result<Vec<Socket
     Ok(addrs)
 }
 
-/// Places for name lookups: `total` for all tenants together, at most
-/// `share` of them for each.
-struct LookupPlaces {
+/// Places (for name lookups, for connections): `total` for all tenants
+/// together, at most `share` of them for each.
+#[derive(Debug)]
+struct Places {
     all: Arc<Semaphore>,
     share: usize,
-    /// Each tenant with lookups running or waiting: its share's places.
+    /// Each tenant holding or waiting for places: its share's places.
     tenants: Mutex<HashMap<Arc<str>, Arc<Semaphore>>>,
 }
 
-/// A lookup's places, its tenant's and one of all, given back when dropped.
-type Places = (OwnedSemaphorePermit, OwnedSemaphorePermit);
+/// One place of a tenant's share and one of all, given back when dropped.
+type Held = (OwnedSemaphorePermit, OwnedSemaphorePermit);
 
-impl LookupPlaces {
+/// Which places ran out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Full {
+    /// The tenant's share.
+    Share,
+    /// All tenants' places.
+    All,
+}
+
+impl Places {
     fn new(total: usize, share: usize) -> Self {
         Self { all: Arc::new(Semaphore::new(total)), share, tenants: Mutex::default() }
     }
 
     /// Waits for a place of `tenant`'s share, then for one of all: a
     /// tenant at its share waits without holding a place others need.
-    async fn take(&self, tenant: &Arc<str>) -> Result<Places, AcquireError> {
+    async fn take(&self, tenant: &Arc<str>) -> Result<Held, AcquireError> {
         let own = self.share_of(tenant).acquire_owned().await?;
         let any = Arc::clone(&self.all).acquire_owned().await?;
         Ok((own, any))
     }
 
-    /// `tenant`'s share, made on its first lookup; the shares of tenants
-    /// with no lookup running or waiting (nobody else holds them) are
-    /// dropped here, so the map holds only tenants with lookups.
+    /// A place of `tenant`'s share and one of all if both are free now.
+    fn try_take(&self, tenant: &Arc<str>) -> Result<Held, Full> {
+        let own = self.share_of(tenant).try_acquire_owned().map_err(|_| Full::Share)?;
+        let any = Arc::clone(&self.all).try_acquire_owned().map_err(|_| Full::All)?;
+        Ok((own, any))
+    }
+
+    /// `tenant`'s share, made on its first use; the shares of tenants
+    /// holding and waiting for nothing (nobody else holds them) are
+    /// dropped here, so the map holds only tenants using places.
     fn share_of(&self, tenant: &Arc<str>) -> Arc<Semaphore> {
         // Nothing panics while the map is held, so a poisoned lock still holds a sound map.
         let mut tenants = self.tenants.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -304,8 +537,44 @@ impl Timeouts {
 trait Stream: AsyncRead + AsyncWrite + Send + Sync + Unpin + 'static {}
 impl<T> Stream for T where T: AsyncRead + AsyncWrite + Send + Sync + Unpin + 'static {}
 
+/// A connection's stream with the places it holds, given back when the
+/// stream is dropped: when the connection closes, after its response body
+/// (the connection's I/O outlives the response head).
+struct Counted<S> {
+    stream: S,
+    _places: Held,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
 /// TLS to `host` over `tcp`, verified against the system's roots.
-async fn tls_connect(host: &str, tcp: TcpStream) -> Result<impl Stream, HttpError> {
+async fn tls_connect(host: &str, tcp: impl Stream) -> Result<impl Stream, HttpError> {
     let server = ServerName::try_from(bare_host(host).to_owned()).map_err(HttpError::InvalidDnsNameError)?;
     // The first use reads the system's certificates: on a blocking thread.
     let config = match TLS_CONFIG.get() {
@@ -430,7 +699,7 @@ mod tests {
     /// than the total; a place given back is taken by the next in line.
     #[tokio::test]
     async fn one_tenant_holds_at_most_its_share_of_lookup_places() {
-        let places = LookupPlaces::new(5, 2);
+        let places = Places::new(5, 2);
         let quick = Duration::from_millis(50);
         let (busy, other, third): (Arc<str>, Arc<str>, Arc<str>) = ("busy".into(), "other".into(), "third".into());
         let mut held = vec![places.take(&busy).await.unwrap(), places.take(&busy).await.unwrap()];
@@ -484,33 +753,173 @@ mod tests {
         }
     }
 
+    /// The connection places: a tenant past its share is refused at once
+    /// while another tenant is not, until all tenants together hold the
+    /// total; a refused try holds nothing.
+    #[test]
+    fn connection_places_are_refused_past_the_share_or_the_total() {
+        let places = Places::new(3, 2);
+        let (busy, other): (Arc<str>, Arc<str>) = ("busy".into(), "other".into());
+        let held = [places.try_take(&busy).unwrap(), places.try_take(&busy).unwrap()];
+        assert_eq!(places.try_take(&busy).err(), Some(Full::Share));
+        let last = places.try_take(&other).unwrap();
+        assert_eq!(places.try_take(&other).err(), Some(Full::All));
+        drop(held);
+        assert_eq!(places.all.available_permits(), 2, "the refused tries hold nothing");
+        drop((places.try_take(&busy).unwrap(), last));
+        assert_eq!(places.all.available_permits(), 3);
+    }
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    fn caller() -> Caller {
+        Caller { tenant: "t".into(), refusals: Arc::default() }
+    }
+
     #[test]
     fn this_hosts_own_addresses_are_refused_even_public_ones() {
-        let own: Vec<IpAddr> = vec!["93.184.215.14".parse().unwrap(), "10.0.0.5".parse().unwrap()];
-        let strict = Egress::default();
-        assert!(!allowed("93.184.215.14".parse().unwrap(), strict, &own), "own public address");
-        assert!(!allowed("::ffff:93.184.215.14".parse().unwrap(), strict, &own), "the same, mapped");
-        assert!(allowed("8.8.8.8".parse().unwrap(), strict, &own));
-        assert!(allowed("93.184.215.14".parse().unwrap(), Egress { allow_private: true }, &own));
-        assert!(own_addresses().contains(&"127.0.0.1".parse().unwrap()), "the interfaces are read");
+        let own = [ip("93.184.215.14"), ip("10.0.0.5")];
+        let strict = EgressRules::default();
+        assert_eq!(refusal(ip("93.184.215.14"), &strict, &own), Some("this host's own"), "own public address");
+        assert_eq!(refusal(ip("::ffff:93.184.215.14"), &strict, &own), Some("this host's own"), "the same, mapped");
+        assert_eq!(refusal(ip("8.8.8.8"), &strict, &own), None);
+        assert_eq!(refusal(ip("93.184.215.14"), &EgressRules { allow_private: true, ..strict }, &own), None);
+        assert!(own_addresses().contains(&ip("127.0.0.1")), "the interfaces are read");
+    }
+
+    #[test]
+    fn cidr_ranges_parse_and_anything_else_is_refused_with_the_format() {
+        assert_eq!(parse_cidr("10.1.2.3/8").unwrap().to_string(), "10.0.0.0/8", "host bits cleared");
+        assert_eq!(parse_cidr(" 2001:db8:1::5/48 ").unwrap().to_string(), "2001:db8:1::/48");
+        assert_eq!(parse_cidr("::ffff:10.0.0.0/104").unwrap().to_string(), "10.0.0.0/8", "IPv4-mapped: as IPv4");
+        assert_eq!(parse_cidr("::ffff:0:0/96").unwrap().to_string(), "0.0.0.0/0");
+        assert_eq!(parse_cidr("::/0").unwrap().to_string(), "::/0");
+        for bad in ["10.0.0.1", "10.0.0.0/33", "fd00::/129", "pods", "", "10.0.0.0/8/1", "10.0.0/8", "10.0.0.0/-1"] {
+            let error = parse_cidr(bad).unwrap_err();
+            assert!(error.contains("not a CIDR range") && error.contains("ADDRESS/PREFIX"), "{bad:?}: {error}");
+        }
+    }
+
+    /// A denied range wins over everything: a public address in it, the
+    /// same address inside IPv6 (mapped, NAT64, 6to4), and a private one
+    /// with private addresses allowed are all refused.
+    #[test]
+    fn denied_ranges_are_refused_whatever_the_address_class() {
+        let deny: Vec<IpNet> = ["2600:1f00::/24", "10.0.0.0/8", "93.184.215.0/24"].map(|r| parse_cidr(r).unwrap()).to_vec();
+        let strict = EgressRules { deny: deny.clone(), ..EgressRules::default() };
+        let open = EgressRules { allow_private: true, deny, ..EgressRules::default() };
+        let in_deny = Some("in a range of --outgoing-deny");
+        for rules in [&strict, &open] {
+            for inside in
+                ["2600:1f00::1", "2600:1fff::1", "93.184.215.14", "::ffff:93.184.215.14", "64:ff9b::5db8:d70e", "2002:5db8:d70e::1"]
+            {
+                assert_eq!(refusal(ip(inside), rules, &[]), in_deny, "{inside}");
+            }
+            for outside in ["8.8.8.8", "2600:2000::1", "93.184.216.1", "::ffff:8.8.8.8"] {
+                assert_eq!(refusal(ip(outside), rules, &[]), None, "{outside}");
+            }
+        }
+        assert_eq!(refusal(ip("10.1.2.3"), &open, &[]), in_deny, "private allowed, but denied");
+        assert_eq!(refusal(ip("::ffff:10.1.2.3"), &open, &[]), in_deny);
+        assert_eq!(refusal(ip("192.168.1.1"), &open, &[]), None, "private allowed, not denied");
     }
 
     #[tokio::test]
     async fn literals_and_names_of_internal_addresses_are_prohibited() {
-        let (denied, tenant): (Egress, Arc<str>) = (Egress::default(), "t".into());
+        let (strict, caller) = (EgressRules::default(), caller());
         for host in ["127.0.0.1", "[::1]", "169.254.169.254", "localhost", "2130706433", "127.1"] {
-            let outcome = destinations(host, 80, denied, &tenant).await;
+            let outcome = destinations(host, 80, &strict, &caller).await;
             assert!(matches!(outcome, Err(HttpError::DestinationIpProhibited)), "{host}: {outcome:?}");
         }
-        let allowed = Egress { allow_private: true };
-        assert_eq!(destinations("127.0.0.1", 8080, allowed, &tenant).await.unwrap(), ["127.0.0.1:8080".parse().unwrap()]);
-        assert_eq!(destinations("[::1]", 80, allowed, &tenant).await.unwrap(), ["[::1]:80".parse().unwrap()]);
+        let open = EgressRules { allow_private: true, ..strict };
+        assert_eq!(destinations("127.0.0.1", 8080, &open, &caller).await.unwrap(), ["127.0.0.1:8080".parse().unwrap()]);
+        assert_eq!(destinations("[::1]", 80, &open, &caller).await.unwrap(), ["[::1]:80".parse().unwrap()]);
+    }
+
+    fn get(url: &str) -> hyper::Request<WasiBody> {
+        hyper::Request::get(url).body(WasiBody::default()).unwrap()
+    }
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(5)
+    }
+
+    /// A port outside the list is refused before the name is looked up (a
+    /// `.invalid` name would fail the lookup) and before the address is
+    /// checked; a scheme's default port is the one checked.
+    #[tokio::test]
+    async fn a_port_not_allowed_is_refused_before_anything_else() {
+        let egress = Egress::new(EgressRules { ports: vec![443], ..EgressRules::default() });
+        let caller = caller();
+        for url in ["http://no-such-host.invalid:6379/", "http://no-such-host.invalid/", "https://10.0.0.1:8443/"] {
+            let outcome = send(get(url), None, egress.clone(), caller.clone(), soon()).await;
+            assert!(matches!(outcome, Err(HttpError::HttpRequestDenied)), "{url}: {:?}", outcome.err());
+        }
+        let outcome = send(get("https://10.0.0.1/"), None, egress, caller.clone(), soon()).await;
+        assert!(matches!(outcome, Err(HttpError::DestinationIpProhibited)), "443 passes, the address does not: {:?}", outcome.err());
+        assert_eq!(caller.refusals.take_refused_connections(), 0, "no connection refused");
+        assert!(caller.refusals.count(Refusal::Port), "the counts start afresh");
+    }
+
+    /// A local server whose responses send their head and the first half
+    /// of a 4-byte body at once, the rest when `release` gets a permit.
+    async fn held_body_server() -> (u16, Arc<Semaphore>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let release = Arc::new(Semaphore::new(0));
+        let gate = Arc::clone(&release);
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let gate = Arc::clone(&gate);
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    while !head.ends_with(b"\r\n\r\n") {
+                        let mut byte = [0];
+                        if socket.read(&mut byte).await.unwrap() == 0 {
+                            return;
+                        }
+                        head.push(byte[0]);
+                    }
+                    socket.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\nhe").await.unwrap();
+                    gate.acquire().await.unwrap().forget();
+                    socket.write_all(b"ll").await.unwrap();
+                });
+            }
+        });
+        (port, release)
+    }
+
+    /// A connection holds its tenant's place until it closes, after its
+    /// body, not just until its response head: a second connection of the
+    /// tenant is refused meanwhile (counted once), another tenant's is not.
+    #[tokio::test]
+    async fn a_connection_holds_its_place_while_its_body_is_read() {
+        let (port, release) = held_body_server().await;
+        let rules = EgressRules { allow_private: true, ports: vec![port], tenant_connections: 1, ..EgressRules::default() };
+        let (egress, busy) = (Egress::new(rules), caller());
+        let other = Caller { tenant: "other".into(), refusals: Arc::default() };
+        let url = format!("http://127.0.0.1:{port}/");
+        let (first, io) = send(get(&url), None, egress.clone(), busy.clone(), soon()).await.unwrap();
+        let io = tokio::spawn(Box::into_pin(io));
+        let refused = send(get(&url), None, egress.clone(), busy.clone(), soon()).await;
+        assert!(matches!(refused, Err(HttpError::ConnectionLimitReached)), "{:?}", refused.err());
+        let (second, other_io) = send(get(&url), None, egress.clone(), other, soon()).await.expect("another tenant's own place");
+        let other_io = tokio::spawn(Box::into_pin(other_io));
+        release.add_permits(2);
+        for (response, io) in [(first, io), (second, other_io)] {
+            assert_eq!(response.into_body().collect().await.unwrap().to_bytes(), "hell");
+            io.await.unwrap().unwrap();
+        }
+        assert!(send(get(&url), None, egress, busy.clone(), soon()).await.is_ok(), "the place is given back when the connection closes");
+        assert_eq!(busy.refusals.take_refused_connections(), 1);
     }
 
     #[tokio::test]
     async fn a_port_out_of_range_is_an_invalid_uri_not_port_80() {
-        let request = hyper::Request::get("http://example.com:99999/").body(WasiBody::default()).unwrap();
-        let outcome = send(request, None, Egress::default(), "t".into(), Instant::now() + Duration::from_secs(5)).await;
+        let outcome = send(get("http://example.com:99999/"), None, Egress::default(), caller(), soon()).await;
         assert!(matches!(outcome, Err(HttpError::HttpRequestUriInvalid)), "{:?}", outcome.err());
         assert!(has_port_part("a:b@example.com:") && has_port_part("[::1]:x") && has_port_part("h:80"));
         assert!(!has_port_part("a:b@example.com") && !has_port_part("[::1]") && !has_port_part("example.com"));

@@ -18,6 +18,7 @@ use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 
+use crate::admission::memory::{MemoryBudget, NodeMemoryExhausted, Refusal};
 use crate::face_detect::{self, FaceDetectCtx};
 use crate::handlers::Handler;
 use crate::limiter::{InstanceLimiter, MemoryLimitExceeded};
@@ -57,6 +58,10 @@ pub enum SandboxError {
     /// The instance's memories and tables went over the tenant's memory limit.
     #[error("handler trapped: memory limit exceeded ({0} bytes for all memories and tables)")]
     MemoryLimit(usize),
+    /// The node's memory budget refused a growth within the request's own
+    /// limit (memory is scarce, or the tenant holds its fair share).
+    #[error("handler stopped: {0}")]
+    NodeMemory(Refusal),
     /// The guest asked the host to hold or make more than its limits allow
     /// (host resources, random bytes).
     #[error("handler stopped: {0}")]
@@ -85,6 +90,8 @@ pub struct Sandbox {
     hostcall_fuel: usize,
     /// Where granted outgoing requests may go.
     egress: Egress,
+    /// The node's memory budget, charged by every store.
+    memory: Arc<MemoryBudget>,
 }
 
 /// Deadline marker error, so a timeout is told apart from other traps.
@@ -98,8 +105,14 @@ impl Sandbox {
     /// granted outgoing HTTP, see [`state::GatewayHooks`]) and face-detect;
     /// keeps at most `warm_instances` idle instances for reuse, each for at
     /// most `warm_idle` without a request; granted outgoing requests go
-    /// where `egress` allows.
-    pub fn new(engine: Engine, models: Models, (warm_instances, warm_idle): (usize, Duration), egress: Egress) -> wasmtime::Result<Self> {
+    /// where `egress` allows; every store is charged to `memory`.
+    pub fn new(
+        engine: Engine,
+        models: Models,
+        (warm_instances, warm_idle): (usize, Duration),
+        egress: Egress,
+        memory: Arc<MemoryBudget>,
+    ) -> wasmtime::Result<Self> {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         let options = wasmtime_wasi_http::p2::bindings::LinkOptions::default();
@@ -119,6 +132,7 @@ impl Sandbox {
             linker,
             hostcall_fuel,
             egress,
+            memory,
             models,
             hits: Arc::default(),
             warm: WarmBudget::new(warm_instances, warm_idle),
@@ -144,6 +158,11 @@ impl Sandbox {
     /// Requests served by a warm instance since start.
     pub fn reused_instances(&self) -> u64 {
         self.reused.load(Ordering::Relaxed)
+    }
+
+    /// The node's memory budget.
+    pub fn memory(&self) -> &Arc<MemoryBudget> {
+        &self.memory
     }
 
     /// The engine.
@@ -178,6 +197,7 @@ impl Sandbox {
         };
         let pre = handler.pre.clone();
         let (handler_ref, hits, budget) = (Arc::clone(handler), Arc::clone(&self.hits), Arc::clone(&self.warm));
+        let memory = Arc::clone(&self.memory);
         // The guest runs in its own task so it can keep streaming the body
         // after the response head is sent; it is bounded by the same deadline.
         let task = tokio::spawn(async move {
@@ -197,7 +217,7 @@ impl Sandbox {
             log_output(&handler_ref, &request_id, &store, &hits);
             match result {
                 Ok(Ok(proxy)) => {
-                    keep_warm(&handler_ref, &budget, store, proxy, served + 1, limits);
+                    keep_warm(&handler_ref, (&budget, &memory), store, proxy, served + 1, limits);
                     Ok(Ok(()))
                 }
                 Ok(Err(err)) => Ok(Err(err)),
@@ -264,23 +284,26 @@ impl Sandbox {
         let face = FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), deadline, limits.max_infer_calls);
         // One budget for all memories and tables; a growth past it traps with
         // a clear reason instead of letting the guest's allocator abort.
-        let limiter = InstanceLimiter::new(limits.memory_limit);
+        let limiter = InstanceLimiter::new(limits.memory_limit, self.memory.empty(&handler.tenant));
         let mut store = Store::new(
             &self.engine,
             RequestState::new(
                 face,
                 limiter,
                 limits.max_host_resources,
-                GatewayHooks { outgoing_http: handler.outgoing_http, tenant: Arc::clone(&handler.tenant), egress: self.egress, deadline },
+                GatewayHooks::new(handler.outgoing_http, Arc::clone(&handler.tenant), self.egress.clone(), deadline),
             ),
         );
         store.limiter(|state| &mut state.limiter);
         store.set_hostcall_fuel(self.hostcall_fuel);
         store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(|ctx| {
+        store.epoch_deadline_callback(|mut ctx| {
             if Instant::now() >= ctx.data().deadline {
                 return Err(DeadlineReached.into());
             }
+            // Host resources are charged to the node at every tick (at most
+            // a request's own host-resource bound is added between two).
+            ctx.data_mut().charge_host_resources()?;
             // Yield to tokio at every tick so a spinning guest never holds a host thread.
             Ok(UpdateDeadline::Yield(1))
         });
@@ -290,18 +313,20 @@ impl Sandbox {
 
 /// Keeps an instance whose request returned cleanly for the next request to
 /// its handler version, if the tenant allows another request on it, it
-/// holds no host resources but its standard streams and its memory is
-/// small enough (see [`crate::warm`]); otherwise drops it.
+/// holds no host resources but its standard streams, its memory is small
+/// enough (see [`crate::warm`]) and the node's memory budget is not into
+/// its reserve (an idle instance keeps its charge); otherwise drops it.
 fn keep_warm(
     handler: &Handler,
-    budget: &Arc<WarmBudget>,
+    (budget, memory): (&Arc<WarmBudget>, &MemoryBudget),
     mut store: Store<RequestState>,
     proxy: Proxy,
     served: u32,
     limits: SandboxLimits,
 ) {
     let state = store.data_mut();
-    if served < limits.instance_reuse && state.holds_only_stdio() && state.limiter.used() <= WARM_MAX_MEMORY {
+    let roomy = memory.has_room_beyond_reserve(0);
+    if served < limits.instance_reuse && roomy && state.holds_only_stdio() && state.limiter.used() <= WARM_MAX_MEMORY {
         handler.warm.put(budget, &handler.tenant, limits.max_idle, store, proxy, served);
     }
 }
@@ -355,6 +380,9 @@ fn classify_trap(err: &wasmtime::Error, timeout: Duration) -> SandboxError {
     }
     if let Some(exceeded) = err.chain().find_map(|e| e.downcast_ref::<MemoryLimitExceeded>()) {
         return SandboxError::MemoryLimit(exceeded.limit);
+    }
+    if let Some(NodeMemoryExhausted(refusal)) = err.chain().find_map(|e| e.downcast_ref::<NodeMemoryExhausted>()) {
+        return SandboxError::NodeMemory(*refusal);
     }
     if let Some(limit) = host_limit(err) {
         return SandboxError::ResourceLimit(limit);
@@ -463,7 +491,8 @@ fn error_chain(err: &wasmtime::Error) -> String {
 }
 
 /// Logs what the guest wrote to stdout/stderr, escaped and attributed;
-/// counts output dropped past the cap and `infer` calls refused by a limit.
+/// counts output dropped past the cap, and `infer` calls and outgoing
+/// connections refused by a limit.
 fn log_output(handler: &Handler, request_id: &str, store: &Store<RequestState>, hits: &LimitHits) {
     let (bytes, dropped) = store.data().stdio.contents();
     if !bytes.is_empty() {
@@ -478,6 +507,9 @@ fn log_output(handler: &Handler, request_id: &str, store: &Store<RequestState>, 
     }
     if face.overloaded_refusals > 0 {
         hits.hit(&handler.tenant, Limit::Queue);
+    }
+    if store.data().hooks.take_refused_connections() > 0 {
+        hits.hit(&handler.tenant, Limit::OutgoingConnections);
     }
 }
 

@@ -11,7 +11,7 @@ use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpC
 
 use crate::face_detect::{FaceDetectCtx, FaceDetectView};
 use crate::limiter::InstanceLimiter;
-use crate::outgoing::{Egress, Sent};
+use crate::outgoing::{Caller, Egress, Refusals, Sent};
 use crate::stdio::CappedCapture;
 
 /// Bytes of a guest's stdout and stderr kept for the logs, per request;
@@ -37,8 +37,16 @@ pub const RANDOM_MAX_BYTES: u64 = 1 << 20;
 /// at most: every resource at its largest. (While a host call runs, its
 /// arguments add at most the store's hostcall fuel, see `sandbox.rs`.)
 pub fn host_memory_bound(max_host_resources: usize) -> usize {
-    max_host_resources * (FIELD_SIZE_LIMIT.max(BODY_CHUNK_BYTES * (BODY_BUFFER_CHUNKS + 1)))
+    max_host_resources * RESOURCE_MAX_BYTES
 }
+
+/// Host memory one resource holds at most: a full header map, or a body's
+/// buffered chunks and the one being written.
+pub const RESOURCE_MAX_BYTES: usize = if FIELD_SIZE_LIMIT > BODY_CHUNK_BYTES * (BODY_BUFFER_CHUNKS + 1) {
+    FIELD_SIZE_LIMIT
+} else {
+    BODY_CHUNK_BYTES * (BODY_BUFFER_CHUNKS + 1)
+};
 
 /// The wasi:http hooks of a request: small body buffers, and outgoing
 /// requests denied unless the tenant is granted outgoing HTTP.
@@ -46,12 +54,29 @@ pub fn host_memory_bound(max_host_resources: usize) -> usize {
 pub struct GatewayHooks {
     /// The tenant's grant.
     pub outgoing_http: bool,
-    /// The tenant, whose share of name lookups a granted request takes.
+    /// The tenant, whose shares of name lookups and connections a granted request takes.
     pub tenant: Arc<str>,
     /// Where granted requests may go (server-wide).
     pub egress: Egress,
     /// The request's deadline: no outgoing request waits past it.
     pub deadline: Instant,
+    /// What the request's outgoing requests were refused (see [`Self::take_refused_connections`]).
+    refusals: Arc<Refusals>,
+}
+
+impl GatewayHooks {
+    /// The hooks of a request of `tenant` (granted outgoing HTTP or not)
+    /// ending at `deadline`, its granted requests going where `egress` allows.
+    pub fn new(outgoing_http: bool, tenant: Arc<str>, egress: Egress, deadline: Instant) -> Self {
+        Self { outgoing_http, tenant, egress, deadline, refusals: Arc::default() }
+    }
+
+    /// At the end of a request: how many of its outgoing connections the
+    /// connection caps refused (a limit hit); the counts start afresh for
+    /// the instance's next request.
+    pub fn take_refused_connections(&self) -> u32 {
+        self.refusals.take_refused_connections()
+    }
 }
 
 /// What `send_request` returns (the hook's own signature).
@@ -61,7 +86,9 @@ impl WasiHttpHooks for GatewayHooks {
     /// Without the grant, every outgoing request fails with
     /// `HTTP-request-denied` (JavaScript components import the interface
     /// whether or not they use it); with it, [`crate::outgoing`] sends it
-    /// where `egress` allows (`destination-IP-prohibited` elsewhere).
+    /// where `egress` allows (`HTTP-request-denied` to a port it does not
+    /// list, `destination-IP-prohibited` to an address it refuses,
+    /// `connection-limit-reached` past the connection caps).
     fn send_request(
         &mut self,
         request: hyper::Request<WasiBody>,
@@ -72,7 +99,8 @@ impl WasiHttpHooks for GatewayHooks {
         if !self.outgoing_http {
             return Box::new(async { Err(HttpError::HttpRequestDenied) });
         }
-        Box::new(crate::outgoing::send(request, options, self.egress, Arc::clone(&self.tenant), self.deadline))
+        let caller = Caller { tenant: Arc::clone(&self.tenant), refusals: Arc::clone(&self.refusals) };
+        Box::new(crate::outgoing::send(request, options, self.egress.clone(), caller, self.deadline))
     }
 
     fn p2_outgoing_body_buffer_chunks(&mut self) -> usize {
@@ -127,6 +155,14 @@ impl RequestState {
 }
 
 impl RequestState {
+    /// Charges the resources the request holds now, each at
+    /// [`RESOURCE_MAX_BYTES`], to the node's memory budget (through the
+    /// store's limiter); fails when the budget refuses the growth.
+    pub fn charge_host_resources(&mut self) -> Result<(), crate::admission::memory::NodeMemoryExhausted> {
+        let held = self.table.iter_mut().count();
+        self.limiter.set_host_bytes(held * RESOURCE_MAX_BYTES)
+    }
+
     /// Whether the resource table holds nothing but standard streams (at most
     /// [`STDIO_STREAMS`]), so the instance may serve another request: any
     /// other entry (headers, a body, a pollable, ...) is a resource of the
@@ -164,12 +200,13 @@ pub fn face_detect_view(state: &mut RequestState) -> FaceDetectView<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::outgoing::EgressRules;
 
     #[tokio::test]
     async fn outgoing_requests_are_denied_without_the_grant() {
         let request = hyper::Request::get("https://example.com/").body(WasiBody::default()).unwrap();
-        let mut hooks =
-            GatewayHooks { outgoing_http: false, tenant: "t".into(), egress: Egress { allow_private: true }, deadline: Instant::now() };
+        let open = Egress::new(EgressRules { allow_private: true, ..EgressRules::default() });
+        let mut hooks = GatewayHooks::new(false, "t".into(), open, Instant::now());
         let sent = hooks.send_request(request, None, Box::new(async { Ok(()) }));
         assert!(matches!(Box::into_pin(sent).await, Err(HttpError::HttpRequestDenied)));
     }
@@ -178,7 +215,7 @@ mod tests {
     async fn granted_requests_go_only_where_egress_allows() {
         let request = hyper::Request::get("http://169.254.169.254/latest/").body(WasiBody::default()).unwrap();
         let deadline = Instant::now() + std::time::Duration::from_secs(5);
-        let mut hooks = GatewayHooks { outgoing_http: true, tenant: "t".into(), egress: Egress::default(), deadline };
+        let mut hooks = GatewayHooks::new(true, "t".into(), Egress::default(), deadline);
         let sent = hooks.send_request(request, None, Box::new(async { Ok(()) }));
         assert!(matches!(Box::into_pin(sent).await, Err(HttpError::DestinationIpProhibited)));
     }

@@ -28,8 +28,10 @@
 //! | `count`       | counts its requests in a global                            | 200, `{"served": n}`: 1 in a fresh instance |
 //! | `leak`        | counts, and leaves a header `fields` in the host's table   | 200, `{"served": n}`; the instance is not reused |
 //! | `nap`         | sleeps `ms` (default 100, at most 10000), then counts      | 200, `{"served": n}`             |
+//! | `hold`        | fills `mib` MiB (default 240) of memory, holds it `ms` (default 2000, at most 10000) | 200, `{"held_mib": n}`; 503 `overloaded` past the node's memory budget |
 //! | `error-code`  | answers with a wasi:http `internal-error` whose message is `mib` (default 8) MiB of control bytes | 500 `handler_failed`, the message cut |
 //! | `fetch`       | an outgoing `GET` of `url` (`http://host:port/path`)       | 200, JSON: `ok: STATUS` or the error code |
+//! | `fetch-many`  | `n` (default 8, at most 64) outgoing `GET`s of `url`, each sent once the one before has its head, all kept open, then each body read | 200, JSON: how many ended each way (`ok: STATUS` or the error code) |
 //! | `lift`        | one `infer` call with `mib` (default 64) MiB of data       | 500 `resource_limit` past the host's per-call cap |
 //!
 //! `error-code` answers through the `wasi:http` response outparam itself
@@ -46,13 +48,15 @@ use std::hint::black_box;
 use facegate_guest_sdk::face_detect::{self, ElementType, Tensor};
 use facegate_guest_sdk::http::HttpError;
 use facegate_guest_sdk::serde_json::{Value, json};
-use facegate_guest_sdk::wasi::http::types::{ErrorCode, IncomingRequest, ResponseOutparam};
+use facegate_guest_sdk::wasi::http::types::{
+    ErrorCode, FutureIncomingResponse, IncomingBody, IncomingRequest, IncomingResponse, ResponseOutparam,
+};
 use facegate_guest_sdk::{Error, Handler, Request, Response};
 
 /// The attacks, as `attack` accepts them (for the 400 message).
 const ATTACKS: &str = "loop, memory, recursion, panic, snoop, bad-tensor, many-calls, \
-                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap, \
-                       error-code, lift, fetch";
+                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap, hold, \
+                       error-code, lift, fetch, fetch-many";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
 /// `infer` calls made by `many-calls`.
@@ -88,8 +92,10 @@ impl Handler for Hostile {
             "count" => Ok(Response::json(200, &json!({ "served": count() }))),
             "leak" => Ok(Response::json(200, &json!({ "served": leak() }))),
             "nap" => nap(query.get("ms")?),
+            "hold" => hold(query.get("mib")?, query.get("ms")?),
             "lift" => lift(query.get("mib")?),
             "fetch" => Ok(Response::json(200, &json!({ "outcome": fetch(query.get("url")?.unwrap_or("")) }))),
+            "fetch-many" => fetch_many(query.get("url")?.unwrap_or(""), query.get("n")?),
             other => Err(HttpError::invalid_parameter("attack", &format!("must be one of {ATTACKS}, got {other:?}")).into()),
         }
     }
@@ -387,10 +393,64 @@ fn nap(ms: Option<&str>) -> Result<Response, Error> {
     Ok(Response::json(200, &json!({ "served": count() })))
 }
 
-/// `n` `infer` calls with a `side`×`side` zero image; each outcome reported.
+/// Fills `mib` MiB (default 240) of linear memory, every page written,
+/// and keeps it for `ms` (default 2000, at most 10000) before answering:
+/// many of these at once press on the node's memory budget, not on one
+/// request's limit.
+fn hold(mib: Option<&str>, ms: Option<&str>) -> Result<Response, Error> {
+    use facegate_guest_sdk::wasi::clocks::monotonic_clock::subscribe_duration;
+    let mib: usize = mib.map_or(Ok(240), str::parse).map_err(|_| HttpError::invalid_parameter("mib", "must be a number"))?;
+    let ms: u64 = ms.map_or(Ok(2000), str::parse).map_err(|_| HttpError::invalid_parameter("ms", "must be a number"))?;
+    if ms > 10_000 {
+        return Err(HttpError::invalid_parameter("ms", "must be at most 10000").into());
+    }
+    // One allocation filled with a non-zero byte writes every page.
+    let held = black_box(vec![0xA5_u8; mib * MIB]);
+    subscribe_duration(ms * 1_000_000).block();
+    Ok(Response::json(200, &json!({ "held_mib": black_box(&held).len() / MIB })))
+}
+
 /// An outgoing `GET` of `url` through `wasi:http/outgoing-handler`:
 /// `"ok: STATUS"` or `"error: CODE"`.
 fn fetch(url: &str) -> String {
+    match send_get(url) {
+        Ok(future) => match wait_response(&future) {
+            Ok(response) => format!("ok: {}", response.status()),
+            Err(error) => error,
+        },
+        Err(error) => error,
+    }
+}
+
+/// `n` (default 8, at most 64) outgoing `GET`s of `url`, each sent once
+/// the one before has its response head (or failed), every response kept
+/// open until all are sent, then each body read to its end: connections
+/// pile up open, as a handler hoarding them would. How many ended with
+/// each outcome (`"ok: STATUS"` or `"error: CODE"`).
+fn fetch_many(url: &str, n: Option<&str>) -> Result<Response, Error> {
+    let n: usize = n.map_or(Ok(8), str::parse).map_err(|_| HttpError::invalid_parameter("n", "must be a number"))?;
+    if n > 64 {
+        return Err(HttpError::invalid_parameter("n", "must be at most 64").into());
+    }
+    let mut outcomes = std::collections::BTreeMap::<String, u32>::new();
+    let mut open = Vec::new();
+    for _ in 0..n {
+        match send_get(url).and_then(|future| wait_response(&future)) {
+            Ok(response) => open.push(response),
+            Err(error) => *outcomes.entry(error).or_default() += 1,
+        }
+    }
+    for response in open {
+        let body = response.consume().map_err(|()| "error: no body".to_owned());
+        let outcome = body.and_then(read_to_end).map(|()| format!("ok: {}", response.status()));
+        *outcomes.entry(outcome.unwrap_or_else(|error| error)).or_default() += 1;
+    }
+    Ok(Response::json(200, &json!({ "outcomes": outcomes })))
+}
+
+/// Starts an outgoing `GET` of `url` (`scheme://authority/path`); the
+/// error as `"error: ..."`.
+fn send_get(url: &str) -> Result<FutureIncomingResponse, String> {
     use facegate_guest_sdk::wasi::http::outgoing_handler;
     use facegate_guest_sdk::wasi::http::types::{Fields, OutgoingRequest, Scheme};
     let (scheme, rest) = url.split_once("://").unwrap_or(("http", url));
@@ -401,20 +461,35 @@ fn fetch(url: &str) -> String {
         || request.set_authority(Some(authority)).is_err()
         || request.set_path_with_query(Some(path)).is_err()
     {
-        return format!("error: cannot make a request of {url:?}");
+        return Err(format!("error: cannot make a request of {url:?}"));
     }
-    let response = match outgoing_handler::handle(request, None) {
-        Ok(future) => {
-            future.subscribe().block();
-            future.get()
+    outgoing_handler::handle(request, None).map_err(|code| format!("error: {code:?}"))
+}
+
+/// The response `future` resolves to, waiting for it; the error as `"error: ..."`.
+fn wait_response(future: &FutureIncomingResponse) -> Result<IncomingResponse, String> {
+    future.subscribe().block();
+    match future.get() {
+        Some(Ok(Ok(response))) => Ok(response),
+        Some(Ok(Err(code))) => Err(format!("error: {code:?}")),
+        other => Err(format!("error: {other:?}")),
+    }
+}
+
+/// Reads `body` to its end (its connection stays open meanwhile).
+fn read_to_end(body: IncomingBody) -> Result<(), String> {
+    use facegate_guest_sdk::wasi::io::streams::StreamError;
+    let stream = body.stream().map_err(|()| "error: no body stream".to_owned())?;
+    loop {
+        match stream.blocking_read(64 * 1024) {
+            Ok(_) => {}
+            Err(StreamError::Closed) => break,
+            Err(StreamError::LastOperationFailed(e)) => return Err(format!("error: body: {}", e.to_debug_string())),
         }
-        Err(code) => return format!("error: {code:?}"),
-    };
-    match response {
-        Some(Ok(Ok(response))) => format!("ok: {}", response.status()),
-        Some(Ok(Err(code))) => format!("error: {code:?}"),
-        other => format!("error: {other:?}"),
     }
+    drop(stream);
+    IncomingBody::finish(body);
+    Ok(())
 }
 
 /// One `infer` call with `mib` (default 64) MiB of zeros, in a shape that
@@ -430,6 +505,7 @@ fn lift(mib: Option<&str>) -> Result<Response, Error> {
     Ok(Response::json(200, &json!({ "mib": mib, "outcome": outcome })))
 }
 
+/// `n` `infer` calls with a `side`×`side` zero image; each outcome reported.
 fn big_tensors(side: Option<&str>, n: Option<&str>) -> Result<Response, Error> {
     let parse = |name: &str, value: Option<&str>, default: u32| -> Result<u32, Error> {
         value.map_or(Ok(default), |v| v.parse().map_err(|_| HttpError::invalid_parameter(name, "must be a number").into()))

@@ -1,77 +1,30 @@
 //! Compiled components: loading an active version (this node's cached
-//! artifact when present and intact; else the artifact another node of the
-//! cluster compiled, when its MAC proves a node made it; else compiled
-//! here, cached and offered to the others), the artifact cache's key, and
-//! the key that authenticates shared artifacts.
+//! artifact when its MAC holds; else the artifact another node of the
+//! cluster compiled, when its MAC proves a holder of the artifact key made
+//! it; else compiled here, cached and offered to the others) and the engine
+//! id that names cached and shared artifacts. The keys that seal them are
+//! in [`super::seal`].
 //!
 //! Why share artifacts: compiling a component takes from a second (Rust)
 //! to ten (Python) on a busy node, and every node would otherwise compile
 //! each deploy again before serving it. Why a MAC: an artifact is native
-//! code, so whoever can write the database must not be able to make the
-//! nodes run code of their choosing; only a holder of the cluster's secret
-//! (the admin token every node is given) can make an artifact they load.
+//! code, so whoever can write the database (or this node's data directory)
+//! must not be able to make the nodes run code of their choosing; only a
+//! holder of the artifact key (`--artifact-key`, a secret of its own: not
+//! the admin token, which operators and their tools hold) can make a shared
+//! artifact they load, and only a holder of this node's cache key a cached one.
 
 use std::hash::{Hash, Hasher};
 
-use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
-use super::blobs::Blobs;
+use super::blobs::{ArtifactCache, Unsealed};
 
-use super::store::{ActiveHandler, SharedArtifact, Store, StoreError, StoreResult};
+use super::store::{ActiveHandler, Store, StoreError, StoreResult};
 use super::{ControlPlane, keys, validate};
 use crate::handlers::Handler;
-
-/// Signs and checks the artifacts nodes share through the store: a key
-/// derived from the cluster's secret, so the same secret on every node
-/// gives the same key, and the secret itself is never what is used.
-#[derive(Clone)]
-pub struct ArtifactKey([u8; 32]);
-
-impl std::fmt::Debug for ArtifactKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ArtifactKey(..)")
-    }
-}
-
-impl ArtifactKey {
-    /// The key for `secret` (the admin token).
-    pub fn derive(secret: &str) -> Self {
-        let mut mac = Self::hmac(secret.as_bytes());
-        mac.update(b"facegate shared artifact key v1");
-        Self(mac.finalize().into_bytes().into())
-    }
-
-    /// An artifact of `component_sha256` for `engine`, sealed with this key.
-    pub fn seal(&self, engine: &str, component_sha256: &str, bytes: Vec<u8>) -> SharedArtifact {
-        let mac = keys::hex(&self.tag(engine, component_sha256, &bytes).finalize().into_bytes());
-        SharedArtifact { engine: engine.to_owned(), bytes, mac }
-    }
-
-    /// Whether `artifact` was sealed with this key for this component (constant time).
-    pub fn verify(&self, component_sha256: &str, artifact: &SharedArtifact) -> bool {
-        let Some(tag) = keys::digest_from_hex(&artifact.mac) else { return false };
-        self.tag(&artifact.engine, component_sha256, &artifact.bytes).verify_slice(&tag).is_ok()
-    }
-
-    fn tag(&self, engine: &str, component_sha256: &str, bytes: &[u8]) -> Hmac<Sha256> {
-        let mut mac = Self::hmac(&self.0);
-        // Lengths first, so no two (engine, component) pairs read alike.
-        for part in [engine.as_bytes(), component_sha256.as_bytes()] {
-            mac.update(&(part.len() as u64).to_le_bytes());
-            mac.update(part);
-        }
-        mac.update(bytes);
-        mac
-    }
-
-    fn hmac(key: &[u8]) -> Hmac<Sha256> {
-        // HMAC takes a key of any length.
-        <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC accepts every key length"))
-    }
-}
 
 /// Whether loading a handler may compile its component there and then.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,7 +59,7 @@ impl ControlPlane {
         }
     }
 
-    fn link(&self, component: &Component, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
+    pub(super) fn link(&self, component: &Component, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
         validate::check_imports(self.sandbox.engine(), component).map_err(StoreError::Conflict)?;
         Handler::link(self.sandbox.linker(), component, &active.tenant, &active.handler, active.version, &active.sha256, outgoing_http)
             .map_err(|e| StoreError::Internal(anyhow::anyhow!(e)))
@@ -147,6 +100,29 @@ impl ControlPlane {
         Ok(())
     }
 
+    /// The compiled component of `sha256`: this node's artifact or one
+    /// another node shared, else compiled on the compile pool (its budget
+    /// and its bound on pending work) without holding the store's lock, then
+    /// cached and shared as any compile.
+    pub(super) fn compile_off_lock(&self, sha256: &str) -> StoreResult<Component> {
+        let bytes = {
+            let mut db = self.db();
+            if let Some(component) = self.compiled_component(&mut **db, sha256) {
+                return Ok(component);
+            }
+            db.component(sha256)?
+        };
+        let engine = self.sandbox.engine().clone();
+        let compiled = self.compile.run(move || Component::new(&engine, &bytes)).map_err(super::compile_refusal)?;
+        let component = compiled.map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
+        match write_artifact(&self.cache, &self.engine_id, sha256, &component) {
+            Ok(artifact) => self.share(&mut **self.db(), sha256, artifact),
+            // The cache only saves the next compile: a full disk must not stop serving.
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached"),
+        }
+        Ok(component)
+    }
+
     /// Makes the next sync rebuild the snapshot though the store did not
     /// change: a component it waited for has been compiled (or may be now).
     pub fn recheck_soon(&self) {
@@ -155,13 +131,17 @@ impl ControlPlane {
 
     /// This node's cached artifact, else one another node shared; `None` means compiling.
     fn compiled_component(&self, db: &mut dyn Store, sha256: &str) -> Option<Component> {
-        match self.blobs.artifact(sha256, &self.engine_id) {
+        match self.cache.get(sha256, &self.engine_id) {
             Ok(Some(bytes)) => match deserialize(self.sandbox.engine(), &bytes) {
                 Ok(component) => return Some(component),
                 Err(e) => tracing::warn!(error = %e, "precompiled artifact unusable; compiling again"),
             },
             Ok(None) => {}
-            Err(e) => tracing::warn!(error = %e, "precompiled artifact corrupt; compiling again"),
+            Err(e) if e.downcast_ref::<Unsealed>().is_some() => {
+                tracing::warn!(component = sha256, error = %e, "cached artifact refused: its MAC does not hold; discarded, compiling again");
+                self.cache.discard(sha256, &self.engine_id);
+            }
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "cached artifact unreadable; compiling again"),
         }
         self.shared_component(db, sha256)
     }
@@ -171,7 +151,7 @@ impl ControlPlane {
     fn compile_component(&self, sha256: &str, bytes: &[u8]) -> StoreResult<(Component, Option<Vec<u8>>)> {
         let component = Component::new(self.sandbox.engine(), bytes).map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
         // The cache only saves the next compile: a full disk must not stop serving.
-        let artifact = write_artifact(&self.blobs, &self.engine_id, sha256, &component)
+        let artifact = write_artifact(&self.cache, &self.engine_id, sha256, &component)
             .map_err(|e| tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached"))
             .ok();
         Ok((component, artifact))
@@ -201,14 +181,14 @@ impl ControlPlane {
         if !key.verify(sha256, &artifact) {
             tracing::warn!(
                 component = sha256,
-                "a shared artifact's MAC does not hold (another secret, or written by someone else); compiling"
+                "a shared artifact's MAC does not hold (another artifact key, sealed before --artifact-key, or written by someone else); compiling"
             );
             return None;
         }
         let component = deserialize(self.sandbox.engine(), &artifact.bytes)
             .map_err(|e| tracing::warn!(error = %e, "shared artifact unusable; compiling"))
             .ok()?;
-        if let Err(e) = self.blobs.put_artifact(sha256, &self.engine_id, &artifact.bytes) {
+        if let Err(e) = self.cache.put(sha256, &self.engine_id, &artifact.bytes) {
             tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached");
         }
         Some(component)
@@ -216,9 +196,9 @@ impl ControlPlane {
 }
 
 /// Serialises `component` into this node's artifact cache; returns the artifact.
-pub(super) fn write_artifact(blobs: &Blobs, engine_id: &str, sha256: &str, component: &Component) -> anyhow::Result<Vec<u8>> {
+pub(super) fn write_artifact(cache: &ArtifactCache, engine_id: &str, sha256: &str, component: &Component) -> anyhow::Result<Vec<u8>> {
     let artifact = component.serialize().map_err(|e| anyhow::anyhow!("serialize: {e}"))?;
-    blobs.put_artifact(sha256, engine_id, &artifact)?;
+    cache.put(sha256, engine_id, &artifact)?;
     Ok(artifact)
 }
 
@@ -228,10 +208,10 @@ fn deserialize(engine: &Engine, bytes: &[u8]) -> wasmtime::Result<Component> {
     // SAFETY: the bytes come from `Component::serialize` of an engine with
     // the same compatibility hash (it names the file or the store's row):
     // either this node wrote them atomically into its own data directory
-    // and their SHA-256 matches the one recorded beside them, or another
-    // node of the cluster made them and their HMAC, under a key derived
-    // from the secret only nodes hold, was verified; wasmtime re-checks
-    // version and settings in the header.
+    // (owned by this user, mode 0700) and their HMAC under its cache key
+    // was verified, or another node of the cluster made them and their
+    // HMAC, under a key derived from the artifact key only nodes hold, was
+    // verified; wasmtime re-checks version and settings in the header.
     unsafe { Component::deserialize(engine, bytes) }
 }
 
@@ -257,26 +237,6 @@ pub fn engine_id(engine: &Engine) -> String {
 mod tests {
     use super::*;
     use crate::engine::{EngineLimits, build};
-
-    #[test]
-    fn a_shared_artifact_is_trusted_only_as_sealed_by_the_same_secret() {
-        let key = ArtifactKey::derive("the cluster's admin token");
-        let sealed = key.seal("engine-a", "c0ffee", b"native code".to_vec());
-        assert!(key.verify("c0ffee", &sealed));
-        assert!(ArtifactKey::derive("the cluster's admin token").verify("c0ffee", &sealed), "every node derives the same key");
-        assert!(!ArtifactKey::derive("another token").verify("c0ffee", &sealed), "another secret");
-        assert!(!key.verify("c0ffef", &sealed), "the artifact of another component");
-        let tampered = |change: &dyn Fn(&mut SharedArtifact)| {
-            let mut copy = sealed.clone();
-            change(&mut copy);
-            key.verify("c0ffee", &copy)
-        };
-        assert!(!tampered(&|a| a.bytes[0] ^= 1), "changed code");
-        assert!(!tampered(&|a| a.bytes.push(0)), "code appended");
-        assert!(!tampered(&|a| a.engine = "engine-b".into()), "relabelled for another engine");
-        assert!(!tampered(&|a| a.mac = "00".repeat(32)), "a made-up MAC");
-        assert!(!tampered(&|a| a.mac = "not hex".into()), "not a MAC at all");
-    }
 
     #[test]
     fn artifacts_are_keyed_by_the_engine_configuration() {

@@ -15,6 +15,7 @@ pub mod compose;
 pub mod keys;
 pub mod limits;
 mod live;
+mod seal;
 mod seed;
 pub mod store;
 pub mod sync;
@@ -23,13 +24,12 @@ pub mod validate;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-use self::blobs::Blobs;
+use self::blobs::{ArtifactCache, Blobs};
 use self::components::Compile;
-use anyhow::Context;
 use bytes::Bytes;
 
 use self::keys::NewKey;
@@ -44,8 +44,9 @@ use crate::sandbox::Sandbox;
 use facegate_host_gpu::Models;
 
 pub use self::api::{Activated, CheckReport, CreatedKey, Deployed, HandlerInfo, SeededKey, TenantInfo, VersionsInfo};
-pub use self::components::{ArtifactKey, engine_id};
+pub use self::components::engine_id;
 pub use self::live::{Live, TenantEntry, TenantGate};
+pub use self::seal::{ArtifactKey, CACHE_KEY_FILE, CacheKey};
 pub use self::seed::write_secret;
 
 /// How the control plane is set up.
@@ -63,8 +64,11 @@ pub struct ControlSettings {
     /// The pipeline component (`--pipeline-component`), linked into handlers that import it.
     pub pipeline: Option<Arc<[u8]>>,
     /// Signs the artifacts this node shares with the other nodes of a
-    /// cluster and checks theirs (from the admin token); `None` shares none.
+    /// cluster and checks theirs (from `--artifact-key`); `None` shares none.
     pub artifact_key: Option<ArtifactKey>,
+    /// Seals this node's artifact cache (derived from `--artifact-key`);
+    /// `None`: a random key kept in the data directory ([`CACHE_KEY_FILE`]).
+    pub cache_key: Option<CacheKey>,
     /// A second connection to the same store for the background compiler's
     /// bulk reads and writes (an 18 MB component, a 38 MB artifact), so the
     /// sync never waits behind them for the store; `None` shares the main one.
@@ -84,7 +88,7 @@ pub struct ControlPlane {
     synced_at_ms: AtomicI64,
     /// A component the snapshot waited for has been compiled: the next sync rebuilds it.
     recheck: AtomicBool,
-    blobs: Blobs,
+    cache: ArtifactCache,
     sandbox: Arc<Sandbox>,
     models: Models,
     engine_id: String,
@@ -96,6 +100,9 @@ pub struct ControlPlane {
     pipeline: Option<Arc<[u8]>>,
     artifact_key: Option<ArtifactKey>,
     live: RwLock<Arc<Live>>,
+    /// Live nodes of the cluster (this one included), from the heartbeats:
+    /// each enforces its share of a tenant's rate and concurrency.
+    nodes: AtomicUsize,
 }
 
 impl ControlPlane {
@@ -108,15 +115,20 @@ impl ControlPlane {
         models: Models,
         settings: ControlSettings,
     ) -> anyhow::Result<Self> {
-        let ControlSettings { defaults, max_instances, compile, weights, counters, pipeline, artifact_key, compile_store } = settings;
-        create_private_dir(data_dir)?;
+        let ControlSettings { defaults, max_instances, compile, weights, counters, pipeline, artifact_key, cache_key, compile_store } =
+            settings;
+        blobs::prepare_data_dir(data_dir)?;
         if let Err(e) = validate_defaults(&defaults, max_instances) {
             anyhow::bail!(
                 "the tenants' default limits (--tenant-*, --memory-limit-mib, --max-body-bytes, --request-timeout-ms flags) are invalid: {e}"
             );
         }
-        let blobs = Blobs::open(data_dir)?;
-        let leftovers = blobs.clear_tmp()?;
+        let cache_key = match cache_key {
+            Some(key) => key,
+            None => CacheKey::in_data_dir(data_dir)?,
+        };
+        let cache = ArtifactCache::new(Blobs::open(data_dir)?, cache_key);
+        let leftovers = cache.blobs().clear_tmp()?;
         if leftovers > 0 {
             tracing::warn!(files = leftovers, "removed files of interrupted uploads");
         }
@@ -129,7 +141,7 @@ impl ControlPlane {
             generation: AtomicI64::new(-1),
             synced_at_ms: AtomicI64::new(0),
             recheck: AtomicBool::new(false),
-            blobs,
+            cache,
             sandbox,
             models,
             engine_id,
@@ -141,6 +153,7 @@ impl ControlPlane {
             pipeline,
             artifact_key,
             live: RwLock::new(Arc::new(Live::default())),
+            nodes: AtomicUsize::new(1),
         };
         control.refresh(&mut **control.db(), Vec::new(), Compile::Now)?;
         Ok(control)
@@ -207,6 +220,28 @@ impl ControlPlane {
     /// Every node that reported, by id.
     pub fn nodes(&self) -> StoreResult<Vec<NodeRow>> {
         self.db().nodes()
+    }
+
+    /// Counts the nodes alive at `now_ms` (a heartbeat within
+    /// [`sync::ALIVE_WITHIN`]; at least this one) and gives every tenant's
+    /// gate this node's share of its rate and concurrency among them. A node
+    /// that stops cleanly deregisters at once; one that dies keeps its share
+    /// until it is listed as not alive (the others enforce less meanwhile,
+    /// never more).
+    pub fn share_tenant_limits(&self, nodes: &[NodeRow], now_ms: i64) {
+        let window = i64::try_from(sync::ALIVE_WITHIN.as_millis()).unwrap_or(i64::MAX);
+        let live = nodes.iter().filter(|n| n.heartbeat_at >= now_ms - window).count().max(1);
+        if self.nodes.swap(live, Ordering::AcqRel) != live {
+            tracing::info!(nodes = live, "live nodes changed: each enforces its share of the tenants' rate and concurrency");
+        }
+        // Every time, not only on a change: a snapshot built meanwhile may
+        // have made gates with the old count.
+        self.live().share_among(live);
+    }
+
+    /// Live nodes of the cluster as last counted (at least 1).
+    pub fn live_nodes(&self) -> usize {
+        self.nodes.load(Ordering::Acquire).max(1)
     }
 
     /// The current snapshot.
@@ -292,7 +327,7 @@ impl ControlPlane {
                 // Idle instances were made under the old limits (reuse,
                 // memory, concurrency): none of those waiting now outlives the change.
                 previous.into_iter().flat_map(|e| e.handlers.values()).for_each(|h| h.warm.clear());
-                Arc::new(new_gate(limits, previous.map(|e| &*e.gate)))
+                Arc::new(new_gate(limits, previous.map(|e| &*e.gate), self.live_nodes()))
             }
         };
         let weight = self.weight(&row.name, &row.overrides);
@@ -417,7 +452,7 @@ impl ControlPlane {
         validate::check_header(&bytes).map_err(StoreError::Invalid)?;
         let upload = Upload {
             sandbox: Arc::clone(&self.sandbox),
-            blobs: self.blobs.clone(),
+            cache: self.cache.clone(),
             engine_id: self.engine_id.clone(),
             tenant: tenant.to_owned(),
             handler: handler.clone(),
@@ -426,10 +461,7 @@ impl ControlPlane {
             pipeline: self.pipeline.clone(),
             artifact_key: self.artifact_key.clone(),
         };
-        let prepared = self.compile.run(move || upload.prepare()).map_err(|e| match e {
-            CompileError::TooSlow(_) | CompileError::Busy => StoreError::Busy(e.to_string()),
-            CompileError::Failed => StoreError::Internal(anyhow::anyhow!(e)),
-        })??;
+        let prepared = self.compile.run(move || upload.prepare()).map_err(compile_refusal)??;
         // A grant changed while this compiled: the refresh links it anew (see `refresh`).
         let mut db = self.db();
         let (sha256, component) = (prepared.sha256, prepared.component);
@@ -455,27 +487,42 @@ impl ControlPlane {
     /// Makes `version` active. It is loaded before the switch: if it cannot
     /// be served, nothing changes.
     pub fn activate(&self, tenant: &str, handler: &str, version: i64) -> StoreResult<Activated> {
-        self.activate_locked(&mut **self.db(), tenant, handler, version)
+        let sha256 = self.version_sha256(&mut **self.db(), tenant, handler, version)?;
+        self.activate_compiled(tenant, handler, version, &sha256)
     }
 
     /// Activates the newest version older than the active one.
     pub fn rollback(&self, tenant: &str, handler: &str) -> StoreResult<Activated> {
-        let mut db = self.db();
-        let target = store::rollback_target(&mut **db, tenant, handler)?;
-        self.activate_locked(&mut **db, tenant, handler, target)
+        let (target, sha256) = {
+            let mut db = self.db();
+            let target = store::rollback_target(&mut **db, tenant, handler)?;
+            (target, self.version_sha256(&mut **db, tenant, handler, target)?)
+        };
+        self.activate_compiled(tenant, handler, target, &sha256)
     }
 
-    fn activate_locked(&self, db: &mut dyn Store, tenant: &str, handler: &str, version: i64) -> StoreResult<Activated> {
+    /// The component digest of a stored version (a version's component never changes).
+    fn version_sha256(&self, db: &mut dyn Store, tenant: &str, handler: &str, version: i64) -> StoreResult<String> {
         let (versions, _) = db.versions(tenant, handler)?;
         let row = versions
-            .iter()
+            .into_iter()
             .find(|v| v.version == version)
             .ok_or_else(|| StoreError::NotFound(format!("{tenant}/{handler} has no version {version}")))?;
+        Ok(row.sha256)
+    }
+
+    /// Compiles the version's component if this node has no artifact for
+    /// it, on the compile pool with its budget and outside the store's lock
+    /// (other admin calls and the sync go on meanwhile), then links it and
+    /// switches under the lock.
+    fn activate_compiled(&self, tenant: &str, handler: &str, version: i64, sha256: &str) -> StoreResult<Activated> {
+        let component = self.compile_off_lock(sha256)?;
+        let mut db = self.db();
         let outgoing_http = self.defaults.with(&db.tenant(tenant)?.overrides).outgoing_http;
-        let active = ActiveHandler { tenant: tenant.to_owned(), handler: handler.to_owned(), version, sha256: row.sha256.clone() };
-        let loaded = self.load_handler(db, &active, outgoing_http)?;
+        let active = ActiveHandler { tenant: tenant.to_owned(), handler: handler.to_owned(), version, sha256: sha256.to_owned() };
+        let loaded = self.link(&component, &active, outgoing_http)?;
         let previous_version = db.activate(tenant, handler, version)?;
-        self.refresh_after_commit(db, vec![Arc::new(loaded)]);
+        self.refresh_after_commit(&mut **db, vec![Arc::new(loaded)]);
         tracing::info!(tenant, handler, version, ?previous_version, "handler version activated");
         Ok(Activated { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version: version, previous_version })
     }
@@ -602,14 +649,13 @@ pub fn check_store(url: Option<&str>, data_dir: &Path) -> anyhow::Result<CheckRe
     Ok(CheckReport { ok: problems.is_empty(), problems, versions: versions.len(), temp_files })
 }
 
-fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
-    #[cfg(unix)]
-    use std::os::unix::fs::DirBuilderExt;
-    let mut builder = std::fs::DirBuilder::new();
-    builder.recursive(true);
-    #[cfg(unix)]
-    builder.mode(0o700);
-    builder.create(dir).with_context(|| format!("cannot create data directory {}", dir.display()))
+/// A compile-pool refusal as the store's error: busy or too slow is 503
+/// `busy` (retry shortly), a failed pool an internal error.
+fn compile_refusal(e: CompileError) -> StoreError {
+    match e {
+        CompileError::TooSlow(_) | CompileError::Busy => StoreError::Busy(e.to_string()),
+        CompileError::Failed => StoreError::Internal(anyhow::anyhow!(e)),
+    }
 }
 
 #[cfg(test)]

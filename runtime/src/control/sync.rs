@@ -219,6 +219,11 @@ impl Worker {
         };
         if let Err(e) = self.control.heartbeat(&row) {
             tracing::debug!(error = %e, "heartbeat not recorded");
+            return;
+        }
+        match self.control.nodes() {
+            Ok(nodes) => self.control.share_tenant_limits(&nodes, row.heartbeat_at),
+            Err(e) => tracing::debug!(error = %e, "nodes not read; tenants' shares unchanged"),
         }
     }
 }

@@ -9,10 +9,11 @@ use std::sync::Arc;
 use bytes::Bytes;
 use wasmtime::component::Component;
 
-use super::blobs::Blobs;
-use super::components::{ArtifactKey, write_artifact};
+use super::blobs::ArtifactCache;
+use super::components::write_artifact;
 use super::compose;
 use super::keys::sha256_hex;
+use super::seal::ArtifactKey;
 use super::store::{SharedArtifact, StoreError, StoreResult};
 use super::validate;
 use crate::handlers::Handler;
@@ -21,7 +22,8 @@ use crate::sandbox::Sandbox;
 /// One upload, owned, so it can move to a compile thread.
 pub(super) struct Upload {
     pub sandbox: Arc<Sandbox>,
-    pub blobs: Blobs,
+    /// This node's artifact cache, where the compiled upload goes.
+    pub cache: ArtifactCache,
     pub engine_id: String,
     pub tenant: String,
     pub handler: String,
@@ -61,7 +63,7 @@ impl Upload {
         let linked =
             Handler::link(linker, &component, &self.tenant, &self.handler, 0, &sha256, self.outgoing_http).map_err(StoreError::Invalid)?;
         // The cache is this node's own; nothing refers to it until a version does.
-        let artifact = write_artifact(&self.blobs, &self.engine_id, &sha256, &component)?;
+        let artifact = write_artifact(&self.cache, &self.engine_id, &sha256, &component)?;
         // Sealed here, on the compile thread: an HMAC over megabytes is CPU work too.
         let shared = self.artifact_key.as_ref().map(|key| key.seal(&self.engine_id, &sha256, artifact));
         Ok(Prepared { linked, component: bytes, sha256, shared })

@@ -1,10 +1,11 @@
 //! The admin API under `/admin/v1/`: tenants, keys, handler versions. It
-//! requires the admin token (`Authorization: Bearer <token>`) and is off
-//! when none is configured. Store work (SQLite, compilation, fsync) runs on
+//! requires the admin token (`Authorization: Bearer <token>`; the metrics
+//! token is refused like any wrong one) and is off when none is configured.
+//! Also who may read `/metrics`: the metrics token or the admin token. Store work (SQLite, compilation, fsync) runs on
 //! blocking threads, never on the async workers.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -25,6 +26,45 @@ use crate::control::sync::ALIVE_WITHIN;
 
 /// Longest an admin upload may take to arrive.
 const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a request with a missing or wrong admin or metrics token waits
+/// for its 401: guessing gets slow, the right token never waits. (The
+/// connection caps bound how many such requests wait at once.)
+pub const TOKEN_FAILURE_DELAY: Duration = Duration::from_millis(250);
+
+/// At most one log line about refused tokens per this interval, with how
+/// many were refused since the last one: a guesser cannot flood the log.
+const TOKEN_FAILURE_LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// Refused admin and metrics tokens: logged (at most once a
+/// [`TOKEN_FAILURE_LOG_EVERY`], with a count) and slowed.
+#[derive(Debug, Default)]
+pub(super) struct TokenFailures {
+    /// When the last line was logged, and the refusals since.
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl TokenFailures {
+    /// `refusal` after [`TOKEN_FAILURE_DELAY`] if it refuses a token (401),
+    /// logged; any other refusal (the API off) at once.
+    pub(super) async fn slowed(&self, scope: &str, req: &Request<Incoming>, refusal: Response<Body>) -> Response<Body> {
+        if refusal.status() == StatusCode::UNAUTHORIZED {
+            self.log(scope, req);
+            tokio::time::sleep(TOKEN_FAILURE_DELAY).await;
+        }
+        refusal
+    }
+
+    fn log(&self, scope: &str, req: &Request<Incoming>) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.1 += 1;
+        if state.0.is_none_or(|last| last.elapsed() >= TOKEN_FAILURE_LOG_EVERY) {
+            let given = if bearer(req).is_some() { "wrong" } else { "missing" };
+            tracing::warn!(scope, method = %req.method(), path = %req.uri().path().escape_debug(), token = given, refused_since_last_line = state.1, "token refused");
+            *state = (Some(Instant::now()), 0);
+        }
+    }
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -61,10 +101,33 @@ impl App {
         Some(response::before_body(refusal))
     }
 
+    /// The refusal of a `/metrics` scrape (`None`: let it through). It takes
+    /// the metrics token (read-only: it opens `/metrics` and nothing else)
+    /// or the admin token; without either configured it is refused.
+    pub(super) fn metrics_refusal(&self, req: &Request<Incoming>) -> Option<Response<Body>> {
+        let tokens = [self.config.metrics_token.as_deref(), self.config.admin_token.as_deref()];
+        if tokens.iter().all(Option::is_none) {
+            return Some(response::before_body(response::error(
+                StatusCode::FORBIDDEN,
+                "metrics_disabled",
+                "/metrics is off: start facegate with --metrics-token (FACEGATE_METRICS_TOKEN) or --admin-token",
+            )));
+        }
+        let given = bearer(req).unwrap_or("");
+        // Both compared, in constant time each: which one matched leaks nothing.
+        let matched = tokens.iter().flatten().fold(false, |any, expected| keys::token_matches(given, expected) | any);
+        if matched {
+            return None;
+        }
+        let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong metrics token");
+        refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+        Some(response::before_body(refusal))
+    }
+
     /// Serves one admin request (`rest` is the path after `/admin/v1/`).
     pub(super) async fn admin(&self, rest: &[&str], req: Request<Incoming>) -> Response<Body> {
         if let Some(refusal) = self.admin_refusal(&req) {
-            return refusal;
+            return self.token_failures.slowed("admin", &req, refusal).await;
         }
         if req.method() == Method::GET && rest == ["stats"] {
             return self.stats();

@@ -1,44 +1,79 @@
 //! One listener's connections: admission (the connection cap, the cap per
-//! client address, the admin reserve), the deadline on the first request
-//! head, the idle timeout, and the drain at shutdown.
+//! client address, the admin reserve, and the eviction of the longest-idle
+//! connection to make room for a newcomer), the deadline on the first
+//! request head, the idle timeout, the maximum age, and the drain at
+//! shutdown.
 //!
 //! Each connection runs in a task beside a watchdog. The watchdog sleeps
 //! until the next moment a limit could expire, then looks at the
 //! connection's [`Activity`]: whether a request has started, how many are in
-//! flight, and when bytes last moved.
+//! flight (a response counts until its body is sent), and when the last one
+//! ended. Only requests count: bytes that carry none (HTTP/2 PINGs and
+//! WINDOW_UPDATEs, a head trickling in) do not keep a connection from being
+//! idle.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::io;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use hyper::body::Incoming;
+use hyper::body::{Frame, Incoming, SizeHint};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
+use super::response::Body;
 use super::{App, Plane};
 use crate::metrics::{CloseReason, ConnectionMetrics};
 
 /// Extra connections a listener serving everything ([`Plane::Both`]) accepts
-/// once its slots are full, served as [`Plane::Reserve`] (admin API,
-/// `/metrics`, `/healthz`): the operator can still reach a listener that
-/// clients have filled.
+/// once its slots are full and none is idle, served as [`Plane::Reserve`]
+/// (admin API, `/metrics`, `/healthz`): the operator can still reach a
+/// listener that clients have filled.
 pub const ADMIN_RESERVE_CONNECTIONS: usize = 32;
 
 /// Head and idle timeout of a reserve connection (at most the configured
 /// ones): reserve slots are few, so whoever holds one must use it at once.
 pub const RESERVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Largest request head: hyper's HTTP/1 read buffer (`max_buf_size`; a head
+/// must fit in it, else 431) and HTTP/2's header list. The read buffer is
+/// what a client makes the gateway hold without finishing a request: 4096
+/// connections × 32 KiB is 128 MiB at most, where hyper's default (about
+/// 400 KiB) would allow 1.6 GiB. 32 KiB is what nginx allows a head by
+/// default (4 × 8 KiB), far above what browsers and bearer tokens need.
+pub const MAX_HEAD_BYTES: usize = 32 << 10;
+
+/// Streams one HTTP/2 connection may have open at once: nginx's default,
+/// and as many requests as a node runs handler instances for by default
+/// (`--max-instances`), so more would only wait. Set here because hyper's
+/// own default (200) is not part of its stable API.
+const H2_MAX_CONCURRENT_STREAMS: u32 = 128;
+
+/// How long a connection shutting down gracefully (idle, too old, evicted,
+/// draining) with nothing in flight may take to close by itself before it
+/// is dropped: HTTP/2's GOAWAY waits for the answer to a PING.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// Evicted connections still closing, at most, per listener. Each holds a
+/// file descriptor past the cap until it closes (within [`CLOSE_GRACE`]
+/// unless a request raced in), so they count in the open-file limit
+/// (`open_files`); past them a newcomer to a full listener is refused.
+pub const EVICTION_BACKLOG: usize = 32;
+
+/// How much shorter than `--max-connection-age-s` a connection's own age
+/// limit may be (a fraction), spread by its port: connections opened
+/// together (a restart, a client's burst) do not all close together.
+const AGE_SPREAD: f64 = 0.1;
 
 /// How one kind of connection is served.
 struct Profile {
@@ -53,17 +88,21 @@ impl Profile {
         let mut builder = auto::Builder::new(TokioExecutor::new());
         // hyper restarts this timer whenever an HTTP/1 connection waits for a
         // head, idle keep-alive included. The watchdog enforces the first head
-        // and idleness; hyper's timer bounds a later head that trickles in
-        // (the trickle is I/O to the watchdog) and fires only after the idle
-        // timeout, so idle connections are closed (and counted) by the watchdog.
-        builder.http1().timer(TokioTimer::new()).header_read_timeout(head_timeout + idle_timeout);
+        // and idleness (a later head trickling in is no request, so its
+        // connection is closed as idle); hyper's timer is a backstop that
+        // fires only after the watchdog's, so the watchdog counts closures.
+        builder.http1().timer(TokioTimer::new()).header_read_timeout(head_timeout + idle_timeout).max_buf_size(MAX_HEAD_BYTES);
         if plane == Plane::Reserve {
             // One request per reserve connection: the slot comes back at once.
             builder.http1().keep_alive(false);
         }
-        // No HTTP/2 keep-alive pings: the idle timeout closes idle
-        // connections, and our own pings would count as I/O and keep them.
-        builder.http2().timer(TokioTimer::new());
+        // No HTTP/2 keep-alive pings of our own: idle connections are closed,
+        // not probed.
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(H2_MAX_CONCURRENT_STREAMS)
+            .max_header_list_size(MAX_HEAD_BYTES as u32);
         Self { builder, plane, head_timeout, idle_timeout }
     }
 }
@@ -73,9 +112,12 @@ pub(super) struct Listener {
     app: Arc<App>,
     tls: Option<TlsAcceptor>,
     main: Profile,
+    /// Longest a connection stays open (`--max-connection-age-s`), if bounded.
+    max_age: Option<Duration>,
+    /// The main slots.
+    open: Arc<Registry>,
     /// Only for [`Plane::Both`].
     reserve: Option<(Profile, Arc<Semaphore>)>,
-    slots: Arc<Semaphore>,
     per_ip: Option<PerIp>,
     metrics: Arc<ConnectionMetrics>,
 }
@@ -90,54 +132,63 @@ impl Listener {
             let profile = Profile::new(Plane::Reserve, head.min(RESERVE_TIMEOUT), idle.min(RESERVE_TIMEOUT));
             (profile, Arc::new(Semaphore::new(ADMIN_RESERVE_CONNECTIONS)))
         });
-        let slots = Arc::new(Semaphore::new(config.max_connections as usize));
+        let open = Arc::new(Registry::new(config.max_connections as usize));
         let per_ip = (config.max_connections_per_ip > 0).then(|| PerIp { cap: config.max_connections_per_ip, open: Arc::default() });
         let metrics = Arc::clone(&app.metrics.connections);
-        Self { app, tls, main, reserve, slots, per_ip, metrics }
+        let max_age = config.max_connection_age();
+        Self { app, tls, main, max_age, open, reserve, per_ip, metrics }
     }
 
-    /// Takes a slot for a connection from `peer`: a main one, else (on a
+    /// Takes a slot for a connection from `peer`: a free main one, else the
+    /// one of the longest-idle connection (closed to make room), else (on a
     /// shared listener) a reserve one. Over a cap, counts and logs the refusal.
     pub(super) fn admit(&self, peer: SocketAddr) -> Option<Slot> {
-        let admitted = self.try_admit(peer.ip());
+        let admitted = self.try_admit(peer);
         if let Err(reason) = admitted {
             closed(&self.metrics, peer, reason);
         }
         admitted.ok()
     }
 
-    fn try_admit(&self, ip: IpAddr) -> Result<Slot, CloseReason> {
-        let (permit, reserve) = match Arc::clone(&self.slots).try_acquire_owned() {
-            Ok(permit) => (permit, false),
-            Err(_) => match &self.reserve {
-                Some((_, reserve)) => (Arc::clone(reserve).try_acquire_owned().map_err(|_| CloseReason::OverCapacity)?, true),
+    fn try_admit(&self, peer: SocketAddr) -> Result<Slot, CloseReason> {
+        // An address at its cap is refused before it can evict anyone.
+        let address = match &self.per_ip {
+            Some(per_ip) => Some(per_ip.take(peer.ip())?),
+            None => None,
+        };
+        let activity = Arc::new(Activity::new(Instant::now(), self.max_age.map(|age| age_limit(age, peer))));
+        let held = match self.open.take(&activity) {
+            Some((main, evicted)) => {
+                if evicted {
+                    self.metrics.closed(CloseReason::Evicted);
+                    tracing::debug!(%peer, "listener full: its longest-idle connection closes to admit this one");
+                }
+                Held::Main(main)
+            }
+            None => match &self.reserve {
+                Some((_, reserve)) => Held::Reserve(Arc::clone(reserve).try_acquire_owned().map_err(|_| CloseReason::OverCapacity)?),
                 None => return Err(CloseReason::OverCapacity),
             },
         };
-        let address = match &self.per_ip {
-            Some(per_ip) => Some(per_ip.take(ip)?),
-            None => None,
-        };
         self.metrics.opened();
-        Ok(Slot { accepted: Instant::now(), _permit: permit, reserve, _address: address, metrics: Arc::clone(&self.metrics) })
+        Ok(Slot { activity, held, _address: address, metrics: Arc::clone(&self.metrics) })
     }
 
     /// Serves one admitted connection to its end: TLS handshake, then HTTP
     /// under the watchdog, until it closes, a limit closes it, or the drain
     /// (`draining` turning true) shuts it down.
     pub(super) async fn serve(self: Arc<Self>, stream: TcpStream, peer: SocketAddr, slot: Slot, draining: watch::Receiver<bool>) {
-        let profile = match (&self.reserve, slot.reserve) {
-            (Some((reserve, _)), true) => reserve,
+        let profile = match (&self.reserve, &slot.held) {
+            (Some((reserve, _)), Held::Reserve(_)) => reserve,
             _ => &self.main,
         };
-        let activity = Arc::new(Activity::new(slot.accepted));
-        let stream = Tracked { inner: stream, activity: Arc::clone(&activity) };
-        let watch = Watch { profile, activity, peer, metrics: &self.metrics, draining };
+        let activity = Arc::clone(&slot.activity);
+        let watch = Watch { profile, activity: Arc::clone(&activity), peer, metrics: &self.metrics, draining };
         match &self.tls {
             None => watch.run(&self.app, stream).await,
             Some(tls) => {
                 let mut draining = watch.draining.clone();
-                let deadline = watch.activity.epoch + profile.head_timeout;
+                let deadline = activity.epoch + profile.head_timeout;
                 tokio::select! {
                     handshake = tokio::time::timeout_at(deadline, tls.accept(stream)) => match handshake {
                         Ok(Ok(stream)) => watch.run(&self.app, stream).await,
@@ -147,6 +198,8 @@ impl Listener {
                         }
                         Err(_) => closed(&self.metrics, peer, CloseReason::HeadTimeout),
                     },
+                    // Evicted (counted there) or drained mid-handshake: nothing to finish.
+                    () = activity.eviction.notified() => {}
                     () = drained(&mut draining) => {}
                 }
             }
@@ -165,6 +218,82 @@ async fn drained(draining: &mut watch::Receiver<bool>) {
 fn closed(metrics: &ConnectionMetrics, peer: SocketAddr, reason: CloseReason) {
     metrics.closed(reason);
     tracing::debug!(%peer, reason = reason.label(), "connection closed by a limit");
+}
+
+/// A connection's own age limit: `max_age`, less up to [`AGE_SPREAD`] of it
+/// by the client's port (as good as random here, and free).
+fn age_limit(max_age: Duration, peer: SocketAddr) -> Duration {
+    let spread = f64::from(peer.port() % 1000) / 1000.0 * AGE_SPREAD;
+    max_age.mul_f64(1.0 - spread)
+}
+
+/// A listener's main connections: the cap, and the eviction that makes room
+/// for a newcomer once it is reached.
+struct Registry {
+    cap: usize,
+    open: Mutex<Open>,
+}
+
+#[derive(Default)]
+struct Open {
+    next_id: u64,
+    connections: HashMap<u64, Arc<Activity>>,
+    /// Evicted connections not yet ended.
+    evicted: usize,
+}
+
+impl Registry {
+    fn new(cap: usize) -> Self {
+        Self { cap, open: Mutex::default() }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Open> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A main slot for `activity`'s connection: a free one, else the slot of
+    /// the connection idle the longest, which is told to close (the `bool`
+    /// says so). `None` when every connection has a request in flight, or
+    /// [`EVICTION_BACKLOG`] evicted ones are still closing.
+    fn take(self: &Arc<Self>, activity: &Arc<Activity>) -> Option<(MainSlot, bool)> {
+        let mut open = self.lock();
+        let evicted = open.connections.len() >= self.cap;
+        if evicted {
+            if open.evicted >= EVICTION_BACKLOG {
+                return None;
+            }
+            // A scan of every connection, only when full: microseconds for thousands.
+            let longest_idle = open.connections.iter().filter_map(|(id, a)| Some((a.idle_since()?, *id))).min()?.1;
+            let victim = open.connections.remove(&longest_idle)?;
+            // Heard by its watchdog, now or as soon as it next waits.
+            victim.eviction.notify_one();
+            open.evicted += 1;
+        }
+        let id = open.next_id;
+        open.next_id += 1;
+        open.connections.insert(id, Arc::clone(activity));
+        Some((MainSlot { id, registry: Arc::clone(self) }, evicted))
+    }
+
+    fn release(&self, id: u64) {
+        let mut open = self.lock();
+        if open.connections.remove(&id).is_none() {
+            // Evicted before: one fewer still closing.
+            open.evicted = open.evicted.saturating_sub(1);
+        }
+    }
+}
+
+/// A main slot, given back on drop.
+struct MainSlot {
+    id: u64,
+    registry: Arc<Registry>,
+}
+
+impl Drop for MainSlot {
+    fn drop(&mut self) {
+        self.registry.release(self.id);
+    }
 }
 
 /// Open connections per client address.
@@ -216,12 +345,17 @@ impl Drop for AddressShare {
 /// An admitted connection's slot (and its address's share), held until the
 /// connection ends.
 pub(super) struct Slot {
-    /// When the connection was accepted: its head deadline counts from here.
-    accepted: Instant,
-    _permit: OwnedSemaphorePermit,
-    reserve: bool,
+    /// What its watchdog looks at; its epoch is the moment of admission.
+    activity: Arc<Activity>,
+    held: Held,
     _address: Option<AddressShare>,
     metrics: Arc<ConnectionMetrics>,
+}
+
+/// Which slot a connection holds.
+enum Held {
+    Main(#[allow(dead_code, reason = "held for its Drop: the slot comes back when the connection ends")] MainSlot),
+    Reserve(#[allow(dead_code, reason = "held for its Drop: the slot comes back when the connection ends")] OwnedSemaphorePermit),
 }
 
 impl Drop for Slot {
@@ -230,52 +364,82 @@ impl Drop for Slot {
     }
 }
 
-/// What the watchdog looks at, shared by the I/O, the service and the watchdog.
+/// What the watchdog looks at, shared by the service, the registry and the watchdog.
 struct Activity {
     /// When the connection was accepted.
     epoch: Instant,
-    /// When bytes last moved either way, in ms since `epoch`.
-    last_io_ms: AtomicU64,
-    /// Service calls not yet answered.
+    /// This connection's age limit (see [`age_limit`]), if any.
+    age_limit: Option<Duration>,
+    /// When the last request ended, in ms since `epoch` (0: none has).
+    last_done_ms: AtomicU64,
+    /// Requests not yet answered, or whose response body is still being sent.
     in_flight: AtomicUsize,
     /// Whether a request head has arrived.
     requested: AtomicBool,
+    /// Told when a newcomer takes this connection's slot.
+    eviction: Notify,
 }
 
 impl Activity {
-    fn new(epoch: Instant) -> Self {
-        Self { epoch, last_io_ms: AtomicU64::new(0), in_flight: AtomicUsize::new(0), requested: AtomicBool::new(false) }
+    fn new(epoch: Instant, age_limit: Option<Duration>) -> Self {
+        Self {
+            epoch,
+            age_limit,
+            last_done_ms: AtomicU64::new(0),
+            in_flight: AtomicUsize::new(0),
+            requested: AtomicBool::new(false),
+            eviction: Notify::new(),
+        }
     }
 
-    fn touch(&self) {
-        // `as` saturates; a connection open 584 million years stays open.
-        self.last_io_ms.store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
-    }
-
-    /// A request head arrived: counted in flight until the guard drops (the
-    /// response head is ready, or the request was dropped). A response body
-    /// streaming after that shows up as I/O.
+    /// A request head arrived: counted in flight until the guard drops
+    /// (its response body is sent, or the request was dropped).
     fn begin(self: &Arc<Self>) -> InFlight {
         self.requested.store(true, Ordering::Relaxed);
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         InFlight(Arc::clone(self))
     }
 
-    /// What to do at `now`.
+    fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Since when the connection has had no request in flight (its accept,
+    /// or its last request's end); `None` while one is.
+    fn idle_since(&self) -> Option<Instant> {
+        if self.in_flight() > 0 {
+            return None;
+        }
+        Some(self.epoch + Duration::from_millis(self.last_done_ms.load(Ordering::Relaxed)))
+    }
+
+    /// What a connection not yet shutting down should do at `now`.
     fn check(&self, profile: &Profile, now: Instant) -> Verdict {
-        if !self.requested.load(Ordering::Relaxed) {
+        let too_old_at = self.age_limit.map(|age| self.epoch + age);
+        if too_old_at.is_some_and(|at| now >= at) {
+            return Verdict::Expired(CloseReason::MaxAge);
+        }
+        let next = if !self.requested.load(Ordering::Relaxed) {
             let deadline = self.epoch + profile.head_timeout;
-            return if now >= deadline { Verdict::Expired(CloseReason::HeadTimeout) } else { Verdict::CheckAt(deadline) };
-        }
-        if self.in_flight.load(Ordering::Acquire) > 0 {
+            if now >= deadline {
+                return Verdict::Expired(CloseReason::HeadTimeout);
+            }
+            deadline
+        } else if let Some(since) = self.idle_since() {
+            let deadline = since + profile.idle_timeout;
+            if now >= deadline {
+                return Verdict::Expired(CloseReason::Idle);
+            }
+            deadline
+        } else {
             // A request in flight is never idle; its own deadline bounds it.
-            return Verdict::CheckAt(now + profile.idle_timeout);
-        }
-        let idle_at = self.epoch + Duration::from_millis(self.last_io_ms.load(Ordering::Relaxed)) + profile.idle_timeout;
-        if now >= idle_at { Verdict::Expired(CloseReason::Idle) } else { Verdict::CheckAt(idle_at) }
+            now + profile.idle_timeout
+        };
+        Verdict::CheckAt(too_old_at.map_or(next, |at| at.min(next)))
     }
 }
 
+#[derive(Debug, PartialEq)]
 enum Verdict {
     Expired(CloseReason),
     CheckAt(Instant),
@@ -286,10 +450,23 @@ struct InFlight(Arc<Activity>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        // Idleness counts from the answer, not from the last byte before it.
-        self.0.touch();
+        // Idleness counts from the answer. `fetch_max`: streams of one
+        // HTTP/2 connection end concurrently.
+        let done_ms = self.0.epoch.elapsed().as_millis() as u64; // `as` saturates
+        self.0.last_done_ms.fetch_max(done_ms, Ordering::Relaxed);
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// What the watchdog does next.
+enum Step {
+    /// Look again then.
+    Wait(Instant),
+    /// Shut the connection down gracefully: in-flight requests finish
+    /// (HTTP/1: `Connection: close`; HTTP/2: GOAWAY).
+    Close,
+    /// Drop the connection now.
+    Drop,
 }
 
 /// One connection's HTTP, watched.
@@ -303,8 +480,9 @@ struct Watch<'a> {
 
 impl Watch<'_> {
     /// Serves HTTP on `io` until the connection ends. Past the head deadline
-    /// the connection is dropped; idle, or at the drain, it is shut down
-    /// gracefully (HTTP/2: GOAWAY), and dropped if it then stays idle.
+    /// the connection is dropped; idle, too old, evicted or at the drain, it
+    /// is shut down gracefully, and dropped once nothing is in flight and it
+    /// has not closed within [`CLOSE_GRACE`].
     async fn run<I>(mut self, app: &Arc<App>, io: I)
     where
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -313,48 +491,60 @@ impl Watch<'_> {
         let conn = self.profile.builder.serve_connection_with_upgrades(TokioIo::new(io), service);
         tokio::pin!(conn);
         let mut closing = false;
-        // The first moment a limit could expire; rechecked when it comes.
-        let mut check_at = self.activity.epoch + self.profile.head_timeout;
+        // At once: the first check says when the next is due.
+        let mut check_at = self.activity.epoch;
         loop {
-            tokio::select! {
+            let close = tokio::select! {
                 ended = conn.as_mut() => {
                     if let Err(e) = ended {
                         tracing::debug!(peer = %self.peer, error = %e, "connection ended with an error");
                     }
                     return;
                 }
-                () = tokio::time::sleep_until(check_at) => match self.activity.check(self.profile, Instant::now()) {
-                    Verdict::CheckAt(at) => check_at = at,
-                    Verdict::Expired(CloseReason::Idle) if !closing => {
-                        closed(self.metrics, self.peer, CloseReason::Idle);
-                        conn.as_mut().graceful_shutdown();
-                        closing = true;
-                        // The graceful close gets one more idle period.
-                        check_at = Instant::now() + self.profile.idle_timeout;
+                () = tokio::time::sleep_until(check_at) => match self.step(closing, Instant::now()) {
+                    Step::Wait(at) => {
+                        check_at = at;
+                        false
                     }
-                    Verdict::Expired(reason) => {
-                        if !closing {
-                            closed(self.metrics, self.peer, reason);
-                        }
-                        return;
-                    }
+                    Step::Close => true,
+                    Step::Drop => return,
                 },
-                () = drained(&mut self.draining), if !closing => {
-                    conn.as_mut().graceful_shutdown();
-                    closing = true;
-                }
+                // A newcomer took this connection's slot (and counted it).
+                () = self.activity.eviction.notified(), if !closing => true,
+                () = drained(&mut self.draining), if !closing => true,
+            };
+            if close {
+                conn.as_mut().graceful_shutdown();
+                closing = true;
+                check_at = Instant::now() + CLOSE_GRACE;
+            }
+        }
+    }
+
+    /// What to do at `now`; counts the closures a limit decides.
+    fn step(&self, closing: bool, now: Instant) -> Step {
+        if closing {
+            // In-flight requests finish; then the connection goes.
+            return if self.activity.in_flight() > 0 { Step::Wait(now + CLOSE_GRACE) } else { Step::Drop };
+        }
+        match self.activity.check(self.profile, now) {
+            Verdict::CheckAt(at) => Step::Wait(at),
+            Verdict::Expired(reason) => {
+                closed(self.metrics, self.peer, reason);
+                // No request yet: nothing to finish.
+                if reason == CloseReason::HeadTimeout { Step::Drop } else { Step::Close }
             }
         }
     }
 }
 
-/// The connection's service: `app`'s routes for `plane`, each call counted
-/// in flight.
+/// The connection's service: `app`'s routes for `plane`, each request
+/// counted in flight until its response body is sent.
 fn service(
     app: &Arc<App>,
     plane: Plane,
     activity: &Arc<Activity>,
-) -> impl hyper::service::Service<hyper::Request<Incoming>, Response = hyper::Response<super::response::Body>, Error = Infallible, Future: Send>
+) -> impl hyper::service::Service<hyper::Request<Incoming>, Response = hyper::Response<Answer>, Error = Infallible, Future: Send>
 + Clone
 + Send
 + 'static {
@@ -363,67 +553,53 @@ fn service(
         let (app, in_flight) = (Arc::clone(&app), activity.begin());
         async move {
             let response = app.route(req, plane).await;
-            drop(in_flight);
-            Ok::<_, Infallible>(response)
+            Ok::<_, Infallible>(response.map(|body| Answer { body, in_flight: Some(in_flight) }))
         }
     })
 }
 
-/// A socket that records, in its [`Activity`], when bytes last moved.
-struct Tracked {
-    inner: TcpStream,
-    activity: Arc<Activity>,
+/// A response body that keeps its request in flight until it ends (or is
+/// dropped): a long response stream is not an idle connection.
+struct Answer {
+    body: Body,
+    in_flight: Option<InFlight>,
 }
 
-impl AsyncRead for Tracked {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.activity.touch();
+impl hyper::body::Body for Answer {
+    type Data = <Body as hyper::body::Body>::Data;
+    type Error = <Body as hyper::body::Body>::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+            this.in_flight = None;
         }
         polled
     }
-}
 
-impl AsyncWrite for Tracked {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.wrote(&polled);
-        polled
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
     }
 
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
-        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.wrote(&polled);
-        polled
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-impl Tracked {
-    fn wrote(&self, polled: &Poll<io::Result<usize>>) {
-        if matches!(polled, Poll::Ready(Ok(n)) if *n > 0) {
-            self.activity.touch();
-        }
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 mod tests {
+    use http_body_util::BodyExt;
+
     use super::*;
+
+    const HEAD: Duration = Duration::from_secs(10);
+    const IDLE: Duration = Duration::from_secs(30);
+
+    fn profile() -> Profile {
+        Profile::new(Plane::Data, HEAD, IDLE)
+    }
 
     #[test]
     fn caps_count_ipv6_by_its_64_and_mapped_ipv4_as_ipv4() {
@@ -448,20 +624,110 @@ mod tests {
 
     #[test]
     fn watchdog_verdicts() {
-        let profile = Profile::new(Plane::Data, Duration::from_secs(10), Duration::from_secs(30));
+        let profile = profile();
         let t0 = Instant::now();
-        let activity = Arc::new(Activity::new(t0));
-        assert!(matches!(activity.check(&profile, t0), Verdict::CheckAt(at) if at == t0 + Duration::from_secs(10)));
-        assert!(matches!(activity.check(&profile, t0 + Duration::from_secs(10)), Verdict::Expired(CloseReason::HeadTimeout)));
+        let activity = Arc::new(Activity::new(t0, None));
+        assert_eq!(activity.check(&profile, t0), Verdict::CheckAt(t0 + HEAD));
+        assert_eq!(activity.check(&profile, t0 + HEAD), Verdict::Expired(CloseReason::HeadTimeout));
         let in_flight = activity.begin();
         let later = t0 + Duration::from_secs(100);
-        assert!(
-            matches!(activity.check(&profile, later), Verdict::CheckAt(at) if at == later + Duration::from_secs(30)),
-            "in flight: never idle"
-        );
+        assert_eq!(activity.check(&profile, later), Verdict::CheckAt(later + IDLE), "in flight: never idle");
         drop(in_flight);
-        let answered = activity.epoch + Duration::from_millis(activity.last_io_ms.load(Ordering::Relaxed));
-        assert!(matches!(activity.check(&profile, answered), Verdict::CheckAt(at) if at == answered + Duration::from_secs(30)));
-        assert!(matches!(activity.check(&profile, answered + Duration::from_secs(30)), Verdict::Expired(CloseReason::Idle)));
+        let answered = activity.idle_since().unwrap();
+        assert!(answered >= t0);
+        assert_eq!(activity.check(&profile, answered), Verdict::CheckAt(answered + IDLE));
+        assert_eq!(activity.check(&profile, answered + IDLE), Verdict::Expired(CloseReason::Idle));
+    }
+
+    #[test]
+    fn the_age_limit_closes_even_a_busy_connection() {
+        let profile = profile();
+        let t0 = Instant::now();
+        let age = Duration::from_secs(60);
+        let activity = Arc::new(Activity::new(t0, Some(age)));
+        let _in_flight = activity.begin();
+        let now = t0 + Duration::from_secs(45);
+        assert_eq!(activity.check(&profile, now), Verdict::CheckAt(t0 + age), "the next check is due at the age limit");
+        assert_eq!(activity.check(&profile, t0 + age), Verdict::Expired(CloseReason::MaxAge));
+    }
+
+    #[test]
+    fn age_limits_are_spread_below_the_maximum() {
+        let max = Duration::from_secs(600);
+        let limits: Vec<Duration> =
+            [1u16, 999, 40_123, 65_535].iter().map(|&port| age_limit(max, SocketAddr::from(([127, 0, 0, 1], port)))).collect();
+        assert!(limits.iter().all(|&l| l <= max && l >= max.mul_f64(1.0 - AGE_SPREAD)), "{limits:?}");
+        assert_ne!(limits[0], limits[1], "ports spread the limits");
+    }
+
+    #[tokio::test]
+    async fn a_response_body_keeps_its_request_in_flight_until_sent() {
+        let activity = Arc::new(Activity::new(Instant::now(), None));
+        let answer = Answer { body: super::super::response::full("streamed"), in_flight: Some(activity.begin()) };
+        assert_eq!(activity.idle_since(), None, "the head is answered, the body not yet sent");
+        let sent = answer.collect().await.unwrap().to_bytes();
+        assert_eq!(&sent[..], b"streamed");
+        assert!(activity.idle_since().is_some(), "idle once the body is sent");
+    }
+
+    /// An activity accepted at `epoch` whose one request ended there.
+    fn idle_at(epoch: Instant) -> Arc<Activity> {
+        let activity = Arc::new(Activity::new(epoch, None));
+        drop(activity.begin());
+        activity.last_done_ms.store(0, Ordering::Relaxed);
+        activity
+    }
+
+    #[test]
+    fn a_full_listener_evicts_its_longest_idle_connection_never_a_busy_one() {
+        let registry = Arc::new(Registry::new(3));
+        let t0 = Instant::now();
+        let busy = Arc::new(Activity::new(t0, None));
+        let _request = busy.begin();
+        let (oldest, newer) = (idle_at(t0 + Duration::from_secs(1)), idle_at(t0 + Duration::from_secs(2)));
+        let held: Vec<_> = [&busy, &oldest, &newer].into_iter().map(|a| registry.take(a).unwrap()).collect();
+        assert!(held.iter().all(|(_, evicted)| !evicted), "free slots first");
+
+        let newcomer = idle_at(t0 + Duration::from_secs(3));
+        let (_slot, evicted) = registry.take(&newcomer).unwrap();
+        assert!(evicted);
+        let open = registry.lock();
+        assert!(!open.connections.values().any(|a| Arc::ptr_eq(a, &oldest)), "the longest idle gave its slot");
+        assert_eq!((open.connections.len(), open.evicted), (3, 1));
+        drop(open);
+        // Its watchdog hears it, even though it was not waiting yet.
+        let heard = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(async { tokio::time::timeout(Duration::from_millis(10), oldest.eviction.notified()).await.is_ok() });
+        assert!(heard, "the evicted connection is told");
+
+        // The evicted one ends: its slot is not given back twice.
+        drop(held);
+        let open = registry.lock();
+        assert_eq!((open.connections.len(), open.evicted), (1, 0), "only the newcomer is left");
+    }
+
+    #[test]
+    fn a_full_listener_of_busy_connections_evicts_nobody() {
+        let registry = Arc::new(Registry::new(1));
+        let busy = Arc::new(Activity::new(Instant::now(), None));
+        let _request = busy.begin();
+        let _slot = registry.take(&busy).unwrap();
+        assert!(registry.take(&idle_at(Instant::now())).is_none());
+    }
+
+    #[test]
+    fn evictions_still_closing_are_bounded() {
+        let registry = Arc::new(Registry::new(1));
+        let mut slots = vec![registry.take(&idle_at(Instant::now())).unwrap().0];
+        for _ in 0..EVICTION_BACKLOG {
+            slots.push(registry.take(&idle_at(Instant::now())).unwrap().0);
+        }
+        assert!(registry.take(&idle_at(Instant::now())).is_none(), "the backlog is full");
+        // An evicted connection ends: room for one more eviction.
+        slots.remove(0);
+        assert!(registry.take(&idle_at(Instant::now())).is_some());
     }
 }

@@ -1,8 +1,9 @@
 //! The HTTP side: listener, routes, limits, and graceful shutdown.
 
-mod admin;
+pub mod admin;
 mod conn;
 pub mod console;
+pub mod open_files;
 pub mod response;
 mod routes;
 pub mod tls;
@@ -14,7 +15,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
-pub use conn::{ADMIN_RESERVE_CONNECTIONS, RESERVE_TIMEOUT};
+pub use conn::{ADMIN_RESERVE_CONNECTIONS, EVICTION_BACKLOG, MAX_HEAD_BYTES, RESERVE_TIMEOUT};
 pub use routes::{App, Plane, VERSION_HEADER};
 
 /// How long in-flight requests get to finish after a shutdown signal.

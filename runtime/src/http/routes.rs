@@ -6,11 +6,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+use hyper::header::{CACHE_CONTROL, CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
 use hyper::{Method, Request, Response, StatusCode, Version};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::response::{self, Body};
+use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::config::ServeConfig;
 use crate::control::{ControlPlane, TenantGate};
 use crate::handlers::Handler;
@@ -53,6 +54,7 @@ pub struct App {
     instances: Arc<InstancePool>,
     request_ids: RequestIds,
     draining: AtomicBool,
+    pub(super) token_failures: super::admin::TokenFailures,
 }
 
 /// Request ids: a random prefix per process and a counter, unique across restarts.
@@ -78,7 +80,17 @@ impl App {
     /// Assembles the app from loaded parts.
     pub fn new(control: Arc<ControlPlane>, sandbox: Arc<Sandbox>, models: Models, config: ServeConfig, metrics: Arc<HttpMetrics>) -> Self {
         let instances = Arc::new(InstancePool::new(config.max_instances as usize));
-        Self { control, sandbox, models, config, metrics, instances, request_ids: RequestIds::new(), draining: AtomicBool::new(false) }
+        Self {
+            control,
+            sandbox,
+            models,
+            config,
+            metrics,
+            instances,
+            request_ids: RequestIds::new(),
+            draining: AtomicBool::new(false),
+            token_failures: Default::default(),
+        }
     }
 
     /// Handler instances running now.
@@ -95,7 +107,12 @@ impl App {
     /// Never fails: every problem becomes a response.
     pub async fn route(&self, req: Request<Incoming>, plane: Plane) -> Response<Body> {
         let may_leave_body_unread = req.version() < Version::HTTP_2 && has_body(&req);
+        let private = is_private_answer(req.uri().path());
         let mut response = self.dispatch(req, plane).await;
+        if private {
+            // Keys, tenants and metrics must not stay in a proxy's or browser's cache.
+            response.headers_mut().insert(CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-store"));
+        }
         // Refusals before the body is read (auth, limits, 413 on the declared
         // length) leave it unread, and hyper may then close the connection.
         // Say so, or a keep-alive client may send its next request on a
@@ -118,7 +135,10 @@ impl App {
             }
             (&Method::GET, ["v1", "me"]) if data => self.me(&req),
             // Metrics name tenants and handlers: they are for the operator.
-            (&Method::GET, ["metrics"]) if admin => self.admin_refusal(&req).unwrap_or_else(|| self.prometheus()),
+            (&Method::GET, ["metrics"]) if admin => match self.metrics_refusal(&req) {
+                Some(refusal) => self.token_failures.slowed("metrics", &req, refusal).await,
+                None => self.prometheus(),
+            },
             (&Method::GET, ["v1", "models"]) if data => self.list_models(),
             (_, ["v1", tenant, handler]) if data => self.call_handler(tenant, handler, req).await,
             (_, ["admin", "v1", rest @ ..]) if admin => self.admin(rest, req).await,
@@ -139,6 +159,13 @@ impl App {
 
 fn not_found_path(path: &str) -> impl FnOnce() -> Response<Body> + '_ {
     move || response::error(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}"))
+}
+
+/// Whether the answer to `path` is the operator's or a tenant's own (the
+/// admin API, `/metrics`, `/v1/me`), never to be cached; a handler's
+/// answers are its own business.
+fn is_private_answer(path: &str) -> bool {
+    path.starts_with("/admin/") || path == "/metrics" || path.trim_end_matches('/') == "/v1/me"
 }
 
 /// Whether an HTTP/1 request declares a body (a length above 0, or chunks).
@@ -185,7 +212,11 @@ impl App {
             warm: self.sandbox.warm_instances(),
             reused: self.sandbox.reused_instances(),
         };
-        let text = metrics::render(&self.metrics, self.hits(), &self.models, instances);
+        let mut text = metrics::render(&self.metrics, self.hits(), &self.models, instances);
+        let memory = self.sandbox.memory();
+        let node =
+            metrics::NodeGauges { memory_budget: memory.total(), memory_charged: memory.used(), live_nodes: self.control.live_nodes() };
+        metrics::render_node(&mut text, node);
         response::text("text/plain; version=0.0.4", text)
     }
 
@@ -265,8 +296,26 @@ impl App {
                 1,
             ));
         };
+        // Memory before the body: a refusal reads nothing and makes nothing.
+        let mut memory = match self.admit_memory(tenant, &req, limits.max_body_bytes) {
+            Ok(charge) => charge,
+            Err(refusal) => {
+                self.hits().hit(tenant, Limit::NodeMemory);
+                return response::before_body(response::retry_later(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "overloaded",
+                    &refusal.to_string(),
+                    1,
+                ));
+            }
+        };
         let req = match buffer_body(req, limits.max_body_bytes, limits.timeout()).await {
-            Ok(req) => req,
+            Ok(req) => {
+                // The body read, its reservation shrinks to its size.
+                let body = hyper::body::Body::size_hint(req.body()).exact().unwrap_or(0) as usize;
+                let _ = memory.resize(body.saturating_add(REQUEST_BASE_BYTES));
+                req
+            }
             Err((limit, refusal)) => {
                 if let Some(limit) = limit {
                     self.hits().hit(tenant, limit);
@@ -296,7 +345,7 @@ impl App {
             instance_reuse: limits.instance_reuse,
             max_idle: limits.max_concurrency as usize,
         };
-        match self.sandbox.handle(handler, req, deadline, sandbox_limits, Arc::clone(id), (instance, tenant_slot)).await {
+        match self.sandbox.handle(handler, req, deadline, sandbox_limits, Arc::clone(id), (instance, tenant_slot, memory)).await {
             Ok(mut response) => {
                 response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));
                 response
@@ -305,12 +354,20 @@ impl App {
         }
     }
 
+    /// Charges the request's base and its body (as declared, else the
+    /// largest allowed) to the node's memory budget.
+    fn admit_memory(&self, tenant: &Arc<str>, req: &Request<Incoming>, max_body: usize) -> Result<Charge, memory::Refusal> {
+        let body = content_length(req).map_or(max_body, |n| n.min(max_body as u64) as usize);
+        self.sandbox.memory().charge(tenant, body.saturating_add(REQUEST_BASE_BYTES))
+    }
+
     fn sandbox_error(&self, handler: &Handler, id: &str, err: &SandboxError) -> Response<Body> {
         tracing::warn!(tenant = %handler.tenant, handler = %handler.name, request_id = id, error = %err, "handler failed");
         let limit = match err {
             SandboxError::Timeout(_) => Some(Limit::Deadline),
             SandboxError::MemoryLimit(_) => Some(Limit::Memory),
             SandboxError::ResourceLimit(_) => Some(Limit::HostResources),
+            SandboxError::NodeMemory(_) => Some(Limit::NodeMemory),
             _ => None,
         };
         if let Some(limit) = limit {
@@ -376,6 +433,8 @@ fn sandbox_error(err: &SandboxError) -> Response<Body> {
         SandboxError::Timeout(_) => response::error(StatusCode::GATEWAY_TIMEOUT, "handler_timeout", err),
         SandboxError::Trap(_) | SandboxError::MemoryLimit(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "handler_trapped", err),
         SandboxError::ResourceLimit(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "resource_limit", err),
+        // The node ran out, not the handler: the client may retry.
+        SandboxError::NodeMemory(_) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", &err.to_string(), 1),
         SandboxError::NoResponse | SandboxError::Guest(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "handler_failed", err),
         SandboxError::Internal(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error"),
     }

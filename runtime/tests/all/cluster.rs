@@ -255,3 +255,57 @@ fn three_nodes_on_one_postgres_store_act_as_one_gateway() {
     }
     eprintln!("cluster figures:\n  {}", figures.join("\n  "));
 }
+
+/// `tenant`'s `attack=nap&ms=1500` on `server`, `n` at once: their statuses
+/// and error codes.
+fn naps_at_once(server: &Server, key: &str, tenant: &str, n: usize) -> Vec<(u16, String)> {
+    let url = format!("http://{}/v1/{tenant}/attack?attack=nap&ms=1500", server.addr);
+    std::thread::scope(|s| {
+        let calls: Vec<_> = (0..n)
+            .map(|_| {
+                s.spawn(|| {
+                    let response = crate::harness::client_with_key(key).get(&url).send().unwrap();
+                    let status = response.status().as_u16();
+                    (status, response.json::<Value>().unwrap_or_default()["error"]["code"].as_str().unwrap_or("").to_owned())
+                })
+            })
+            .collect();
+        calls.into_iter().map(|c| c.join().unwrap()).collect()
+    })
+}
+
+/// A tenant's concurrency holds cluster-wide: each of two live nodes
+/// admits its share (half, rounded up), so the tenant cannot run its
+/// limit on every node at once; when one node stops, the other takes the
+/// whole limit again.
+#[test]
+fn a_tenants_concurrency_is_shared_among_the_live_nodes() {
+    let pg = ThrowawayPostgres::start().unwrap();
+    let url = pg.url();
+    let (a, _) = node(&url, "node-a");
+    let (mut b, _) = node(&url, "node-b");
+    a.json(a.admin(Method::POST, "tenants").json(&json!({ "name": "shared", "limits": { "max_concurrency": 4, "rps": 0.0 } })));
+    let key = a.json(a.admin(Method::POST, "tenants/shared/keys"))["key"].as_str().unwrap().to_owned();
+    a.json(a.admin(Method::PUT, "tenants/shared/handlers/attack").body(std::fs::read(guest("hostile")).unwrap()));
+    let live = |server: &Server| {
+        let text = crate::harness::anonymous().get(format!("http://{}/metrics", server.addr)).bearer_auth(crate::harness::ADMIN_TOKEN);
+        crate::harness::metric(&text.send().unwrap().text().unwrap(), "facegate_live_nodes")
+    };
+    within(Duration::from_secs(10), "both nodes count two live nodes", || live(&a) == Some(2.0) && live(&b) == Some(2.0));
+    within(Duration::from_secs(10), "B serves the tenant", || served(&b, &key, "shared").is_some());
+
+    let mut statuses: Vec<_> = naps_at_once(&a, &key, "shared", 3);
+    statuses.sort();
+    let expected = vec![(200, String::new()), (200, String::new()), (429, "concurrency_limited".to_owned())];
+    assert_eq!(statuses, expected, "node A admits its half of 4");
+    let on_b = naps_at_once(&b, &key, "shared", 2);
+    assert!(on_b.iter().all(|(s, _)| *s == 200), "node B admits its own half: {on_b:?}");
+
+    // B stops cleanly (deregisters): A takes the whole limit at its next heartbeat.
+    b.terminate();
+    let exit = b.wait_exit(Duration::from_secs(20));
+    assert!(exit.is_some_and(|status| status.success()), "B drains and exits cleanly: {exit:?}");
+    within(Duration::from_secs(10), "A counts one live node", || live(&a) == Some(1.0));
+    let alone = naps_at_once(&a, &key, "shared", 4);
+    assert!(alone.iter().all(|(s, _)| *s == 200), "the whole limit on the last node: {alone:?}");
+}

@@ -1,8 +1,11 @@
 //! Connection limits: a connection that never sends a complete first request
 //! head (TLS handshake included) is closed; an idle keep-alive connection
-//! (HTTP/1.1 and HTTP/2) is shut down but a slow request is not cut; the
-//! connection caps close the connections over them; the admin API answers
-//! on a shared listener whose slots are full; closures are counted.
+//! (HTTP/1.1 and HTTP/2, PINGs or not) is shut down but a slow request is
+//! not cut; an old connection is shut down gracefully; the connection caps
+//! close the connections over them, and a full listener closes its
+//! longest-idle connection to serve a newcomer; the admin API answers on a
+//! shared listener whose slots are full of busy connections; request heads
+//! are bounded; closures are counted; the open-file limit is raised to fit.
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
@@ -28,6 +31,9 @@ const MARGIN: Duration = Duration::from_secs(8);
 const SMALL_SLOTS: usize = 8;
 /// Connections per address at the small gateway.
 const SMALL_PER_IP: usize = 3;
+/// Connection age limit of the aged gateway (each connection's own limit is
+/// up to a tenth shorter).
+const AGE: Duration = Duration::from_secs(3);
 
 struct Gateway {
     addr: SocketAddr,
@@ -84,6 +90,17 @@ fn small() -> (&'static Gateway, MutexGuard<'static, ()>) {
     (gateway, guard)
 }
 
+/// Connections live at most [`AGE`]; long idle timeout.
+fn aged() -> &'static Gateway {
+    static GATEWAY: OnceLock<Gateway> = OnceLock::new();
+    GATEWAY.get_or_init(|| {
+        Gateway::start("conn-aged", |c| {
+            c.idle_timeout_ms = 60_000;
+            c.max_connection_age_s = AGE.as_secs();
+        })
+    })
+}
+
 /// An HTTPS gateway with head timeout 1 s, and its certificate.
 fn tls() -> &'static (SocketAddr, CertificateDer<'static>) {
     static GATEWAY: OnceLock<(SocketAddr, CertificateDer<'static>)> = OnceLock::new();
@@ -127,6 +144,18 @@ fn expect_closed(stream: &mut impl Read, set_timeout: impl FnOnce(Duration), wit
     }
 }
 
+/// A connection from `source` with a request in flight: an admin request
+/// whose body never comes (the admin API waits 30 s for it).
+fn busy_from(source: &str, addr: SocketAddr) -> TcpStream {
+    let mut stream = connect_from(source, addr);
+    let head = format!(
+        "POST /admin/v1/tenants HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: 1000000\r\n\r\nsome"
+    );
+    // A connection over a cap may already be closed: its write may fail.
+    let _ = stream.write_all(head.as_bytes());
+    stream
+}
+
 fn expect_tcp_closed(stream: &mut TcpStream, within: Duration) -> Duration {
     let clone = stream.try_clone().unwrap();
     expect_closed(stream, |t| clone.set_read_timeout(Some(t)).unwrap(), within)
@@ -141,6 +170,12 @@ fn still_open(stream: &mut TcpStream) -> bool {
 /// Sends one keep-alive HTTP/1.1 request and reads its response (by
 /// `Content-Length`); returns the status and body.
 fn exchange(stream: &mut (impl Read + Write), method: &str, path: &str, bearer: Option<&str>) -> (u16, String) {
+    let (status, _, body) = exchange_with_head(stream, method, path, bearer);
+    (status, body)
+}
+
+/// [`exchange`], with the response head too.
+fn exchange_with_head(stream: &mut (impl Read + Write), method: &str, path: &str, bearer: Option<&str>) -> (u16, String, String) {
     let auth = bearer.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
     write!(stream, "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{auth}Content-Length: 0\r\n\r\n").unwrap();
     let mut response = Vec::new();
@@ -157,7 +192,7 @@ fn exchange(stream: &mut (impl Read + Write), method: &str, path: &str, bearer: 
             .expect("a content-length");
         if body.len() >= length {
             let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-            return (status, body.to_owned());
+            return (status, head.to_owned(), body.to_owned());
         }
     }
 }
@@ -324,17 +359,25 @@ const HEADERS: u8 = 1;
 const SETTINGS: u8 = 4;
 const PING: u8 = 6;
 const GOAWAY: u8 = 7;
+const WINDOW_UPDATE: u8 = 8;
 
 fn write_frame(stream: &mut TcpStream, kind: u8, flags: u8, stream_id: u32, payload: &[u8]) {
+    try_write_frame(stream, kind, flags, stream_id, payload).unwrap();
+}
+
+fn try_write_frame(stream: &mut TcpStream, kind: u8, flags: u8, stream_id: u32, payload: &[u8]) -> std::io::Result<()> {
     let mut frame = (payload.len() as u32).to_be_bytes()[1..].to_vec();
     frame.extend_from_slice(&[kind, flags]);
     frame.extend_from_slice(&stream_id.to_be_bytes());
     frame.extend_from_slice(payload);
-    stream.write_all(&frame).unwrap();
+    stream.write_all(&frame)
 }
 
-/// The next frame (type, flags, stream, payload), or `None` once the server closed.
-fn read_frame(stream: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
+/// An HTTP/2 frame: type, flags, stream, payload.
+type Frame = (u8, u8, u32, Vec<u8>);
+
+/// The next frame, or `None` once the server closed.
+fn read_frame(stream: &mut TcpStream) -> Option<Frame> {
     let mut head = [0u8; 9];
     match stream.read_exact(&mut head) {
         Ok(()) => {}
@@ -402,8 +445,9 @@ fn closures_by_a_limit_are_counted() {
 fn admin_api_answers_on_a_full_shared_listener_and_tenants_get_503() {
     let (gateway, _one_at_a_time) = small();
     let before = metrics(gateway);
-    // Every main slot held by a silent socket, each from its own address.
-    let mut fillers: Vec<TcpStream> = (1..=SMALL_SLOTS).map(|i| connect_from(&format!("127.0.1.{i}"), gateway.addr)).collect();
+    // Every main slot held by a connection with a request in flight (none
+    // idle, so none is evicted), each from its own address.
+    let mut fillers: Vec<TcpStream> = (1..=SMALL_SLOTS).map(|i| busy_from(&format!("127.0.1.{i}"), gateway.addr)).collect();
     // Served on a reserve connection: metrics, which count the fillers and itself.
     let deadline = Instant::now() + MARGIN;
     while sample(&metrics(gateway), "facegate_connections_open") < SMALL_SLOTS as i64 + 1 {
@@ -413,17 +457,14 @@ fn admin_api_answers_on_a_full_shared_listener_and_tenants_get_503() {
     // That count may include a metrics connection closed but not yet
     // reaped, with a filler still in the accept queue (a loaded machine):
     // the fillers hold every main slot once a tenant's request is refused.
-    // A tenant served means a main slot is free: a metrics connection of
-    // this test, closed but not yet reaped, held it while the fillers came,
-    // so the last filler went to the reserve, whose short head timeout
-    // closed it. Another filler takes the slot.
+    // A tenant served means a main slot is still free: another filler takes it.
     let deadline = Instant::now() + MARGIN;
     let response = loop {
         let response = fresh_client().get(gateway.url("/v1/models")).send().unwrap();
         if response.status() == 503 || Instant::now() >= deadline {
             break response;
         }
-        fillers.push(connect_from(&format!("127.0.1.{}", fillers.len() + 1), gateway.addr));
+        fillers.push(busy_from(&format!("127.0.1.{}", fillers.len() + 1), gateway.addr));
         std::thread::sleep(Duration::from_millis(50));
     };
     assert_eq!(response.status(), 503, "tenants wait for a main slot");
@@ -515,4 +556,191 @@ fn shutdown_finishes_requests_in_flight_and_closes_idle_connections() {
     returned.recv_timeout(facegate::http::SHUTDOWN_GRACE + MARGIN).expect("serve returns once drained");
     assert!(signalled_at.elapsed() < facegate::http::SHUTDOWN_GRACE, "drained before the grace period ended");
     assert!(TcpStream::connect(addr).is_err(), "no longer listening");
+}
+
+#[test]
+fn one_address_keeping_more_connections_than_its_cap_busy_leaves_room_for_a_newcomer() {
+    let (gateway, _one_at_a_time) = small();
+    let before = metrics(gateway);
+    // More connections than the listener has slots, all from one address,
+    // each with a request in flight.
+    let mut hoard: Vec<TcpStream> = (0..SMALL_SLOTS + 2).map(|_| busy_from("127.0.5.1", gateway.addr)).collect();
+    let kept = hoard.iter_mut().map(still_open).filter(|&open| open).count();
+    assert_eq!(kept, SMALL_PER_IP, "the address keeps its cap's worth");
+    // A newcomer from another address gets a main slot: a tenant is served.
+    let started = Instant::now();
+    let mut newcomer = connect_from("127.0.0.2", gateway.addr);
+    assert_eq!(exchange(&mut newcomer, "GET", "/v1/models", None).0, 200);
+    assert!(started.elapsed() < MARGIN, "{:?}", started.elapsed());
+    let after = metrics(gateway);
+    let refused = closed_total(&after, "per_ip_cap") - closed_total(&before, "per_ip_cap");
+    assert!(refused >= (SMALL_SLOTS + 2 - SMALL_PER_IP) as i64, "{refused} refused: {after}");
+}
+
+#[test]
+fn a_full_listener_of_idle_keep_alives_closes_its_longest_idle_to_serve_a_newcomer() {
+    let (gateway, _one_at_a_time) = small();
+    let before = metrics(gateway);
+    // Every slot taken by a keep-alive connection that made one request, in
+    // turn: the first is idle the longest.
+    let mut idle: Vec<TcpStream> = (1..=SMALL_SLOTS)
+        .map(|i| {
+            let mut stream = connect_from(&format!("127.0.6.{i}"), gateway.addr);
+            assert_eq!(exchange(&mut stream, "GET", "/healthz", None).0, 200);
+            std::thread::sleep(Duration::from_millis(20));
+            stream
+        })
+        .collect();
+    let started = Instant::now();
+    let mut newcomer = connect_from("127.0.0.2", gateway.addr);
+    assert_eq!(exchange(&mut newcomer, "GET", "/v1/models", None).0, 200, "a tenant is served: a main slot");
+    assert!(started.elapsed() < MARGIN, "{:?}", started.elapsed());
+    expect_tcp_closed(&mut idle[0], MARGIN);
+    assert!(idle[1..].iter_mut().all(still_open), "only the longest idle is closed");
+    let after = metrics(gateway);
+    assert!(closed_total(&after, "evicted") > closed_total(&before, "evicted"), "{after}");
+}
+
+#[test]
+fn http2_pings_and_window_updates_do_not_keep_an_idle_connection_open() {
+    let gateway = quick();
+    let mut stream = TcpStream::connect(gateway.addr).unwrap();
+    stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+    write_frame(&mut stream, SETTINGS, 0, 0, &[]);
+    let mut block = vec![0x82, 0x86, 0x01, 9];
+    block.extend_from_slice(b"localhost");
+    block.extend_from_slice(&[0x04, 8]);
+    block.extend_from_slice(b"/healthz");
+    write_frame(&mut stream, HEADERS, 0x5, 1, &block); // END_STREAM | END_HEADERS
+    stream.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let (mut frames, mut answered_at, mut goaway_after) = (Frames::default(), None, None);
+    let deadline = Instant::now() + IDLE_TIMEOUT + MARGIN;
+    // Traffic that is no request, every 200 ms, until the server closes.
+    while let Some(received) = frames.next(&mut stream) {
+        for (kind, flags, id, payload) in received {
+            match kind {
+                SETTINGS if flags & 1 == 0 => write_frame(&mut stream, SETTINGS, 1, 0, &[]),
+                // The server's own (the graceful shutdown's) is answered, as a client does.
+                PING if flags & 1 == 0 => write_frame(&mut stream, PING, 1, 0, &payload),
+                HEADERS | DATA if id == 1 && flags & 1 == 1 => answered_at = Some(Instant::now()),
+                GOAWAY => goaway_after = goaway_after.or(answered_at.map(|at| at.elapsed())),
+                _ => {}
+            }
+        }
+        assert!(Instant::now() < deadline, "still open after {:?} of PINGs", IDLE_TIMEOUT + MARGIN);
+        let sent = try_write_frame(&mut stream, PING, 0, 0, &[7; 8])
+            .and_then(|()| try_write_frame(&mut stream, WINDOW_UPDATE, 0, 0, &1u32.to_be_bytes()));
+        if sent.is_err() {
+            break; // closed
+        }
+    }
+    assert!(answered_at.is_some(), "the request was answered");
+    let idle = goaway_after.expect("GOAWAY before the close");
+    assert!(idle >= IDLE_TIMEOUT / 2, "GOAWAY after {idle:?} idle");
+}
+
+/// HTTP/2 frames read as they come, without blocking past the read timeout.
+#[derive(Default)]
+struct Frames {
+    buf: Vec<u8>,
+}
+
+impl Frames {
+    /// The frames complete so far; `None` once the server closed.
+    fn next(&mut self, stream: &mut TcpStream) -> Option<Vec<Frame>> {
+        let mut chunk = [0u8; 4096];
+        match stream.read(&mut chunk) {
+            Ok(0) => return None,
+            Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => return None,
+        }
+        let mut frames = Vec::new();
+        while self.buf.len() >= 9 {
+            let length = u32::from_be_bytes([0, self.buf[0], self.buf[1], self.buf[2]]) as usize;
+            if self.buf.len() < 9 + length {
+                break;
+            }
+            let frame: Vec<u8> = self.buf.drain(..9 + length).collect();
+            let id = u32::from_be_bytes(frame[5..9].try_into().unwrap()) & 0x7fff_ffff;
+            frames.push((frame[3], frame[4], id, frame[9..].to_vec()));
+        }
+        Some(frames)
+    }
+}
+
+#[test]
+fn an_old_busy_connection_is_closed_gracefully_its_request_answered() {
+    let gateway = aged();
+    let before = metrics(gateway);
+    let started = Instant::now();
+    let mut stream = TcpStream::connect(gateway.addr).unwrap();
+    stream.set_read_timeout(Some(MARGIN)).unwrap();
+    // Busy: a request every 100 ms, for a third of the age limit.
+    while started.elapsed() < AGE / 3 {
+        let (status, head, _) = exchange_with_head(&mut stream, "GET", "/healthz", None);
+        assert_eq!(status, 200);
+        assert!(!head.to_ascii_lowercase().contains("connection: close"), "closed early: {head}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // In flight across the age limit: answered, and told the connection closes.
+    let (status, head, body) = exchange_with_head(&mut stream, "GET", "/v1/evil/attack?attack=nap&ms=3000", Some(&gateway.key("evil")));
+    assert_eq!(status, 200, "{body}");
+    assert!(head.to_ascii_lowercase().contains("connection: close"), "{head}");
+    expect_tcp_closed(&mut stream, MARGIN);
+    assert!(started.elapsed() >= AGE.mul_f64(0.9), "closed after {:?}", started.elapsed());
+    let after = metrics(gateway);
+    assert!(closed_total(&after, "max_age") > closed_total(&before, "max_age"), "{after}");
+}
+
+#[test]
+fn request_heads_are_bounded() {
+    let gateway = quick();
+    let head_with = |filler: usize| format!("GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Filler: {}\r\n\r\n", "a".repeat(filler));
+    // Within the bound: served.
+    let mut stream = TcpStream::connect(gateway.addr).unwrap();
+    stream.set_read_timeout(Some(MARGIN)).unwrap();
+    stream.write_all(head_with(facegate::http::MAX_HEAD_BYTES / 2).as_bytes()).unwrap();
+    let mut response = [0u8; 12];
+    stream.read_exact(&mut response).unwrap();
+    assert_eq!(&response, b"HTTP/1.1 200");
+    // Past it: 431, or the connection cut before the answer is read.
+    let mut stream = TcpStream::connect(gateway.addr).unwrap();
+    stream.set_read_timeout(Some(MARGIN)).unwrap();
+    let _ = stream.write_all(head_with(facegate::http::MAX_HEAD_BYTES * 2).as_bytes());
+    let mut response = [0u8; 12];
+    match stream.read(&mut response) {
+        Ok(n) if n > 0 => assert!(response.starts_with(b"HTTP/1.1 431"), "{}", String::from_utf8_lossy(&response[..n])),
+        Ok(_) => {}
+        Err(e) => assert!(!matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut), "no answer: {e}"),
+    }
+}
+
+#[test]
+fn the_open_file_limit_is_raised_to_fit_the_connection_caps() {
+    let hard = open_files_limits(std::process::id()).1;
+    let needed = facegate::http::open_files::descriptors_needed(
+        facegate::config::DEFAULT_MAX_CONNECTIONS,
+        facegate::http::open_files::Listeners::Shared,
+    );
+    // Started with the common default soft limit, far below what is needed.
+    let server = crate::process::Server::start_after("ulimit -Sn 1024", &fresh_dir("conn-nofile"), &[]);
+    let (soft, _) = open_files_limits(server.pid());
+    assert!(soft >= needed.min(hard), "soft limit {soft}, {needed} needed (hard {hard})");
+    drop(server);
+    // A hard limit below what is needed: raised to it, the caps lowered to fit.
+    let low = 2048.min(hard);
+    let server = crate::process::Server::start_after(&format!("ulimit -Sn 1024 && ulimit -Hn {low}"), &fresh_dir("conn-nofile-low"), &[]);
+    assert_eq!(open_files_limits(server.pid()), (low, low));
+    let response = fresh_client().get(format!("http://{}/healthz", server.addr)).send().unwrap();
+    assert_eq!(response.status(), 200, "serves with the lowered cap");
+}
+
+/// The soft and hard open-file limits of process `pid` (unlimited: `u64::MAX`).
+fn open_files_limits(pid: u32) -> (u64, u64) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    let value = |v: &str| if v == "unlimited" { u64::MAX } else { v.parse().unwrap() };
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    (value(fields[3]), value(fields[4]))
 }

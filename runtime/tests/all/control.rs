@@ -37,7 +37,14 @@ fn stored_components() -> usize {
 fn the_admin_api_needs_the_admin_token() {
     let path = url("/admin/v1/tenants");
     assert_eq!(anonymous().get(&path).send().unwrap().status(), 401);
+    // A wrong token waits for its refusal: guessing is slow (the right one does not wait).
+    let guessed = std::time::Instant::now();
     assert_eq!(anonymous().get(&path).bearer_auth("wrong-token-wrong-token").send().unwrap().status(), 401);
+    assert!(guessed.elapsed() >= facegate::http::admin::TOKEN_FAILURE_DELAY, "refused after {:?}", guessed.elapsed());
+    let scrape = anonymous().get(url("/metrics")).bearer_auth("wrong-token-wrong-token");
+    let guessed = std::time::Instant::now();
+    assert_eq!(scrape.send().unwrap().status(), 401);
+    assert!(guessed.elapsed() >= facegate::http::admin::TOKEN_FAILURE_DELAY, "a metrics scrape too: {:?}", guessed.elapsed());
     assert_eq!(anonymous().get(&path).bearer_auth(key("demo")).send().unwrap().status(), 401, "a tenant key is not the admin token");
     let (status, body) = admin_json(anonymous().get(&path).bearer_auth(ADMIN_TOKEN));
     assert_eq!(status, 200, "{body}");
@@ -100,6 +107,13 @@ fn keys_missing_wrong_revoked_or_of_another_tenant_are_refused() {
 
     let response = post(client_with_key(&good), "/v1/keys-a/detect");
     assert_eq!(response.status(), 200);
+    assert!(response.headers().get("cache-control").is_none(), "a handler's answer is its own");
+
+    // Answers carrying keys or tenants' data are never cached.
+    let created = admin(Method::POST, "tenants/demo/keys").send().unwrap();
+    assert_eq!((created.status().as_u16(), created.headers()["cache-control"].to_str().unwrap()), (201, "no-store"));
+    let me = client_with_key(&good).get(url("/v1/me")).send().unwrap();
+    assert_eq!(me.headers()["cache-control"], "no-store");
 
     // Another tenant's key: the same 404 as for a tenant that does not exist.
     let other = post(client_with_key(&key("demo")), "/v1/keys-a/detect");

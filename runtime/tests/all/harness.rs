@@ -41,6 +41,9 @@ pub fn guest(name: &str) -> PathBuf {
 /// Admin token of every test gateway.
 pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
 
+/// Artifact key of the `facegate serve` nodes the tests start (see `process::Server`).
+pub const ARTIFACT_KEY: &str = "test-artifact-key-0123456789abcdef0123456789";
+
 /// Copies a component to `<dir>/<tenant>/<handler>.wasm` (a seed directory).
 pub fn install(dir: &Path, tenant: &str, handler: &str, component: &Path) {
     let dir = dir.join(tenant);
@@ -161,6 +164,26 @@ pub fn start_until(
         });
     });
     (addr.recv().expect("gateway failed to start"), returned)
+}
+
+/// Starts a gateway with `config` serving tenants on `config.listen` and
+/// the admin API and `/metrics` on `config.admin_listen` (as `--admin-listen`
+/// does), on a thread of its own; returns both addresses.
+pub fn start_split(config: ServeConfig) -> (SocketAddr, SocketAddr) {
+    let admin_listen = config.admin_listen.expect("start_split needs config.admin_listen");
+    let (started, addrs) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let models = facegate::load_models(&config.engine).expect("load model (run deploy/setup.sh)");
+            let gateway = facegate::Gateway::new(&config, models).expect("start gateway");
+            let (public, public_addr) = facegate::bind(config.listen).await.unwrap();
+            let (admin, admin_addr) = facegate::bind(admin_listen).await.unwrap();
+            started.send((public_addr, admin_addr)).unwrap();
+            gateway.serve_split(public, admin, std::future::pending()).await.unwrap();
+        });
+    });
+    addrs.recv().expect("gateway failed to start")
 }
 
 /// The test gateway's settings over HTTPS, with a fresh self-signed

@@ -217,6 +217,7 @@ fn a_stderr_flood_is_cut_and_counted_not_fatal() {
 /// limit that each alone would fit.
 #[test]
 fn two_memories_share_one_limit() {
+    use facegate::admission::memory::MemoryBudget;
     use facegate::limiter::{InstanceLimiter, MemoryLimitExceeded};
     use wasmtime::component::{Component, Linker};
     // Each core module's memory starts at 320 pages (20 MiB); the limit is 32 MiB.
@@ -227,11 +228,12 @@ fn two_memories_share_one_limit() {
         (core instance (instantiate $b)))"#;
     let engine = wasmtime::Engine::default();
     let component = Component::new(&engine, wat::parse_str(wat).unwrap()).unwrap();
-    let mut store = wasmtime::Store::new(&engine, InstanceLimiter::new(32 << 20));
+    let node = MemoryBudget::new(1 << 30);
+    let mut store = wasmtime::Store::new(&engine, InstanceLimiter::new(32 << 20, node.empty(&"t".into())));
     store.limiter(|l| l);
     let err = Linker::new(&engine).instantiate(&mut store, &component).unwrap_err();
     assert!(err.chain().any(|e| e.downcast_ref::<MemoryLimitExceeded>().is_some()), "{err:#}");
-    let mut roomy = wasmtime::Store::new(&engine, InstanceLimiter::new(48 << 20));
+    let mut roomy = wasmtime::Store::new(&engine, InstanceLimiter::new(48 << 20, node.empty(&"t".into())));
     roomy.limiter(|l| l);
     assert!(Linker::new(&engine).instantiate(&mut roomy, &component).is_ok(), "40 MiB fit in 48");
 }

@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, reason = "test helpers fail loudly: a failed unwrap is a failed test")]
 
 mod bad_input;
+mod budget;
 mod cluster;
 mod connections;
 mod console;
@@ -17,6 +18,7 @@ mod isolation;
 mod process;
 mod restart;
 mod scripts;
+mod secrets;
 mod stores;
 mod tls;
 mod warm;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use reqwest::Method;
 use serde_json::Value;
 
-use crate::harness::{ADMIN_TOKEN, anonymous, client_with_key, engine_config, facegate_home, image};
+use crate::harness::{ADMIN_TOKEN, ARTIFACT_KEY, anonymous, client_with_key, engine_config, facegate_home, image};
 
 /// A `facegate serve` process.
 pub struct Server {
@@ -25,10 +25,29 @@ impl Server {
         Self::start_with(data, &[])
     }
 
-    /// A node with `data` as its data directory and `extra` arguments (`--store`, `--node-id`).
+    /// A node with `data` as its data directory and `extra` arguments
+    /// (`--store`, `--node-id`). Every such node is given the same artifact
+    /// key, as a cluster's nodes are, so they share what they compile.
     pub fn start_with(data: &Path, extra: &[&str]) -> Self {
+        Self::spawn(Command::new(env!("CARGO_BIN_EXE_facegate")), data, &[&["--artifact-key", ARTIFACT_KEY], extra].concat())
+    }
+
+    /// [`Self::start_with`] without an artifact key: the node shares no
+    /// compiled handler through a cluster's store, nor loads one.
+    pub fn start_without_artifact_key(data: &Path, extra: &[&str]) -> Self {
+        Self::spawn(Command::new(env!("CARGO_BIN_EXE_facegate")), data, extra)
+    }
+
+    /// A node `sh` starts after running `shell` (`ulimit -Sn 1024`, say).
+    pub fn start_after(shell: &str, data: &Path, extra: &[&str]) -> Self {
+        let mut sh = Command::new("sh");
+        sh.arg("-c").arg(format!("{shell} && exec \"$0\" \"$@\"")).arg(env!("CARGO_BIN_EXE_facegate"));
+        Self::spawn(sh, data, extra)
+    }
+
+    fn spawn(mut command: Command, data: &Path, extra: &[&str]) -> Self {
         let engine = engine_config(&facegate_home());
-        let mut child = Command::new(env!("CARGO_BIN_EXE_facegate"))
+        let mut child = command
             .args(["serve", "--listen", "127.0.0.1:0", "--admin-token", ADMIN_TOKEN, "--max-batch", "1", "--cpu-threads", "1"])
             .arg("--data-dir")
             .arg(data)
@@ -41,6 +60,7 @@ impl Server {
             .args(extra)
             .env_remove("FACEGATE_SEED")
             .env_remove("FACEGATE_STORE")
+            .env_remove("FACEGATE_ARTIFACT_KEY")
             .stdout(Stdio::piped())
             .env("FACEGATE_LOG", std::env::var("FACEGATE_TEST_NODE_LOG").unwrap_or_else(|_| "error".into()))
             .stderr(Stdio::inherit())

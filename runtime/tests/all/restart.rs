@@ -127,3 +127,39 @@ fn sigterm_finishes_the_request_in_flight_then_exits() {
     assert!(signalled.elapsed() < facegate::http::SHUTDOWN_GRACE, "drained before the grace period ended");
     assert_store_ok(&data);
 }
+
+/// An activation that must compile (this node has no artifact for the
+/// version) goes through the compile pool and its time budget, as an
+/// upload does, instead of compiling under the store's lock: past the
+/// budget it is refused 503 `busy` and nothing changes.
+#[test]
+fn a_rollback_that_must_compile_keeps_to_the_compile_budget() {
+    let data = fresh_dir("rollback-budget");
+    let server = Server::start(&data);
+    server.json(server.admin(Method::POST, "tenants").json(&json!({ "name": "t" })));
+    let key = server.json(server.admin(Method::POST, "tenants/t/keys"))["key"].as_str().unwrap().to_owned();
+    for name in ["detect", "blur"] {
+        server.json(server.admin(Method::PUT, "tenants/t/handlers/h").body(std::fs::read(guest(name)).unwrap()));
+    }
+    let versions = server.json(server.admin(Method::GET, "tenants/t/handlers/h/versions"));
+    let first = versions["versions"][0]["sha256"].as_str().unwrap().to_owned();
+    server.kill();
+    // Version 1's artifact leaves the cache; the node restarts with a 1 ms compile budget.
+    for entry in std::fs::read_dir(data.join("compiled")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap().to_string_lossy().starts_with(&first) {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    let server = Server::start_with(&data, &["--compile-timeout-ms", "1"]);
+    let response = server.admin(Method::POST, "tenants/t/handlers/h/rollback").send().unwrap();
+    let status = response.status().as_u16();
+    let body: serde_json::Value = response.json().unwrap();
+    assert_eq!((status, body["error"]["code"].as_str()), (503, Some("busy")), "{body}");
+    assert_eq!(server.call(&key), (200, Some(2)), "nothing changed: version 2 still serves");
+    // Within the budget (a node with the default one), the same rollback compiles and serves version 1.
+    server.kill();
+    let server = Server::start(&data);
+    assert_eq!(server.json(server.admin(Method::POST, "tenants/t/handlers/h/rollback"))["active_version"], 1);
+    assert_eq!(server.call(&key), (200, Some(1)));
+}

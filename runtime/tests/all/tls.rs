@@ -1,14 +1,18 @@
 //! HTTPS: a gateway started with `--tls-cert`/`--tls-key` answers over TLS
-//! (and not in clear text).
+//! (and not in clear text); an admin listener started with
+//! `--admin-tls-cert`/`--admin-tls-key` serves the admin API over TLS, and
+//! the CLI reaches it at an `https://` URL.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
+use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 use tokio_rustls::rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
 
-use crate::harness::{fresh_dir, start, tls_config};
+use crate::harness::{ADMIN_TOKEN, anonymous, config, fresh_dir, start, start_split, tls_config};
 
 /// A TLS gateway with a fresh self-signed certificate for `localhost`.
 fn tls_gateway() -> &'static (SocketAddr, CertificateDer<'static>) {
@@ -21,8 +25,14 @@ fn tls_gateway() -> &'static (SocketAddr, CertificateDer<'static>) {
 
 fn get_over_tls(path: &str) -> String {
     let (addr, cert) = tls_gateway();
+    get_over_tls_from(*addr, cert, path, None)
+}
+
+/// `GET path` over TLS to `addr` (as `localhost`), trusting `root` only,
+/// with `token` as the bearer token if given; the raw response.
+fn get_over_tls_from(addr: SocketAddr, root: &CertificateDer<'static>, path: &str, token: Option<&str>) -> String {
     let mut roots = RootCertStore::empty();
-    roots.add(cert.clone()).unwrap();
+    roots.add(root.clone()).unwrap();
     let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
     let client = ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -32,10 +42,73 @@ fn get_over_tls(path: &str) -> String {
     let name = ServerName::try_from("localhost").unwrap();
     let conn = ClientConnection::new(Arc::new(client), name).unwrap();
     let mut tls = StreamOwned::new(conn, TcpStream::connect(addr).unwrap());
-    write!(tls, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(tls, "GET {path} HTTP/1.1\r\nHost: localhost\r\n{auth}Connection: close\r\n\r\n").unwrap();
     let mut response = String::new();
     let _ = tls.read_to_string(&mut response);
     response
+}
+
+/// A private CA and a certificate for `localhost` it signed, written as PEM
+/// under `dir`: the CA's certificate, the server's certificate and its key.
+fn private_ca(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    std::fs::create_dir_all(dir).unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    ca_params.distinguished_name.push(DnType::CommonName, "facegate test CA");
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let server_key = KeyPair::generate().unwrap();
+    let server = CertificateParams::new(vec!["localhost".to_owned()]).unwrap().signed_by(&server_key, &ca).unwrap();
+    let paths = (dir.join("ca.pem"), dir.join("admin-cert.pem"), dir.join("admin-key.pem"));
+    std::fs::write(&paths.0, ca.pem()).unwrap();
+    std::fs::write(&paths.1, server.pem()).unwrap();
+    std::fs::write(&paths.2, server_key.serialize_pem()).unwrap();
+    paths
+}
+
+/// The admin listener serves HTTPS with its own certificate (from a private
+/// CA) while the public listener stays plain HTTP: the admin API answers
+/// over TLS, clear text gets no answer there, and the CLI reaches it at an
+/// `https://` URL when told to trust the CA (`--ca-cert`), and only then.
+#[test]
+fn the_admin_listener_serves_https_and_the_cli_trusts_a_private_ca() {
+    let dir = fresh_dir("admin-tls");
+    let (ca, cert, key) = private_ca(&dir);
+    let mut config = config(dir.join("data"), None);
+    config.admin_listen = Some("127.0.0.1:0".parse().unwrap());
+    config.admin_tls_cert = Some(cert);
+    config.admin_tls_key = Some(key);
+    let (public, admin) = start_split(config);
+    let ca_der = CertificateDer::from_pem_file(&ca).unwrap();
+
+    let response = get_over_tls_from(admin, &ca_der, "/admin/v1/tenants", Some(ADMIN_TOKEN));
+    assert!(response.starts_with("HTTP/1.1 200") && response.contains("\"tenants\""), "{response}");
+    let metrics = get_over_tls_from(admin, &ca_der, "/metrics", Some(ADMIN_TOKEN));
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    let plain = anonymous().get(format!("http://{admin}/admin/v1/tenants")).bearer_auth(ADMIN_TOKEN).send();
+    assert!(plain.is_err(), "clear text to the admin listener gets no HTTP answer: {plain:?}");
+    assert_eq!(anonymous().get(format!("http://{public}/healthz")).send().unwrap().status(), 200, "the public listener stays plain");
+
+    let cli = |extra: &[&std::ffi::OsStr]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_facegate"))
+            .args(["tenant", "list", "--json", "--url", &format!("https://localhost:{}", admin.port())])
+            .args(extra)
+            .env("FACEGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+            .env_remove("FACEGATE_CA_CERT")
+            .env_remove("FACEGATE_URL")
+            .output()
+            .unwrap()
+    };
+    let trusted = cli(&["--ca-cert".as_ref(), ca.as_os_str()]);
+    let out = String::from_utf8_lossy(&trusted.stdout);
+    assert!(trusted.status.success(), "{out}{}", String::from_utf8_lossy(&trusted.stderr));
+    assert!(serde_json::from_str::<serde_json::Value>(&out).unwrap()["tenants"].is_array(), "{out}");
+    let untrusted = cli(&[]);
+    let err = String::from_utf8_lossy(&untrusted.stderr);
+    assert!(!untrusted.status.success(), "a certificate of an unknown CA is refused");
+    assert!(err.contains("certificate"), "the refusal says why: {err}");
 }
 
 #[test]

@@ -568,6 +568,17 @@ impl Store for PgStore {
     }
 }
 
+impl Drop for PgStore {
+    /// Closes the connection off the gateway's runtime: the blocking client
+    /// runs a runtime of its own to close, which panics inside another (a
+    /// node stopping on SIGTERM drops its store on the async main thread).
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            off_runtime(move || drop(client));
+        }
+    }
+}
+
 /// A connection that `LISTEN`s on the change channel.
 struct PgListener {
     client: Client,
