@@ -231,7 +231,10 @@ async fn idle_loop(addr: SocketAddr, stop: &AtomicBool) {
         // A closed connection reads as ready (EOF); keep the rest.
         open.retain(|s| s.try_read(&mut [0u8; 1]).is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock));
         while open.len() < IDLE_PER_CLIENT {
-            match tokio::net::TcpStream::connect(addr).await {
+            // Spread over addresses of their own: the neighbour's (127.0.0.1)
+            // per-address cap is not the attacker's to fill.
+            let source = std::net::Ipv4Addr::new(127, 0, 2, 1 + (open.len() % 250) as u8);
+            match connect_from(source.into(), addr).await {
                 Ok(stream) => open.push(stream),
                 Err(_) => break,
             }

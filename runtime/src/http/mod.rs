@@ -23,7 +23,7 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Serves `plane` of `app` on `listener` (over TLS when `tls` is given)
 /// until `shutdown` resolves, then drains connections. Connection limits
-/// (caps, head and idle timeouts) come from `app`'s configuration.
+/// (caps, eviction, head and idle timeouts, age) come from `app`'s configuration.
 pub async fn serve(
     app: Arc<App>,
     plane: Plane,

@@ -87,6 +87,10 @@ pub fn config(data_dir: PathBuf, seed: Option<PathBuf>) -> ServeConfig {
     config.memory_limit_mib = 256;
     config.max_instances = 64;
     config.max_infer_calls = MAX_INFER_CALLS;
+    // Every test connects from 127.0.0.1, many at once (some with hundreds
+    // of sockets): a per-address cap would set them against each other. The
+    // `connections` tests give their gateways one.
+    config.max_connections_per_ip = 0;
     config.engine = engine_config(&home);
     config.pipeline_component = guest("pipeline");
     config
