@@ -11,6 +11,10 @@
 #   (`wit_world`). componentize-py keeps only the modules imported at build
 #   time (at module level): an import inside a function fails at run time
 #   unless the module was already imported.
+#   An app that calls more of WASI than that world imports (the hostile
+#   test program calls wasi:sockets) brings a `world.wit` of its own: a
+#   package with a world `handler` that includes `script-handler` and
+#   more, using the packages of wit/; the app is built for that world.
 #
 # Tool: componentize-py, pinned, from $FACEGATE_HOME/venv (installed by
 # deploy/scripts/install-script-toolchains.sh when missing).
@@ -30,6 +34,12 @@ fi
 APP_DIR="$(cd "$1" && pwd)"
 OUT="$(realpath -m "$2")"
 [ -f "$APP_DIR/app.py" ] || { echo "build-python: $APP_DIR has no app.py" >&2; exit 1; }
+WIT=(-d "$ROOT/wit" -w script-handler)
+if [ -f "$APP_DIR/world.wit" ]; then
+  package="$(sed -n 's/^package \([^@;]*\).*;.*/\1/p' "$APP_DIR/world.wit" | head -n 1)"
+  [ -n "$package" ] || { echo "build-python: $APP_DIR/world.wit names no package" >&2; exit 1; }
+  WIT=(-d "$ROOT/wit" -d "$APP_DIR/world.wit" -w "$package/handler")
+fi
 
 if [ "$("$COMPONENTIZE_PY" --version 2>/dev/null)" != "componentize-py $COMPONENTIZE_PY_VERSION" ]; then
   "$ROOT/deploy/scripts/install-script-toolchains.sh" python
@@ -46,7 +56,7 @@ mkdir -p "$WORK/venv/lib/python3/site-packages" "$WORK/sdk"
 cp -r "$APP_DIR" "$WORK/app"
 cp -r "$ROOT/guest-sdk/python/facegate" "$WORK/sdk/facegate"
 find "$WORK/app" "$WORK/sdk" -name __pycache__ -prune -exec rm -rf {} +
-(cd "$WORK" && VIRTUAL_ENV="$WORK/venv" "$COMPONENTIZE_PY" -q -d "$ROOT/wit" -w script-handler \
+(cd "$WORK" && VIRTUAL_ENV="$WORK/venv" "$COMPONENTIZE_PY" -q "${WIT[@]}" \
   componentize -p "$WORK/app" -p "$WORK/sdk" app -o "$OUT")
 end=$(date +%s%N)
 

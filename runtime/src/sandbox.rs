@@ -268,7 +268,7 @@ impl Sandbox {
     /// Gives a warm instance's store this request's deadline, infer-call
     /// budget, memory limit, host-resource cap and an empty output capture.
     fn renew(&self, store: &mut Store<RequestState>, handler: &Handler, deadline: Instant, limits: SandboxLimits) {
-        let face = FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), deadline, limits.max_infer_calls);
+        let face = self.face_detect(handler, deadline, limits);
         let state = store.data_mut();
         state.face_detect = face;
         state.deadline = deadline;
@@ -280,8 +280,15 @@ impl Sandbox {
         store.set_epoch_deadline(1);
     }
 
+    /// The request's face-detect capability: its deadline and call budget,
+    /// its inputs charged to the node's memory budget.
+    fn face_detect(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> FaceDetectCtx {
+        let memory = self.memory.empty(&handler.tenant);
+        FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), (deadline, limits.max_infer_calls), memory)
+    }
+
     fn new_store(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> Store<RequestState> {
-        let face = FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), deadline, limits.max_infer_calls);
+        let face = self.face_detect(handler, deadline, limits);
         // One budget for all memories and tables; a growth past it traps with
         // a clear reason instead of letting the guest's allocator abort.
         let limiter = InstanceLimiter::new(limits.memory_limit, self.memory.empty(&handler.tenant));
@@ -507,6 +514,9 @@ fn log_output(handler: &Handler, request_id: &str, store: &Store<RequestState>, 
     }
     if face.overloaded_refusals > 0 {
         hits.hit(&handler.tenant, Limit::Queue);
+    }
+    if face.memory_refusals > 0 {
+        hits.hit(&handler.tenant, Limit::NodeMemory);
     }
     if store.data().hooks.take_refused_connections() > 0 {
         hits.hit(&handler.tenant, Limit::OutgoingConnections);

@@ -14,6 +14,7 @@
 //! | `recursion`   | recurses (not a tail call) without end                     | stack-overflow trap         |
 //! | `panic`       | `panic!`s (the release profile aborts: `unreachable`)      | trap                        |
 //! | `snoop`       | reads files, environment and cwd                           | 200, JSON of what it saw    |
+//! | `headers`     | answers the request's headers as it received them          | 200, JSON: name → values    |
 //! | `sockets`     | opens a TCP and a UDP socket, resolves a name (wasi:sockets) | 200, JSON of each outcome |
 //! | `bad-tensor`  | calls `face-detect.infer` with malformed tensors           | 200, JSON of each outcome   |
 //! | `many-calls`  | calls `infer` 100 times with a valid tensor                | 200, JSON: successes, error |
@@ -54,7 +55,7 @@ use facegate_guest_sdk::wasi::http::types::{
 use facegate_guest_sdk::{Error, Handler, Request, Response};
 
 /// The attacks, as `attack` accepts them (for the 400 message).
-const ATTACKS: &str = "loop, memory, recursion, panic, snoop, bad-tensor, many-calls, \
+const ATTACKS: &str = "loop, memory, recursion, panic, snoop, headers, bad-tensor, many-calls, \
                        fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap, hold, \
                        error-code, lift, fetch, fetch-many";
 /// The model every facegate host serves.
@@ -78,6 +79,7 @@ impl Handler for Hostile {
             "recursion" => Ok(Response::json(200, &json!({ "depth": recurse(0) }))),
             "panic" => panic!("hostile handler panicked on purpose"),
             "snoop" => Ok(Response::json(200, &snoop())),
+            "headers" => Ok(Response::json(200, &headers(&request))),
             "sockets" => Ok(Response::json(200, &sockets())),
             "bad-tensor" => bad_tensors(query.get("case")?),
             "many-calls" => Ok(Response::json(200, &many_calls())),
@@ -182,6 +184,19 @@ fn snoop() -> Value {
         },
         "cwd": outcome(std::env::current_dir(), |p| p.display().to_string()),
     })
+}
+
+/// The request's headers as the handler received them: each name (as
+/// sent to it) with its values, in order.
+fn headers(request: &Request) -> Value {
+    let mut seen = facegate_guest_sdk::serde_json::Map::new();
+    for (name, value) in request.headers() {
+        let values = seen.entry(name.clone()).or_insert_with(|| Value::Array(Vec::new()));
+        if let Value::Array(values) = values {
+            values.push(Value::String(String::from_utf8_lossy(value).into_owned()));
+        }
+    }
+    Value::Object(seen)
 }
 
 /// `"ok: …"` or `"error: …"`.

@@ -9,7 +9,8 @@ Any method; the query parameter `attack` picks the misbehaviour:
 |----------|------------------------------------------------------|----------------------------|
 | `loop`   | spins forever in pure computation                    | request deadline (timeout) |
 | `memory` | allocates and fills 1 MiB chunks forever, keeps them | memory-limit trap          |
-| `network`| a TCP connection to 127.0.0.1:`port`, a name lookup  | 200, JSON of each outcome  |
+| `network`| a TCP and a UDP socket, a name lookup: wasi:sockets  | 200, JSON of each outcome  |
+|          | called through its bindings (see `world.wit`)        |                            |
 | other    | nothing: answers 200 with a small JSON               | 200                        |
 """
 
@@ -17,7 +18,9 @@ import json
 from urllib.parse import parse_qs
 
 import facegate
+from componentize_py_types import Err
 from wit_world import exports
+from wit_world.imports import instance_network, ip_name_lookup, network, tcp_create_socket, udp_create_socket
 
 MIB = 1 << 20
 
@@ -36,27 +39,25 @@ def hoard():
         chunks.append(b"\xa5" * MIB)
 
 
-def network(port):
-    """Tries a TCP connection to ``port`` on the loopback and a name lookup
-    through Python's own ``socket`` module; reports what each came to
-    (componentize-py's Python has no ``socket`` module at all today; were
-    one added, the host's sockets policy would refuse it)."""
+def outcome(call):
+    """``ok`` if ``call`` succeeded, else the wasi:sockets error code it got
+    (``access-denied``, as the WIT names it)."""
     try:
-        import socket
-    except ImportError as e:
-        return {"tcp": f"unavailable: {e}", "dns": f"unavailable: {e}"}
-    outcomes = {}
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            outcomes["tcp"] = "connected"
-    except OSError as e:
-        outcomes["tcp"] = f"refused: {type(e).__name__}: {e}"
-    try:
-        socket.getaddrinfo("localhost", port)
-        outcomes["dns"] = "resolved"
-    except OSError as e:
-        outcomes["dns"] = f"refused: {type(e).__name__}: {e}"
-    return outcomes
+        call()
+    except Err as e:
+        return e.value.name.lower().replace("_", "-")
+    return "ok"
+
+
+def sockets():
+    """What wasi:sockets gives the handler, called through its bindings:
+    creating a TCP and a UDP socket, resolving a name."""
+    ipv4 = network.IpAddressFamily.IPV4
+    return {
+        "tcp": outcome(lambda: tcp_create_socket.create_tcp_socket(ipv4)),
+        "udp": outcome(lambda: udp_create_socket.create_udp_socket(ipv4)),
+        "lookup": outcome(lambda: ip_name_lookup.resolve_addresses(instance_network.instance_network(), "localhost")),
+    }
 
 
 def answer(request):
@@ -66,7 +67,7 @@ def answer(request):
         spin()
     if attack == "memory":
         hoard()
-    outcomes = network(int(query.get("port", ["80"])[0])) if attack == "network" else {}
+    outcomes = sockets() if attack == "network" else {}
     body = json.dumps({"handler": "hostile", "language": "python", "attack": attack, "outcomes": outcomes})
     return facegate.pipeline.Reply(status=200, headers=[("content-type", "application/json")], body=body.encode())
 

@@ -15,6 +15,7 @@ use facegate_host_gpu::{InferError, InferRequest, ModelSpec, Models, TensorSpec}
 use wasmtime::component::{HasData, Linker};
 
 use self::bindings::facegate::face_detect::face_detect as wit;
+use crate::admission::memory::Charge;
 
 /// Per-request state of the `face-detect` capability.
 pub struct FaceDetectCtx {
@@ -28,12 +29,30 @@ pub struct FaceDetectCtx {
     pub quota_refusals: u32,
     /// `infer` calls refused because the queue (global or the tenant's) was full.
     pub overloaded_refusals: u32,
+    /// `infer` calls refused because the node's memory budget could not
+    /// hold their input while it waits for a batch.
+    pub memory_refusals: u32,
+    /// The input of the call in flight, in the node's memory budget: the
+    /// host's copy waits in the batcher's queue, outside the guest's memory.
+    memory: Charge,
 }
 
 impl FaceDetectCtx {
-    /// A context for one request of `tenant`, allowed `max_calls` inferences before `deadline`.
-    pub fn new(models: Models, tenant: Arc<str>, deadline: Instant, max_calls: u32) -> Self {
-        Self { models, tenant, deadline, calls_left: max_calls, infer_time: Duration::ZERO, quota_refusals: 0, overloaded_refusals: 0 }
+    /// A context for one request of `tenant`, allowed `max_calls` inferences
+    /// before `deadline`; each call's input is charged to `memory` (a charge
+    /// of the tenant's) while it is in flight.
+    pub fn new(models: Models, tenant: Arc<str>, (deadline, max_calls): (Instant, u32), memory: Charge) -> Self {
+        Self {
+            models,
+            tenant,
+            deadline,
+            calls_left: max_calls,
+            infer_time: Duration::ZERO,
+            quota_refusals: 0,
+            overloaded_refusals: 0,
+            memory_refusals: 0,
+            memory,
+        }
     }
 }
 
@@ -75,9 +94,15 @@ impl wit::Host for FaceDetectView<'_> {
             Ok(t) => t,
             Err(e) => return Ok(Err(e)),
         };
+        if self.ctx.memory.resize(input.data().len()).is_err() {
+            self.ctx.memory_refusals += 1;
+            return Ok(Err(wit::Error::Overloaded));
+        }
         let request = InferRequest { tenant: Arc::clone(&self.ctx.tenant), input, deadline: self.ctx.deadline };
         let started = Instant::now();
         let result = self.ctx.models.infer(&model, request).await;
+        // Shrinking always succeeds.
+        let _ = self.ctx.memory.resize(0);
         self.ctx.infer_time += started.elapsed();
         self.ctx.overloaded_refusals += u32::from(matches!(result, Err(InferError::Overloaded)));
         Ok(result.map(|outputs| outputs.into_iter().map(to_wit_tensor).collect()).map_err(to_wit_error))
@@ -167,7 +192,11 @@ mod tests {
     }
 
     fn ctx(max_calls: u32) -> FaceDetectCtx {
-        FaceDetectCtx::new(models(), "t".into(), Instant::now() + Duration::from_secs(5), max_calls)
+        ctx_in(max_calls, &crate::admission::memory::MemoryBudget::new(usize::MAX))
+    }
+
+    fn ctx_in(max_calls: u32, budget: &Arc<crate::admission::memory::MemoryBudget>) -> FaceDetectCtx {
+        FaceDetectCtx::new(models(), "t".into(), (Instant::now() + Duration::from_secs(5), max_calls), budget.empty(&"t".into()))
     }
 
     fn tensor(data: Vec<u8>) -> wit::Tensor {
@@ -206,6 +235,18 @@ mod tests {
         assert!(view.infer("fake".into(), tensor(vec![1])).await.unwrap().is_ok());
         let err = view.infer("fake".into(), tensor(vec![1])).await.unwrap().unwrap_err();
         assert!(matches!(err, wit::Error::QuotaExceeded(_)));
+    }
+
+    #[tokio::test]
+    async fn an_input_the_node_cannot_hold_is_refused_and_a_call_gives_its_charge_back() {
+        let budget = crate::admission::memory::MemoryBudget::new(1 << 20);
+        let mut ctx = ctx_in(4, &budget);
+        let mut view = FaceDetectView::new(&mut ctx);
+        let err = view.infer("fake".into(), tensor(vec![1; 2 << 20])).await.unwrap().unwrap_err();
+        assert!(matches!(err, wit::Error::Overloaded));
+        assert!(view.infer("fake".into(), tensor(vec![1; 4096])).await.unwrap().is_ok());
+        assert_eq!(budget.used(), 0, "the input's charge ends with its call");
+        assert_eq!(ctx.memory_refusals, 1);
     }
 
     #[tokio::test]

@@ -2,7 +2,9 @@
 //! upload validation, API keys, per-tenant limits, hot swap and rollback
 //! under load, and the `facegate` CLI. Each test uses tenants of its own.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -215,8 +217,8 @@ fn tenant_limits_apply_per_tenant() {
     let statuses: Vec<u16> = (0..2).map(|_| client.post(url("/v1/rate/detect")).send().unwrap().status().as_u16()).collect();
     assert_eq!(statuses, [400, 400], "an empty body reaches the handler, which refuses it");
     let response = client.post(url("/v1/rate/detect")).send().unwrap();
-    assert_eq!(response.status(), 429);
     assert!(response.headers()["retry-after"].to_str().unwrap().parse::<u32>().unwrap() >= 1);
+    assert_eq!(refusal(response), (429, "rate_limited".to_owned()));
 
     // Body size, deadline and face-detect calls.
     let key = tenant_with_key("small", json!({ "max_body_bytes": 1000, "timeout_ms": 700, "max_infer_calls": 1 }));
@@ -227,8 +229,10 @@ fn tenant_limits_apply_per_tenant() {
     assert_eq!(response.status(), 413);
     let started = Instant::now();
     let response = client.get(url("/v1/small/attack?attack=loop")).send().unwrap();
-    assert_eq!(response.status(), 504);
-    assert!(started.elapsed() < Duration::from_millis(700 + 1500), "took {:?}", started.elapsed());
+    let took = started.elapsed();
+    assert_eq!(refusal(response), (504, "handler_timeout".to_owned()));
+    // Stopped at the tenant's deadline, not the server's (5 s), nor before it.
+    assert!(took >= Duration::from_millis(700) && took < Duration::from_millis(700 + 1500), "took {took:?}");
     let body: Value = client.get(url("/v1/small/attack?attack=many-calls")).send().unwrap().json().unwrap();
     assert_eq!(body["succeeded"], 1, "{body}");
 
@@ -251,7 +255,8 @@ fn tenant_limits_apply_per_tenant() {
     };
     std::thread::sleep(Duration::from_millis(1500));
     let response = client_with_key(&key).get(url("/v1/single/attack?attack=panic")).send().unwrap();
-    assert_eq!(response.status(), 429);
+    assert!(response.headers()["retry-after"].to_str().unwrap().parse::<u32>().unwrap() >= 1);
+    assert_eq!(refusal(response), (429, "concurrency_limited".to_owned()));
     assert_eq!(busy.join().unwrap(), 504);
 
     // Limits above the server's ceilings, or nonsensical, are refused.
@@ -264,6 +269,104 @@ fn tenant_limits_apply_per_tenant() {
         let (status, body) = admin_json(admin(Method::POST, "tenants").json(&json!({ "name": "greedy", "limits": limits })));
         assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid")), "{body}");
         assert!(body["error"]["message"].as_str().unwrap().contains(named), "{body}");
+    }
+}
+
+/// Sends `head` (a request's head, `Connection: close`) and `body` over a
+/// connection of its own to `addr`; the raw answer, read until the close
+/// or for `wait` at most.
+fn raw_exchange(addr: SocketAddr, head: &str, body: &[u8], wait: Duration) -> String {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(body).unwrap();
+    stream.set_read_timeout(Some(wait)).unwrap();
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer);
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// A body that arrives slower than the tenant's deadline is answered 408
+/// `body_timeout` once the deadline has passed (not before), and counted
+/// against the tenant.
+#[test]
+fn a_body_slower_than_the_deadline_gets_408() {
+    const DEADLINE: Duration = Duration::from_millis(800);
+    let key = tenant_with_key("slow-body", json!({ "timeout_ms": DEADLINE.as_millis() }));
+    assert_eq!(upload("slow-body", "detect", component("detect"), true).0, 201);
+    let head = format!(
+        "POST /v1/slow-body/detect HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Length: 100000\r\nConnection: close\r\n\r\n"
+    );
+    let started = Instant::now();
+    // A tenth of the body, then nothing.
+    let answer = raw_exchange(gateway().addr, &head, &[0; 10_000], Duration::from_secs(30));
+    let took = started.elapsed();
+    assert!(answer.starts_with("HTTP/1.1 408") && answer.contains("\"body_timeout\""), "{answer}");
+    assert!(took >= DEADLINE, "answered after {took:?}, before the deadline");
+    let hits = crate::harness::metric(&metrics(), "facegate_limit_hits_total{tenant=\"slow-body\",limit=\"body_timeout\"}");
+    assert_eq!(hits, Some(1.0));
+}
+
+/// An upload declared larger than `--max-component-bytes` (64 MiB by
+/// default) is refused 413 `body_too_large` from its `Content-Length`,
+/// before any of its body is sent; nothing is stored.
+#[test]
+fn a_component_past_the_upload_limit_gets_413() {
+    let limit = crate::harness::config(std::path::PathBuf::from("/nonexistent"), None).max_component_bytes;
+    let (status, body) = admin_json(admin(Method::POST, "tenants").json(&json!({ "name": "big-upload" })));
+    assert_eq!(status, 201, "{body}");
+    let head = format!(
+        "PUT /admin/v1/tenants/big-upload/handlers/h HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        limit + 1
+    );
+    let answer = raw_exchange(gateway().addr, &head, &[], Duration::from_secs(30));
+    assert!(answer.starts_with("HTTP/1.1 413") && answer.contains("\"body_too_large\""), "{answer}");
+    let (status, body) = admin_json(admin(Method::GET, "tenants/big-upload/handlers/h/versions"));
+    assert_eq!(status, 404, "nothing stored: {body}");
+}
+
+/// Past the compile pool's bound — one compile thread here: one upload
+/// compiling, two waiting — an upload is refused 503 `busy` with
+/// `Retry-After`, from its head alone (before its body is read); the three
+/// in the pool are all stored. A gateway of its own, whose pool only this
+/// test fills.
+#[test]
+fn an_upload_past_the_compile_bound_gets_503_busy() {
+    let mut config = crate::harness::config(crate::harness::fresh_dir("busy-uploads"), None);
+    config.compile_threads = 1;
+    let addr = crate::harness::start(config);
+    let admin_at =
+        |method: Method, path: &str| anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(ADMIN_TOKEN);
+    assert_eq!(admin_json(admin_at(Method::POST, "tenants").json(&json!({ "name": "t" }))).0, 201);
+    // Only a head: the gateway answers at once if it refuses, else waits for the body.
+    let head = format!(
+        "PUT /admin/v1/tenants/t/handlers/probe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: 1000000\r\nConnection: close\r\n\r\n"
+    );
+    let finished = AtomicUsize::new(0);
+    let (refusal, stored) = std::thread::scope(|s| {
+        // Three different components (the same bytes again might not be compiled again).
+        let uploads: Vec<_> = ["detect", "blur", "crop"]
+            .into_iter()
+            .map(|name| {
+                let (admin_at, finished) = (&admin_at, &finished);
+                s.spawn(move || {
+                    let answer = admin_json(admin_at(Method::PUT, &format!("tenants/t/handlers/{name}")).body(component(name)));
+                    finished.fetch_add(1, Ordering::SeqCst);
+                    answer
+                })
+            })
+            .collect();
+        let mut refusal = None;
+        while refusal.is_none() && finished.load(Ordering::SeqCst) < 3 {
+            let answer = raw_exchange(addr, &head, &[], Duration::from_millis(150));
+            refusal = (!answer.is_empty()).then_some(answer);
+        }
+        (refusal, uploads.into_iter().map(|u| u.join().unwrap()).collect::<Vec<_>>())
+    });
+    let refusal = refusal.expect("no upload was refused while three filled the pool");
+    assert!(refusal.starts_with("HTTP/1.1 503") && refusal.contains("\"busy\""), "{refusal}");
+    assert!(refusal.to_ascii_lowercase().contains("\r\nretry-after: "), "{refusal}");
+    for (status, body) in &stored {
+        assert_eq!(*status, 201, "{body}");
     }
 }
 
@@ -385,8 +488,8 @@ fn tenant_state_follows_limit_changes_and_deletion() {
     assert_eq!((status, body["limits"]["max_concurrency"].as_u64()), (200, Some(2)), "{body}");
     let second = looping(&key);
     std::thread::sleep(Duration::from_millis(500));
-    let third = client.get(url("/v1/follow/attack?attack=panic")).send().unwrap().status().as_u16();
-    assert_eq!(third, 429, "two running, the limit is two");
+    let third = refusal(client.get(url("/v1/follow/attack?attack=panic")).send().unwrap());
+    assert_eq!(third, (429, "concurrency_limited".to_owned()), "two running, the limit is two");
     assert_eq!((first.join().unwrap(), second.join().unwrap()), (504, 504));
 
     let before = metrics();
@@ -407,6 +510,13 @@ fn tenant_state_follows_limit_changes_and_deletion() {
     );
     assert_eq!(body["handlers"], json!([]), "no handler of the old tenant: {body}");
     assert_eq!(client_with_key(&key).get(url("/v1/follow/attack?attack=panic")).send().unwrap().status(), 404);
+}
+
+/// A refusal's status and JSON error code.
+fn refusal(response: reqwest::blocking::Response) -> (u16, String) {
+    let status = response.status().as_u16();
+    let body: Value = response.json().unwrap_or(Value::Null);
+    (status, body["error"]["code"].as_str().unwrap_or_default().to_owned())
 }
 
 fn metrics() -> String {

@@ -209,17 +209,48 @@ fn blur_returns_a_jpeg_of_the_same_size() {
     assert!(outside < 2.0, "mean change per channel outside the face: {outside:.2}");
 }
 
+/// Default `margin` of the `crop` handler: each box grows by a fifth of its size on every side.
+const CROP_MARGIN: f64 = 0.2;
+/// Mean difference per channel tolerated between a crop and its region of
+/// the photo: JPEG's re-encoding at quality 85 (the guest's decoder and
+/// the `image` crate's agree within about one level).
+const CROP_TOLERANCE: f64 = 6.0;
+
+/// One crop per face: each is its box grown by the margin (rounded
+/// outwards, clipped to the photo), and its JPEG decodes to a picture of
+/// that region's size showing that region of the photo.
 #[test]
 fn crop_returns_one_crop_per_face() {
-    let response = client().post(url("/v1/demo/crop")).body(image("city.jpg")).send().unwrap();
+    use base64::Engine as _;
+    let photo = image("city.jpg");
+    let response = client().post(url("/v1/demo/crop")).body(photo.clone()).send().unwrap();
     assert_eq!(response.status(), 200);
     let body: Value = response.json().unwrap();
     let faces = body["faces"].as_array().unwrap();
     assert_eq!(faces.len(), reference("city.jpg").0.len());
+    let original = image::load_from_memory(&photo).unwrap().to_rgb8();
     for face in faces {
+        let b = four(&face["box"]);
         let crop = &face["crop"];
-        assert!(crop["width"].as_u64().unwrap() > 0 && crop["height"].as_u64().unwrap() > 0);
-        assert!(crop["jpeg_base64"].as_str().unwrap().starts_with("/9j/"), "base64 of a JPEG");
+        let at = |k: &str| u32::try_from(crop[k].as_u64().unwrap()).unwrap();
+        let (x, y, width, height) = (at("x"), at("y"), at("width"), at("height"));
+        let (mx, my) = ((b[2] - b[0]) * CROP_MARGIN, (b[3] - b[1]) * CROP_MARGIN);
+        let expected = [
+            (b[0] - mx).floor().max(0.0),
+            (b[1] - my).floor().max(0.0),
+            (b[2] + mx).ceil().min(f64::from(original.width())),
+            (b[3] + my).ceil().min(f64::from(original.height())),
+        ];
+        let region = [x, y, x + width, y + height].map(f64::from);
+        // The box is answered to a tenth of a pixel: its rounding may move an edge by one.
+        assert!(region.iter().zip(expected).all(|(r, e)| (r - e).abs() <= 1.0), "crop {region:?} of box {b:?}: expected {expected:?}");
+        let jpeg = base64::engine::general_purpose::STANDARD.decode(crop["jpeg_base64"].as_str().unwrap()).unwrap();
+        assert_eq!(image::guess_format(&jpeg).unwrap(), image::ImageFormat::Jpeg);
+        let decoded = image::load_from_memory(&jpeg).expect("the crop decodes").to_rgb8();
+        assert_eq!(decoded.dimensions(), (width, height), "box {b:?}");
+        let there = image::imageops::crop_imm(&original, x, y, width, height).to_image();
+        let differs = mean_change(&decoded, &there, |_, _| true);
+        assert!(differs < CROP_TOLERANCE, "the crop of box {b:?} differs from its region by {differs:.2} levels a channel");
     }
 }
 

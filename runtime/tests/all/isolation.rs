@@ -1,31 +1,222 @@
 //! Isolation under attack: what a hostile handler (guests/hostile) makes the
-//! host do is bounded and charged to its tenant. Each attack ends with its
-//! documented status while a neighbour tenant keeps being served — requests
-//! that overlap the attack, checked by their start and end — `/healthz`
-//! keeps answering, and the gateway's peak RSS stays inside a stated bound.
+//! host do is bounded and charged to its tenant. Each attack runs on a
+//! gateway of its own, a `facegate serve` child process (so that its RSS is
+//! the gateway's alone, not the test process's with every other test's
+//! gateways in it), and ends with its documented status while a neighbour
+//! tenant keeps being served — requests that overlap the attack, checked
+//! by their start and end — `/healthz` keeps answering, and the gateway's
+//! peak RSS stays within one attacking request's limits.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::sync::Mutex;
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::harness::{self, ADMIN_TOKEN, anonymous, client_as, client_with_key, image, url};
+use crate::harness::{self, ADMIN_TOKEN, MAX_INFER_CALLS, REQUEST_TIMEOUT_MS, anonymous, client_with_key, image};
+use crate::process::Server;
 
-/// Memory limit of the test gateway's tenants (harness::config).
+/// Memory limit of the attacked gateway's tenants (`--memory-limit-mib`).
 const TENANT_MEMORY_MIB: u64 = 256;
-/// Fixed margin over the tenants' memory for the model, its batch buffers
-/// and the runtime's own allocations.
-const RSS_MARGIN_MIB: u64 = 400;
+/// What the gateway may hold over its warmed-up baseline beside one
+/// attacking request's limits: the neighbour's request (its instance and
+/// image buffers) and the allocators' slack.
+const NEIGHBOUR_AND_SLACK_MIB: u64 = 96;
 /// Slowest `/healthz` answer tolerated during an attack (generous: 2 cores, a model running).
 const HEALTH_BOUND: Duration = Duration::from_secs(2);
 
-fn rss_mib() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+/// The resident memory of process `pid`, MiB.
+pub(crate) fn rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
     line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
+}
+
+/// The bound on the attacked gateway's RSS growth: one attacking
+/// request's limits — its tenant's memory and the host resources it may
+/// hold — and the neighbour's share.
+pub(crate) fn one_instance_bound() -> u64 {
+    let host = facegate::state::host_memory_bound(facegate::state::DEFAULT_MAX_HOST_RESOURCES) as u64 >> 20;
+    TENANT_MEMORY_MIB + host + NEIGHBOUR_AND_SLACK_MIB
+}
+
+/// The flags of every attacked gateway: the shared test gateway's limits.
+fn attacked_flags() -> Vec<String> {
+    [
+        ("--request-timeout-ms", REQUEST_TIMEOUT_MS.to_string()),
+        ("--max-infer-calls", MAX_INFER_CALLS.to_string()),
+        ("--memory-limit-mib", TENANT_MEMORY_MIB.to_string()),
+        ("--max-body-bytes", harness::MAX_BODY_BYTES.to_string()),
+    ]
+    .into_iter()
+    .flat_map(|(flag, value)| [flag.to_owned(), value])
+    .collect()
+}
+
+/// A data directory made ready once: a `facegate serve` seeded from `seed`
+/// (its handlers compiled), then `setup` run against it (deploys), then
+/// stopped cleanly. Each [`Attacked`] gateway starts from a copy of it in
+/// a fraction of a second.
+pub(crate) fn prepare(name: &str, seed: &Path, setup: impl FnOnce(&Server)) -> PathBuf {
+    let data = harness::fresh_dir(name);
+    let mut flags = vec!["--seed-dir".to_owned(), seed.to_str().unwrap().to_owned()];
+    flags.extend(attacked_flags());
+    let mut server = Server::start_with(&data, &flags.iter().map(String::as_str).collect::<Vec<_>>());
+    setup(&server);
+    server.terminate();
+    let status = server.wait_exit(facegate::http::SHUTDOWN_GRACE).expect("the preparing gateway exits once drained");
+    assert!(status.success(), "the preparing gateway exited with {status}");
+    data
+}
+
+/// The default prepared data directory: tenant `demo` serves `detect`
+/// (the neighbour), tenant `evil` the hostile test program as `attack`.
+fn prepared() -> &'static Path {
+    static PREPARED: OnceLock<PathBuf> = OnceLock::new();
+    PREPARED.get_or_init(|| {
+        let seed = harness::fresh_dir("attacked-seed");
+        harness::install(&seed, "demo", "detect", &harness::guest("detect"));
+        harness::install(&seed, "evil", "attack", &harness::guest("hostile"));
+        prepare("attacked-prepared", &seed, |_| {})
+    })
+}
+
+/// A gateway of one test's own, to attack: a `facegate serve` child
+/// process started from a copy of a prepared data directory, warmed up (the
+/// model has run, both tenants' handlers have been instantiated).
+pub(crate) struct Attacked {
+    server: Server,
+    data: PathBuf,
+}
+
+impl Attacked {
+    /// A gateway with `demo/detect` and `evil/attack` (see [`prepared`]).
+    pub(crate) fn start(name: &str) -> Self {
+        Self::start_from(prepared(), name)
+    }
+
+    /// A gateway started from a copy of `prepared` (which has tenant
+    /// `demo` with `detect`, and `evil`), named `name`.
+    pub(crate) fn start_from(prepared: &Path, name: &str) -> Self {
+        let data = harness::fresh_dir(name);
+        let copied = std::process::Command::new("cp").arg("-a").arg(prepared).arg(&data).status().unwrap();
+        assert!(copied.success(), "cp -a {} {}", prepared.display(), data.display());
+        let flags = attacked_flags();
+        let server = Server::start_with(&data, &flags.iter().map(String::as_str).collect::<Vec<_>>());
+        let gateway = Self { server, data };
+        let warm = client_with_key(&gateway.key("demo")).post(gateway.url("/v1/demo/detect")).body(image("grace_hopper.jpg"));
+        assert_eq!(warm.send().unwrap().status(), 200);
+        assert_eq!(gateway.attack("attack=headers").0, 200);
+        gateway
+    }
+
+    /// Where it listens.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.server.addr
+    }
+
+    /// Its resident memory, MiB.
+    pub(crate) fn rss_mib(&self) -> u64 {
+        rss_mib(self.server.pid())
+    }
+
+    /// `http://<gateway>/<path>`.
+    pub(crate) fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.server.addr)
+    }
+
+    /// The key its seed wrote for `tenant`.
+    pub(crate) fn key(&self, tenant: &str) -> String {
+        std::fs::read_to_string(self.data.join(format!("{tenant}.key"))).unwrap().trim().to_owned()
+    }
+
+    /// An admin API request to it.
+    pub(crate) fn admin(&self, method: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
+        self.server.admin(method, path)
+    }
+
+    /// Its `/metrics`.
+    pub(crate) fn metrics(&self) -> String {
+        anonymous().get(self.url("/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap()
+    }
+
+    /// `evil/attack?<query>`: the status and the JSON answer.
+    pub(crate) fn attack(&self, query: &str) -> (u16, Value) {
+        let response = client_with_key(&self.key("evil")).get(self.url(&format!("/v1/evil/attack?{query}"))).send().unwrap();
+        let status = response.status().as_u16();
+        (status, response.json().unwrap_or(Value::Null))
+    }
+
+    /// Runs `attack` `repeats` times, each time while a neighbour's request
+    /// to `demo/detect` is in flight (so they overlap), with `/healthz`
+    /// polled and this gateway's RSS sampled throughout.
+    pub(crate) fn under_attack<T: Send>(&self, repeats: usize, mut attack: impl FnMut() -> T + Send) -> Observed<Vec<T>> {
+        let baseline = self.rss_mib();
+        let in_flight = AtomicBool::new(false);
+        let stop = AtomicBool::new(false);
+        let peak = AtomicU64::new(baseline);
+        let slowest = Mutex::new(Duration::ZERO);
+        let demo = self.key("demo");
+        std::thread::scope(|s| {
+            let neighbour = s.spawn(|| {
+                let (client, photo) = (client_with_key(&demo), image("grace_hopper.jpg"));
+                let mut seen = Vec::new();
+                while !stop.load(Ordering::SeqCst) || seen.is_empty() {
+                    let start = Instant::now();
+                    in_flight.store(true, Ordering::SeqCst);
+                    let status = client.post(self.url("/v1/demo/detect")).body(photo.clone()).send().unwrap().status().as_u16();
+                    in_flight.store(false, Ordering::SeqCst);
+                    seen.push((start, Instant::now(), status));
+                }
+                seen
+            });
+            s.spawn(|| {
+                while !stop.load(Ordering::SeqCst) {
+                    peak.fetch_max(self.rss_mib(), Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            });
+            s.spawn(|| {
+                let client = anonymous();
+                while !stop.load(Ordering::SeqCst) {
+                    let start = Instant::now();
+                    let ok = client.get(self.url("/healthz")).send().is_ok_and(|r| r.status().is_success());
+                    let took = if ok { start.elapsed() } else { Duration::MAX };
+                    let mut slowest = slowest.lock().unwrap();
+                    *slowest = (*slowest).max(took);
+                    drop(slowest);
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            });
+            // Stops the helpers however the attacks end: the scope joins them
+            // before it passes on an attack's panic.
+            let stopper = StopOnDrop(&stop);
+            let mut windows = Vec::new();
+            let results = (0..repeats)
+                .map(|_| {
+                    while !in_flight.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    let from = Instant::now();
+                    let result = attack();
+                    windows.push((from, Instant::now()));
+                    result
+                })
+                .collect();
+            drop(stopper);
+            let neighbour = neighbour.join().unwrap();
+            Observed {
+                attack: results,
+                windows,
+                neighbour,
+                slowest_health: *slowest.lock().unwrap(),
+                peak_rss_growth_mib: peak.load(Ordering::SeqCst).saturating_sub(baseline),
+            }
+        })
+    }
 }
 
 /// What happened around one attack (or a few in a row).
@@ -37,7 +228,8 @@ pub(crate) struct Observed<T> {
     /// (start, end, status) of each neighbour request.
     neighbour: Vec<(Instant, Instant, u16)>,
     slowest_health: Duration,
-    peak_rss_growth_mib: u64,
+    /// How far the attacked gateway's RSS rose over its baseline, MiB.
+    pub(crate) peak_rss_growth_mib: u64,
 }
 
 impl<T> Observed<T> {
@@ -51,77 +243,9 @@ impl<T> Observed<T> {
             assert!(overlapping >= 1, "no neighbour request overlapped attack {i} ({} requests)", statuses.len());
         }
         assert!(self.slowest_health < HEALTH_BOUND, "/healthz took {:?} during the attack", self.slowest_health);
+        eprintln!("the attacked gateway's RSS peaked {} MiB over its baseline (bound {bound_mib})", self.peak_rss_growth_mib);
         assert!(self.peak_rss_growth_mib < bound_mib, "RSS peaked {} MiB over the baseline (bound {bound_mib})", self.peak_rss_growth_mib);
     }
-}
-
-/// Runs `attack` `repeats` times, each time while a neighbour's request to
-/// `demo/detect` is in flight (so they overlap), with `/healthz` polled and
-/// RSS sampled throughout.
-pub(crate) fn under_attack<T: Send>(repeats: usize, mut attack: impl FnMut() -> T + Send) -> Observed<Vec<T>> {
-    // Started (model loaded, handlers compiled) before anything is measured.
-    harness::gateway();
-    let baseline = rss_mib();
-    let in_flight = AtomicBool::new(false);
-    let stop = AtomicBool::new(false);
-    let peak = AtomicU64::new(baseline);
-    let slowest = Mutex::new(Duration::ZERO);
-    std::thread::scope(|s| {
-        let neighbour = s.spawn(|| {
-            let (client, photo) = (client_as("demo"), image("grace_hopper.jpg"));
-            let mut seen = Vec::new();
-            while !stop.load(Ordering::SeqCst) || seen.is_empty() {
-                let start = Instant::now();
-                in_flight.store(true, Ordering::SeqCst);
-                let status = client.post(url("/v1/demo/detect")).body(photo.clone()).send().unwrap().status().as_u16();
-                in_flight.store(false, Ordering::SeqCst);
-                seen.push((start, Instant::now(), status));
-            }
-            seen
-        });
-        s.spawn(|| {
-            while !stop.load(Ordering::SeqCst) {
-                peak.fetch_max(rss_mib(), Ordering::SeqCst);
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        });
-        s.spawn(|| {
-            let client = anonymous();
-            while !stop.load(Ordering::SeqCst) {
-                let start = Instant::now();
-                let ok = client.get(url("/healthz")).send().is_ok_and(|r| r.status().is_success());
-                let took = if ok { start.elapsed() } else { Duration::MAX };
-                let mut slowest = slowest.lock().unwrap();
-                *slowest = (*slowest).max(took);
-                drop(slowest);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        });
-        // Stops the helpers however the attacks end: the scope joins them
-        // before it passes on an attack's panic.
-        let stopper = StopOnDrop(&stop);
-        let mut windows = Vec::new();
-        let results = (0..repeats)
-            .map(|_| {
-                while !in_flight.load(Ordering::SeqCst) {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                let from = Instant::now();
-                let result = attack();
-                windows.push((from, Instant::now()));
-                result
-            })
-            .collect();
-        drop(stopper);
-        let neighbour = neighbour.join().unwrap();
-        Observed {
-            attack: results,
-            windows,
-            neighbour,
-            slowest_health: *slowest.lock().unwrap(),
-            peak_rss_growth_mib: peak.load(Ordering::SeqCst).saturating_sub(baseline),
-        }
-    })
 }
 
 /// Sets its flag when dropped, unwinding included.
@@ -133,20 +257,9 @@ impl Drop for StopOnDrop<'_> {
     }
 }
 
-fn attack(query: &str) -> (u16, Value) {
-    let response = client_as("evil").get(url(&format!("/v1/evil/attack?{query}"))).send().unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().unwrap_or(Value::Null))
-}
-
-/// The bound for one attacking instance plus the neighbour's.
-pub(crate) fn one_instance_bound() -> u64 {
-    let host = facegate::state::host_memory_bound(facegate::state::DEFAULT_MAX_HOST_RESOURCES) as u64 >> 20;
-    2 * (TENANT_MEMORY_MIB + host) + RSS_MARGIN_MIB
-}
-
-fn assert_resource_limit(query: &str) {
-    let observed = under_attack(3, || attack(query));
+fn assert_resource_limit(name: &str, query: &str) {
+    let gateway = Attacked::start(name);
+    let observed = gateway.under_attack(3, || gateway.attack(query));
     for (status, body) in &observed.attack {
         assert_eq!((*status, body["error"]["code"].as_str()), (500, Some("resource_limit")), "{query}: {body}");
     }
@@ -155,40 +268,46 @@ fn assert_resource_limit(query: &str) {
 
 #[test]
 fn hoarded_header_fields_end_the_request_at_the_resource_limit() {
-    assert_resource_limit("attack=fields");
+    assert_resource_limit("attacked-fields", "attack=fields");
 }
 
 #[test]
 fn a_header_map_past_its_size_limit_ends_the_request() {
-    assert_resource_limit("attack=fields&per=100000");
+    assert_resource_limit("attacked-field-size", "attack=fields&per=100000");
 }
 
 #[test]
 fn hoarded_bodies_end_the_request_at_the_resource_limit() {
-    assert_resource_limit("attack=bodies");
+    assert_resource_limit("attacked-bodies", "attack=bodies");
 }
 
 #[test]
 fn hoarded_pollables_end_the_request_at_the_resource_limit() {
-    assert_resource_limit("attack=pollables");
+    assert_resource_limit("attacked-pollables", "attack=pollables");
 }
 
 #[test]
 fn a_huge_random_request_ends_at_the_resource_limit() {
-    assert_resource_limit("attack=random");
+    assert_resource_limit("attacked-random", "attack=random");
 }
 
 #[test]
 fn random_bytes_in_a_loop_stall_nobody_and_stop_at_the_deadline() {
-    let observed = under_attack(1, || attack("attack=random-loop"));
-    let (status, body) = &observed.attack[0];
+    let gateway = Attacked::start("attacked-random-loop");
+    let observed = gateway.under_attack(1, || {
+        let started = Instant::now();
+        (gateway.attack("attack=random-loop"), started.elapsed())
+    });
+    let ((status, body), took) = &observed.attack[0];
     assert_eq!((*status, body["error"]["code"].as_str()), (504, Some("handler_timeout")), "{body}");
+    assert!(*took >= Duration::from_millis(REQUEST_TIMEOUT_MS), "stopped after {took:?}, before the deadline");
     observed.assert_isolated(one_instance_bound());
 }
 
 #[test]
 fn a_memory_bomb_peaks_within_the_tenant_limit() {
-    let observed = under_attack(3, || attack("attack=memory"));
+    let gateway = Attacked::start("attacked-memory");
+    let observed = gateway.under_attack(3, || gateway.attack("attack=memory"));
     for (status, body) in &observed.attack {
         assert_eq!((*status, body["error"]["code"].as_str()), (500, Some("handler_trapped")), "{body}");
         assert!(body["error"]["message"].as_str().unwrap().contains("memory limit"), "{body}");
@@ -196,20 +315,21 @@ fn a_memory_bomb_peaks_within_the_tenant_limit() {
     observed.assert_isolated(one_instance_bound());
 }
 
-fn limit_hits(tenant: &str, limit: &str) -> u64 {
-    let text = anonymous().get(url("/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
+fn limit_hits(gateway: &Attacked, tenant: &str, limit: &str) -> u64 {
+    let text = gateway.metrics();
     let series = format!("facegate_limit_hits_total{{tenant=\"{tenant}\",limit=\"{limit}\"}} ");
     text.lines().find_map(|l| l.strip_prefix(&series)).map_or(0, |v| v.trim().parse().unwrap())
 }
 
 #[test]
 fn a_stderr_flood_is_cut_and_counted_not_fatal() {
-    let before = limit_hits("evil", "output");
-    let observed = under_attack(1, || attack("attack=stderr"));
+    let gateway = Attacked::start("attacked-stderr");
+    let before = limit_hits(&gateway, "evil", "output");
+    let observed = gateway.under_attack(1, || gateway.attack("attack=stderr"));
     let (status, body) = &observed.attack[0];
     assert_eq!(*status, 200, "the flood does not stop the handler: {body}");
     assert!(body["written"].as_u64().unwrap() >= 64 << 20, "{body}");
-    assert!(limit_hits("evil", "output") > before, "dropped output is counted");
+    assert!(limit_hits(&gateway, "evil", "output") > before, "dropped output is counted");
     observed.assert_isolated(one_instance_bound());
 }
 
@@ -366,7 +486,8 @@ fn busy_tenants_share_device_time_whatever_their_image_sizes() {
 /// and charged, and cost the neighbour only its share of the device.
 #[test]
 fn large_tensors_are_served_beside_a_neighbour() {
-    let observed = under_attack(2, || attack("attack=big-tensor&side=1280&n=2"));
+    let gateway = Attacked::start("attacked-big-tensor");
+    let observed = gateway.under_attack(2, || gateway.attack("attack=big-tensor&side=1280&n=2"));
     for (status, body) in &observed.attack {
         assert_eq!((*status, &body["outcomes"]), (200, &serde_json::json!(["ok", "ok"])), "{body}");
     }
@@ -378,8 +499,9 @@ fn large_tensors_are_served_beside_a_neighbour() {
 /// neighbour served, `/healthz` answering and the gateway's memory flat.
 #[test]
 fn silent_and_half_open_connections_cost_the_neighbour_nothing() {
-    let observed = under_attack(1, || {
-        let addr = harness::gateway().addr;
+    let gateway = Attacked::start("attacked-sockets");
+    let observed = gateway.under_attack(1, || {
+        let addr = gateway.addr();
         let silent: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(addr).unwrap()).collect();
         let half: Vec<TcpStream> = (0..100)
             .map(|_| {
@@ -402,9 +524,9 @@ fn silent_and_half_open_connections_cost_the_neighbour_nothing() {
 #[test]
 fn uploads_compile_beside_a_neighbour() {
     let component = std::fs::read(harness::guest("detect")).unwrap();
-    let observed = under_attack(2, || {
-        let request = harness::admin(reqwest::Method::PUT, "tenants/evil/handlers/uploaded?activate=false").body(component.clone());
-        harness::admin_json(request)
+    let gateway = Attacked::start("attacked-uploads");
+    let observed = gateway.under_attack(2, || {
+        harness::admin_json(gateway.admin(reqwest::Method::PUT, "tenants/evil/handlers/uploaded?activate=false").body(component.clone()))
     });
     for (status, body) in &observed.attack {
         assert_eq!(*status, 201, "{body}");

@@ -16,6 +16,7 @@ mod harness;
 mod hostile;
 mod isolation;
 mod process;
+mod queue;
 mod restart;
 mod scripts;
 mod secrets;

@@ -1,5 +1,5 @@
 //! HTTPS: a gateway started with `--tls-cert`/`--tls-key` answers over TLS
-//! (and not in clear text); an admin listener started with
+//! (and not in clear text), HTTP/2 to clients that offer it by ALPN; an admin listener started with
 //! `--admin-tls-cert`/`--admin-tls-key` serves the admin API over TLS, and
 //! the CLI reaches it at an `https://` URL.
 
@@ -14,39 +14,50 @@ use tokio_rustls::rustls::{ClientConfig, ClientConnection, RootCertStore, Stream
 
 use crate::harness::{ADMIN_TOKEN, anonymous, config, fresh_dir, start, start_split, tls_config};
 
-/// A TLS gateway with a fresh self-signed certificate for `localhost`.
-fn tls_gateway() -> &'static (SocketAddr, CertificateDer<'static>) {
-    static GATEWAY: OnceLock<(SocketAddr, CertificateDer<'static>)> = OnceLock::new();
+/// A TLS gateway with a fresh self-signed certificate for `localhost`: its
+/// address, the certificate and tenant `demo`'s key.
+fn tls_gateway() -> &'static (SocketAddr, CertificateDer<'static>, String) {
+    static GATEWAY: OnceLock<(SocketAddr, CertificateDer<'static>, String)> = OnceLock::new();
     GATEWAY.get_or_init(|| {
         let (config, cert) = tls_config(&fresh_dir("tls"));
-        (start(config), cert)
+        let data = config.data_dir.clone();
+        let addr = start(config);
+        let key = std::fs::read_to_string(data.join("demo.key")).unwrap().trim().to_owned();
+        (addr, cert, key)
     })
 }
 
 fn get_over_tls(path: &str) -> String {
-    let (addr, cert) = tls_gateway();
+    let (addr, cert, _) = tls_gateway();
     get_over_tls_from(*addr, cert, path, None)
 }
 
 /// `GET path` over TLS to `addr` (as `localhost`), trusting `root` only,
 /// with `token` as the bearer token if given; the raw response.
 fn get_over_tls_from(addr: SocketAddr, root: &CertificateDer<'static>, path: &str, token: Option<&str>) -> String {
-    let mut roots = RootCertStore::empty();
-    roots.add(root.clone()).unwrap();
-    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-    let client = ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
     let name = ServerName::try_from("localhost").unwrap();
-    let conn = ClientConnection::new(Arc::new(client), name).unwrap();
+    let conn = ClientConnection::new(client_config(root, &[]), name).unwrap();
     let mut tls = StreamOwned::new(conn, TcpStream::connect(addr).unwrap());
     let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
     write!(tls, "GET {path} HTTP/1.1\r\nHost: localhost\r\n{auth}Connection: close\r\n\r\n").unwrap();
     let mut response = String::new();
     let _ = tls.read_to_string(&mut response);
     response
+}
+
+/// A TLS client's settings: it trusts `root` only and offers the protocols
+/// `alpn` by ALPN (none if empty), in order of preference.
+fn client_config(root: &CertificateDer<'static>, alpn: &[&[u8]]) -> Arc<ClientConfig> {
+    let mut roots = RootCertStore::empty();
+    roots.add(root.clone()).unwrap();
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let mut client = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    client.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Arc::new(client)
 }
 
 /// A private CA and a certificate for `localhost` it signed, written as PEM
@@ -123,7 +134,7 @@ fn serves_https_with_the_configured_certificate() {
 /// answer, and no waiting for the handshake timeout.
 #[test]
 fn clear_text_on_the_tls_port_gets_a_tls_alert_and_the_close() {
-    let (addr, _) = tls_gateway();
+    let (addr, _, _) = tls_gateway();
     let mut stream = TcpStream::connect(addr).unwrap();
     // Half the server's handshake timeout: a server that waits fails the test.
     let limit = std::time::Duration::from_millis(facegate::config::DEFAULT_REQUEST_HEAD_TIMEOUT_MS) / 2;
@@ -142,4 +153,42 @@ fn clear_text_on_the_tls_port_gets_a_tls_alert_and_the_close() {
         "expected one fatal TLS alert record, got {response:?} ({:?})",
         String::from_utf8_lossy(&response)
     );
+}
+
+/// HTTP/2 over TLS: a client offering `h2` and `http/1.1` by ALPN gets h2
+/// and is served over it — `/healthz`, and a tenant's detection with its
+/// image in DATA frames; one offering only `http/1.1` gets HTTP/1.1.
+#[test]
+fn clients_offering_h2_by_alpn_are_served_http2() {
+    use http_body_util::{BodyExt, Full};
+    use hyper::{Request, StatusCode, Version};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    let (addr, cert, key) = tls_gateway();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let connect = |alpn: &'static [&'static [u8]]| async move {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let connector = tokio_rustls::TlsConnector::from(client_config(cert, alpn));
+            connector.connect(ServerName::try_from("localhost").unwrap(), tcp).await.unwrap()
+        };
+        let http1 = connect(&[b"http/1.1"]).await;
+        assert_eq!(http1.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+        let tls = connect(&[b"h2", b"http/1.1"]).await;
+        assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]), "the gateway picks h2");
+
+        let (mut sender, connection) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls)).await.unwrap();
+        tokio::spawn(connection);
+        let health = Request::get("https://localhost/healthz").body(Full::new(bytes::Bytes::new())).unwrap();
+        let health = sender.send_request(health).await.unwrap();
+        assert_eq!((health.status(), health.version()), (StatusCode::OK, Version::HTTP_2));
+        let detect = Request::post("https://localhost/v1/demo/detect")
+            .header(hyper::header::AUTHORIZATION, format!("Bearer {key}"))
+            .body(Full::new(bytes::Bytes::from(crate::harness::image("grace_hopper.jpg"))))
+            .unwrap();
+        let response = sender.send_request(detect).await.unwrap();
+        assert_eq!((response.status(), response.version()), (StatusCode::OK, Version::HTTP_2));
+        let body: serde_json::Value = serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(body["faces"].as_array().map(Vec::len), Some(1), "{body}");
+    });
 }
