@@ -11,7 +11,7 @@
 #   missing) unless that version is already there; that one install is the
 #   only network access.
 # - Renders every kustomization (deploy/k8s, deploy/k8s/base,
-#   deploy/k8s/gpu). Where `kubectl` (or `kustomize`) is installed it renders,
+#   deploy/k8s/gpu, and the component deploy/k8s/egress). Where `kubectl` (or `kustomize`) is installed it renders,
 #   and the script's built-in renderer must agree with it; without either,
 #   the built-in renderer alone is used. FACEGATE_KUSTOMIZE=none forces that.
 # - Kubernetes versions: K8S_VERSIONS (space-separated), default "1.31 1.37":

@@ -10,9 +10,12 @@ Rendering: with `--kustomize CMD` (e.g. "kubectl kustomize") the command
 renders, and a small built-in renderer renders too; the two must agree (so
 the built-in one, used where no kubectl is installed, is known to be right
 for these files). The built-in renderer handles only what these files use:
-`resources` (files and directories), `images`, and `patches` given by `path`
-(strategic merge: maps merged, lists of named maps merged by name, other
-lists replaced); anything else is refused, not skipped.
+`resources` (files and directories), `components` (directories holding a
+`kind: Component`), `images`, and `patches` given by `path` (strategic
+merge: maps merged, lists of named maps merged by name, other lists
+replaced); anything else is refused, not skipped. A component directory is
+rendered alone (both renderers must agree) and cross-checked applied to
+ROOT's kustomization.
 
 Checks, each a failure:
   - every document against the Kubernetes JSON schema of each
@@ -158,8 +161,18 @@ def resource_key(doc):
     return (group, doc.get("kind"), meta.get("namespace"), meta.get("name"))
 
 
-def render_builtin(directory, used, stack=()):
-    """Renders the kustomization in DIRECTORY; adds the files it reads to USED."""
+def is_component(directory):
+    """Whether DIRECTORY's kustomization is a `kind: Component`."""
+    kfile = kustomization_file(directory)
+    (k,) = (load_docs(kfile) if kfile else None) or [{}]
+    return k.get("kind") == "Component"
+
+
+def render_builtin(directory, used, stack=(), accumulated=()):
+    """Renders the kustomization in DIRECTORY; adds the files it reads to USED.
+
+    ACCUMULATED: the resources of the kustomization a Component is applied
+    to (it adds its own, then patches and sets images over them all)."""
     directory = os.path.abspath(directory)
     if directory in stack:
         raise Failure(f"{rel(directory)}: kustomization cycle")
@@ -168,12 +181,12 @@ def render_builtin(directory, used, stack=()):
         raise Failure(f"{rel(directory)}: no kustomization.yaml")
     used.add(kfile)
     (k,) = load_docs(kfile) or [{}]
-    supported = {"apiVersion", "kind", "resources", "images", "patches"}
+    supported = {"apiVersion", "kind", "resources", "components", "images", "patches"}
     unknown = set(k) - supported
     if unknown:
         raise Failure(f"{rel(kfile)}: fields {sorted(unknown)} are not supported by the built-in "
                       "renderer: install kubectl (or kustomize), or extend deploy/scripts/validate_k8s.py")
-    docs = []
+    docs = list(accumulated)
     for entry in k.get("resources") or []:
         path = os.path.normpath(os.path.join(directory, entry))
         if os.path.isdir(path):
@@ -183,6 +196,13 @@ def render_builtin(directory, used, stack=()):
             docs += load_docs(path)
         else:
             raise Failure(f"{rel(kfile)}: resource {entry} does not exist")
+    # As kustomize: components apply after the resources, before this
+    # kustomization's own patches and images.
+    for entry in k.get("components") or []:
+        path = os.path.normpath(os.path.join(directory, entry))
+        if not is_component(path):
+            raise Failure(f"{rel(kfile)}: component {entry} is no directory with a `kind: Component` kustomization")
+        docs = render_builtin(path, used, stack + (directory,), docs)
     keys = [resource_key(d) for d in docs]
     for key in keys:
         if keys.count(key) > 1:
@@ -402,6 +422,11 @@ def main():
                 errors.append(f"{rel(d)}: `{args.kustomize}` and the built-in renderer disagree "
                               "(compare `kubectl kustomize` with validate_k8s.py's render_builtin)")
             docs, how = theirs, args.kustomize
+        if is_component(d):
+            # A component alone has no pods for its selectors: cross-checked
+            # as applied to ROOT's kustomization (the default variant).
+            docs = render_builtin(root, set(), accumulated=()) + docs
+            how += f", applied to {rel(root)}"
         renders.append((d, docs, how))
 
     secrets = {}

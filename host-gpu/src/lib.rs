@@ -2,7 +2,7 @@
 //!
 //! The inference side of facegate, usable on its own by any native program:
 //! backends that own devices ([`backend::Backend`]: ONNX Runtime on CPU, or
-//! CUDA / TensorRT behind features), a dynamic batcher per model that
+//! CUDA / TensorRT behind features), named and opened by [`device`], a dynamic batcher per model that
 //! coalesces concurrent calls into device batches fairly across tenants
 //! ([`Batcher`]), and a registry of the models served ([`Models`]).
 //!
@@ -28,6 +28,7 @@
 pub mod affinity;
 pub mod backend;
 mod batcher;
+pub mod device;
 mod error;
 pub mod metrics;
 mod model;
@@ -38,6 +39,7 @@ mod tensor;
 use std::collections::BTreeMap;
 
 pub use batcher::{Batcher, BatcherConfig, DEFAULT_QUEUE_CAPACITY, DEFAULT_TENANT_CAPACITY, InferRequest};
+pub use device::DeviceSpec;
 pub use error::InferError;
 pub use model::{ModelSpec, TensorSpec};
 pub use sizing::Sizing;

@@ -16,7 +16,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::io::AsyncWriteExt;
 
-use crate::bench::{BenchConfig, LoopStats, measure_gateway, print_failed_clients, start_seeded};
+use crate::bench::{BenchConfig, LoopStats, Measurement, measure_gateway, print_failed_clients, start_seeded};
 
 /// The attacks, each a query of the hostile handler, or a connection-level attack.
 const ATTACKS: &[(&str, Attack)] = &[
@@ -75,10 +75,9 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
     let models = crate::load_models(&config.serve.engine)?;
     // The defaults a production gateway runs with, not the bench's wide-open ones.
     let (addr, keys, _server) = start_seeded(&seed, &config.serve.engine, models.clone(), STORE_LABEL, |c| {
-        let defaults = crate::config::ServeConfig::with_data_dir(c.data_dir.clone()).expect("defaults parse");
         c.request_timeout_ms = 5_000;
-        c.max_instances = defaults.max_instances;
-        c.tenant_max_concurrency = defaults.tenant_max_concurrency;
+        c.max_instances = crate::config::DEFAULT_MAX_INSTANCES;
+        c.tenant_max_concurrency = crate::config::DEFAULT_TENANT_MAX_CONCURRENCY;
         c.memory_budget_mib = Some(MEMORY_BUDGET_MIB);
         c.admin_token = Some(ADMIN_TOKEN.to_owned());
     })
@@ -108,26 +107,31 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
                 task.abort();
             }
         }
-        let (a, b) = (alone.summarize(round * rounds), beside.summarize(round * rounds));
-        println!(
-            "{name:<24} {:>10.2} {:>10.2} {:>9.3} {:>9.1} {:>9.1} {:>8.3}",
-            a.throughput,
-            b.throughput,
-            b.throughput / a.throughput,
-            a.p99.as_secs_f64() * 1e3,
-            b.p99.as_secs_f64() * 1e3,
-            b.p99.as_secs_f64() / a.p99.as_secs_f64()
-        );
-        if b.errors > 0 {
-            println!("  {} neighbour requests failed beside this attack", b.errors);
-        }
-        print_failed_clients(a.failed_clients + b.failed_clients);
+        print_comparison(name, &alone.summarize(round * rounds), &beside.summarize(round * rounds));
     }
     if config.only.as_deref().is_none_or(|only| HOARDING.contains(only)) {
         connection_hoarding(&demo, &models, images, config, round).await?;
     }
     let _ = std::fs::remove_dir_all(crate::bench::bench_data_dir(STORE_LABEL));
     Ok(())
+}
+
+/// One row of the table: the neighbour `alone` and `beside` an attack, the
+/// ratios beside ÷ alone, then any failed neighbour requests or clients.
+fn print_comparison(name: &str, alone: &Measurement, beside: &Measurement) {
+    println!(
+        "{name:<24} {:>10.2} {:>10.2} {:>9.3} {:>9.1} {:>9.1} {:>8.3}",
+        alone.throughput,
+        beside.throughput,
+        beside.throughput / alone.throughput,
+        alone.p99.as_secs_f64() * 1e3,
+        beside.p99.as_secs_f64() * 1e3,
+        beside.p99.as_secs_f64() / alone.p99.as_secs_f64()
+    );
+    if beside.errors > 0 {
+        println!("  {} neighbour requests failed beside this attack", beside.errors);
+    }
+    print_failed_clients(alone.failed_clients + beside.failed_clients);
 }
 
 /// Label of this suite's gateway store (kept while it runs: uploads write to it).
@@ -294,8 +298,11 @@ async fn connection_hoarding(
 ) -> anyhow::Result<()> {
     let addr = demo.0;
     // Both ends of every connection are in this process.
-    let gateway =
-        crate::http::open_files::descriptors_needed(crate::config::DEFAULT_MAX_CONNECTIONS, crate::http::open_files::Listeners::Shared);
+    let gateway = crate::http::open_files::descriptors_needed(
+        crate::config::DEFAULT_MAX_CONNECTIONS,
+        crate::outgoing::DEFAULT_MAX_CONNECTIONS,
+        crate::http::open_files::Listeners::Shared,
+    );
     let needed = gateway + (HOARD_BUSY + HOARD_IDLE) as u64;
     let soft = crate::http::open_files::raise_soft_limit(needed)?;
     if soft.is_some_and(|soft| soft < needed) {
@@ -317,20 +324,7 @@ async fn connection_hoarding(
         }
     }
     let window = round * config.rounds.max(1);
-    let (a, b) = (alone.summarize(window), beside.summarize(window));
-    println!(
-        "{HOARDING:<24} {:>10.2} {:>10.2} {:>9.3} {:>9.1} {:>9.1} {:>8.3}",
-        a.throughput,
-        b.throughput,
-        b.throughput / a.throughput,
-        a.p99.as_secs_f64() * 1e3,
-        b.p99.as_secs_f64() * 1e3,
-        b.p99.as_secs_f64() / a.p99.as_secs_f64()
-    );
-    if b.errors > 0 {
-        println!("  {} neighbour requests failed beside this attack", b.errors);
-    }
-    print_failed_clients(a.failed_clients + b.failed_clients);
+    print_comparison(HOARDING, &alone.summarize(window), &beside.summarize(window));
     let mut served: Vec<Duration> = newcomers.iter().filter_map(|n| n.as_ref().ok().copied()).collect();
     served.sort();
     let refused: Vec<&String> = newcomers.iter().filter_map(|n| n.as_ref().err()).collect();

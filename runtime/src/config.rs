@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+pub use facegate_host_gpu::DeviceSpec;
 use facegate_host_gpu::Sizing;
 
 use crate::control::limits::TenantLimits;
@@ -162,13 +163,13 @@ pub struct ServeConfig {
     /// once its models are loaded (printed at start). The instance pool's
     /// resident pages (`--memory-keep-resident-kib`) come out of it, lowered
     /// to fit in a quarter of it.
-    #[arg(long, env = "FACEGATE_MEMORY_BUDGET_MIB", value_parser = clap::value_parser!(u64).range(64..))]
+    #[arg(long, env = "FACEGATE_MEMORY_BUDGET_MIB", value_parser = clap::value_parser!(u64).range(64..=MAX_MEMORY_MIB))]
     pub memory_budget_mib: Option<u64>,
 
     /// The memory this process may use in all (MiB), for the default
     /// `--memory-budget-mib` (Kubernetes: the container's limit, through the
     /// downward API). Default: the cgroup's `memory.max`, else physical memory.
-    #[arg(long, env = "FACEGATE_MEMORY_TOTAL_MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "FACEGATE_MEMORY_TOTAL_MIB", value_parser = clap::value_parser!(u64).range(1..=MAX_MEMORY_MIB))]
     pub memory_total_mib: Option<u64>,
 
     /// Most handler instances alive at once, all tenants; further requests get 503.
@@ -316,7 +317,7 @@ pub struct ServeConfig {
     /// GOAWAY), and the client reconnects.
     // No client keeps a slot forever by using it, and load balancers get to
     // spread long-lived clients again (after a scale-up, say).
-    #[arg(long, env = "FACEGATE_MAX_CONNECTION_AGE_S", default_value_t = DEFAULT_MAX_CONNECTION_AGE_S)]
+    #[arg(long, env = "FACEGATE_MAX_CONNECTION_AGE_S", default_value_t = DEFAULT_MAX_CONNECTION_AGE_S, value_parser = clap::value_parser!(u64).range(0..=MAX_CONNECTION_AGE_S))]
     pub max_connection_age_s: u64,
 
     /// Most open client connections per listener. When they are all open,
@@ -352,7 +353,7 @@ pub struct EngineConfig {
     /// `cpu` adds `--cpu-workers` of them. GPUs need a build with
     /// `--features cuda` (or `tensorrt`) and the
     /// onnxruntime-gpu library as `--onnxruntime`.
-    #[arg(long, env = "FACEGATE_DEVICES", value_delimiter = ',', default_value = "cpu", value_parser = parse_device)]
+    #[arg(long, env = "FACEGATE_DEVICES", value_delimiter = ',', default_value = "cpu")]
     pub devices: Vec<DeviceSpec>,
 
     /// Device workers (ONNX Runtime sessions) on the CPU, each pulling its own
@@ -414,32 +415,11 @@ pub struct EngineConfig {
     pub tenant_weights: Vec<(String, u32)>,
 }
 
-/// One `--devices` entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceSpec {
-    /// The CPU (`--cpu-workers` sessions).
-    Cpu,
-    /// CUDA device N.
-    Cuda(i32),
-    /// TensorRT on CUDA device N.
-    TensorRt(i32),
-}
-
 fn parse_sizing(s: &str) -> Result<Sizing, String> {
     match s {
         "adaptive" => Ok(Sizing::Adaptive),
         "fixed" => Ok(Sizing::Fixed),
         other => Err(format!("unknown batch sizing {other:?} (expected adaptive or fixed)")),
-    }
-}
-
-fn parse_device(s: &str) -> Result<DeviceSpec, String> {
-    let ordinal = |n: &str| n.parse::<i32>().ok().filter(|n| *n >= 0).ok_or_else(|| format!("bad device ordinal in {s:?}"));
-    match s.split_once(':') {
-        None if s == "cpu" => Ok(DeviceSpec::Cpu),
-        Some(("cuda", n)) => Ok(DeviceSpec::Cuda(ordinal(n)?)),
-        Some(("tensorrt", n)) => Ok(DeviceSpec::TensorRt(ordinal(n)?)),
-        _ => Err(format!("unknown device {s:?}: use cpu, cuda:N or tensorrt:N")),
     }
 }
 
@@ -467,6 +447,12 @@ pub const DEFAULT_MAX_CONNECTIONS_PER_IP: u32 = 256;
 /// for a busy client (its handshakes are paid for), short enough that a
 /// hoarded slot or a load balancer's uneven spread lasts minutes, not days.
 pub const DEFAULT_MAX_CONNECTION_AGE_S: u64 = 600;
+/// Largest `--max-connection-age-s` (a year): instants a connection's age
+/// is added to stay far from overflowing.
+pub const MAX_CONNECTION_AGE_S: u64 = 365 * 24 * 3600;
+/// Largest `--memory-budget-mib` and `--memory-total-mib` (16 TiB): their
+/// bytes fit a `usize` with room.
+pub const MAX_MEMORY_MIB: u64 = 1 << 24;
 
 impl ServeConfig {
     /// The deadline from accept to a complete first request head.
@@ -651,6 +637,16 @@ mod tests {
         ] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+    fn sizes_and_ages_that_would_overflow_are_refused() {
+        for (flag, value) in [("--max-connection-age-s", u64::MAX), ("--memory-budget-mib", 1 << 44), ("--memory-total-mib", 1 << 44)] {
+            assert!(Cli::try_parse_from(["facegate", "serve", flag, &value.to_string()]).is_err(), "{flag} {value}");
+        }
+        let largest = MAX_MEMORY_MIB.to_string();
+        assert!(Cli::try_parse_from(["facegate", "serve", "--memory-budget-mib", &largest]).is_ok());
     }
 
     #[test]

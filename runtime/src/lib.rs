@@ -46,15 +46,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use facegate_host_gpu::backend::Backend;
-use facegate_host_gpu::backend::onnx::{Device, ImageModelConfig, OnnxBackend, init_onnx_runtime};
+use facegate_host_gpu::backend::onnx::{ImageModelConfig, init_onnx_runtime};
+use facegate_host_gpu::device::{self, OpenOptions};
 use facegate_host_gpu::{Batcher, BatcherConfig, Models};
 use tokio::net::TcpListener;
 
 use crate::admission::memory::MemoryBudget;
 use crate::admission::sizing;
 use crate::compile::CompilePool;
-use crate::config::{DeviceSpec, EngineConfig, ServeConfig};
+use crate::config::{EngineConfig, ServeConfig};
 use crate::control::store::NodeLoad;
 use crate::control::sync::{NodeIdentity, SyncHandle};
 use crate::control::{ControlPlane, ControlSettings};
@@ -70,15 +70,17 @@ pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
     }
     init_onnx_runtime(&config.onnxruntime)?;
     let threads = config.threads_per_worker();
-    let backends = devices(config)
-        .iter()
-        .map(|device| {
-            let model = ImageModelConfig::centerface(&config.model, config.max_batch);
-            OnnxBackend::new(model, device)
-                .map(|b| Box::new(b) as Box<dyn Backend>)
-                .with_context(|| format!("cannot start the model on {device:?}"))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let model = ImageModelConfig::centerface(&config.model, config.max_batch);
+    let options = OpenOptions {
+        cpu_workers: config.workers(),
+        cpu_threads: threads,
+        cpu_cores: config.inference_cpus.clone(),
+        cache_dir: config.model.parent().map(|dir| dir.join("tensorrt-cache")),
+    };
+    let mut backends = Vec::new();
+    for spec in &config.devices {
+        backends.extend(device::open(*spec, &model, &options)?);
+    }
     let batcher = Batcher::start(backends, &batcher_config(config))?;
     for (tenant, weight) in &config.tenant_weights {
         batcher.set_tenant_weight(tenant, *weight);
@@ -87,21 +89,6 @@ pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
     let mut models = Models::new();
     models.insert(batcher);
     Ok(models)
-}
-
-/// One device per worker: each GPU listed once, the CPU `--cpu-workers` times.
-fn devices(config: &EngineConfig) -> Vec<Device> {
-    let threads = config.threads_per_worker();
-    let cache_dir = config.model.parent().map(|dir| dir.join("tensorrt-cache"));
-    config
-        .devices
-        .iter()
-        .flat_map(|spec| match *spec {
-            DeviceSpec::Cpu => vec![Device::Cpu { threads, cores: config.inference_cpus.clone() }; config.workers()],
-            DeviceSpec::Cuda(device_id) => vec![Device::Cuda { device_id }],
-            DeviceSpec::TensorRt(device_id) => vec![Device::TensorRt { device_id, cache_dir: cache_dir.clone() }],
-        })
-        .collect()
 }
 
 /// The batcher settings an engine config asks for.
@@ -211,7 +198,11 @@ impl Gateway {
             Some(address) => address.clone(),
             None => listener.local_addr()?.to_string(),
         };
-        let node = NodeIdentity { id: config.node_id.clone().unwrap_or_else(host_name), address, devices: device_names(&config.engine) };
+        let node = NodeIdentity {
+            id: config.node_id.clone().unwrap_or_else(host_name),
+            address,
+            devices: config.engine.devices.iter().map(ToString::to_string).collect(),
+        };
         let app = Arc::clone(&self.app);
         let load = Box::new(move || NodeLoad {
             queue_depth: app.models.iter().map(|m| m.queue_depth() as u64).sum(),
@@ -300,6 +291,14 @@ fn node_memory(config: &ServeConfig, engine: EngineLimits) -> (Arc<MemoryBudget>
             kib = split.engine.keep_resident >> 10,
             configured_kib = engine.keep_resident >> 10,
             "--memory-keep-resident-kib lowered to fit a quarter of the memory budget (lower --max-instances/--warm-instances, or raise the budget)"
+        );
+    }
+    if !split.fits(budget) {
+        tracing::warn!(
+            budget_mib = budget >> 20,
+            pool_resident_mib = split.resident >> 20,
+            requests_mib = split.chargeable >> 20,
+            "the instance pool's resident table pages leave requests less than 64 MiB of the memory budget, and requests get 64 MiB beyond it: raise --memory-budget-mib or lower --max-instances/--warm-instances"
         );
     }
     let of = available.map_or_else(|| "unknown".to_owned(), |a| format!("{} MiB ({})", a.bytes >> 20, a.source));
@@ -402,19 +401,6 @@ fn host_name() -> String {
         .map(|name| name.trim().to_owned())
         .filter(|name| !name.is_empty())
         .unwrap_or_else(|| "facegate".to_owned())
-}
-
-/// The devices a node reports, as `--devices` names them.
-fn device_names(config: &EngineConfig) -> Vec<String> {
-    config
-        .devices
-        .iter()
-        .map(|spec| match spec {
-            DeviceSpec::Cpu => "cpu".to_owned(),
-            DeviceSpec::Cuda(id) => format!("cuda:{id}"),
-            DeviceSpec::TensorRt(id) => format!("tensorrt:{id}"),
-        })
-        .collect()
 }
 
 async fn shutdown_signal() {

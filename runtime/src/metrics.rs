@@ -123,11 +123,15 @@ pub enum CloseReason {
     MaxAge,
     /// The longest-idle connection of a full listener, closed to admit a newcomer.
     Evicted,
+    /// A client that took no answer (its receive window or socket full)
+    /// for the idle timeout, with a request in flight or answers unsent:
+    /// dropped.
+    Stalled,
 }
 
 impl CloseReason {
-    const ALL: [Self; 7] =
-        [Self::HeadTimeout, Self::Idle, Self::OverCapacity, Self::PerIpCap, Self::TlsHandshake, Self::MaxAge, Self::Evicted];
+    const ALL: [Self; 8] =
+        [Self::HeadTimeout, Self::Idle, Self::OverCapacity, Self::PerIpCap, Self::TlsHandshake, Self::MaxAge, Self::Evicted, Self::Stalled];
 
     /// The label value.
     pub fn label(self) -> &'static str {
@@ -139,6 +143,7 @@ impl CloseReason {
             Self::TlsHandshake => "tls_handshake",
             Self::MaxAge => "max_age",
             Self::Evicted => "evicted",
+            Self::Stalled => "stalled",
         }
     }
 }

@@ -127,17 +127,11 @@ impl Sandbox {
             RequestState::http,
         )?;
         let hostcall_fuel = hostcall_fuel(&models);
-        Ok(Self {
-            engine,
-            linker,
-            hostcall_fuel,
-            egress,
-            memory,
-            models,
-            hits: Arc::default(),
-            warm: WarmBudget::new(warm_instances, warm_idle),
-            reused: AtomicU64::new(0),
-        })
+        let warm = WarmBudget::new(warm_instances, warm_idle);
+        // Idle instances are dropped before any charge is refused.
+        let reclaimer: std::sync::Weak<WarmBudget> = Arc::downgrade(&warm);
+        memory.set_reclaimer(reclaimer);
+        Ok(Self { engine, linker, hostcall_fuel, egress, memory, models, hits: Arc::default(), warm, reused: AtomicU64::new(0) })
     }
 
     /// The per-tenant counters of limit hits.
@@ -322,7 +316,8 @@ impl Sandbox {
 /// its handler version, if the tenant allows another request on it, it
 /// holds no host resources but its standard streams, its memory is small
 /// enough (see [`crate::warm`]) and the node's memory budget is not into
-/// its reserve (an idle instance keeps its charge); otherwise drops it.
+/// its reserve (an idle instance keeps its charge, its host resources
+/// re-counted now rather than at the last epoch tick); otherwise drops it.
 fn keep_warm(
     handler: &Handler,
     (budget, memory): (&Arc<WarmBudget>, &MemoryBudget),
@@ -332,8 +327,12 @@ fn keep_warm(
     limits: SandboxLimits,
 ) {
     let state = store.data_mut();
-    let roomy = memory.has_room_beyond_reserve(0);
-    if served < limits.instance_reuse && roomy && state.holds_only_stdio() && state.limiter.used() <= WARM_MAX_MEMORY {
+    let keep = served < limits.instance_reuse
+        && state.holds_only_stdio()
+        && state.limiter.used() <= WARM_MAX_MEMORY
+        && state.charge_host_resources().is_ok()
+        && memory.has_room_beyond_reserve(0);
+    if keep {
         handler.warm.put(budget, &handler.tenant, limits.max_idle, store, proxy, served);
     }
 }

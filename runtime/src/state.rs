@@ -40,6 +40,20 @@ pub fn host_memory_bound(max_host_resources: usize) -> usize {
     max_host_resources * RESOURCE_MAX_BYTES
 }
 
+/// Host-side bookkeeping of one stream resource (its box and state; what
+/// it buffers is counted elsewhere, see [`host_resource_bytes`]).
+const STREAM_BYTES: usize = 1024;
+
+/// Host memory a request holding `streams` stream resources and `others`
+/// other resources may hold: each other resource at [`RESOURCE_MAX_BYTES`];
+/// each stream at [`STREAM_BYTES`], since what a stream buffers is counted
+/// with its parent (a body's stream cannot outlive its body, charged in
+/// full) or is the output capture, charged once at [`STDIO_CAPTURE_BYTES`]
+/// however many standard streams write to it.
+pub fn host_resource_bytes(streams: usize, others: usize) -> usize {
+    others.saturating_mul(RESOURCE_MAX_BYTES).saturating_add(streams.saturating_mul(STREAM_BYTES)).saturating_add(STDIO_CAPTURE_BYTES)
+}
+
 /// Host memory one resource holds at most: a full header map, or a body's
 /// buffered chunks and the one being written.
 pub const RESOURCE_MAX_BYTES: usize = if FIELD_SIZE_LIMIT > BODY_CHUNK_BYTES * (BODY_BUFFER_CHUNKS + 1) {
@@ -155,12 +169,19 @@ impl RequestState {
 }
 
 impl RequestState {
-    /// Charges the resources the request holds now, each at
-    /// [`RESOURCE_MAX_BYTES`], to the node's memory budget (through the
+    /// Charges what the request's resources may hold now (see
+    /// [`host_resource_bytes`]) to the node's memory budget (through the
     /// store's limiter); fails when the budget refuses the growth.
     pub fn charge_host_resources(&mut self) -> Result<(), crate::admission::memory::NodeMemoryExhausted> {
-        let held = self.table.iter_mut().count();
-        self.limiter.set_host_bytes(held * RESOURCE_MAX_BYTES)
+        let (mut streams, mut others) = (0, 0);
+        for entry in self.table.iter_mut() {
+            if entry.is::<DynInputStream>() || entry.is::<DynOutputStream>() {
+                streams += 1;
+            } else {
+                others += 1;
+            }
+        }
+        self.limiter.set_host_bytes(host_resource_bytes(streams, others))
     }
 
     /// Whether the resource table holds nothing but standard streams (at most
@@ -201,6 +222,18 @@ pub fn face_detect_view(state: &mut RequestState) -> FaceDetectView<'_> {
 mod tests {
     use super::*;
     use crate::outgoing::EgressRules;
+
+    #[test]
+    fn standard_streams_are_charged_the_capture_they_share_not_a_body_each() {
+        const KIB: usize = 1024;
+        // A warm instance's stdin, stdout and stderr: the 16 KiB capture and
+        // their bookkeeping, not three full bodies (384 KiB).
+        assert_eq!(host_resource_bytes(3, 0), STDIO_CAPTURE_BYTES + 3 * STREAM_BYTES);
+        assert!(host_resource_bytes(3, 0) < 20 * KIB);
+        // A body and its stream: the body in full.
+        assert_eq!(host_resource_bytes(1, 1) - host_resource_bytes(0, 0), RESOURCE_MAX_BYTES + STREAM_BYTES);
+        assert_eq!(host_resource_bytes(usize::MAX, 1), usize::MAX, "saturates");
+    }
 
     #[tokio::test]
     async fn outgoing_requests_are_denied_without_the_grant() {

@@ -39,6 +39,12 @@
 //!   wake-up), and all of a tenant's dropped when its limits change or it
 //!   is deleted (one put back afterwards by a request that started under
 //!   the old limits is used only if it fits the new ones: memory, reuse).
+//! - Charged to the node's memory budget while idle (its memories, tables
+//!   and host resources, re-counted when it is put back), kept only while
+//!   the budget is out of its reserve, and dropped, oldest first and
+//!   whoever's, before a charge of any request is refused (the
+//!   [`Reclaim`] hook of [`crate::admission::memory`]): idle memory is a
+//!   cache, never a reason to turn work away.
 //!
 //! What a tenant accepts by turning it on: its handler's globals (and
 //! anything it left in its memory) outlive a request, as in a warm AWS
@@ -46,13 +52,14 @@
 //! without flushing is logged with the request that flushes it.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use wasmtime::Store;
 use wasmtime_wasi_http::p2::bindings::Proxy;
 
+use crate::admission::memory::Reclaim;
 use crate::state::RequestState;
 
 /// Largest memory (all linear memories and tables) an instance may hold to
@@ -67,13 +74,44 @@ pub struct WarmBudget {
     idle_for: Duration,
     idle: AtomicUsize,
     per_tenant: Mutex<HashMap<Arc<str>, usize>>,
+    /// Every handler version's idle instances that ever kept one (weak:
+    /// they go with their handler), for [`Reclaim`].
+    stacks: Stacks,
+}
+
+/// One handler version's idle instances, the one used last on top.
+type Stack = Mutex<Vec<Warm>>;
+
+/// The [`Stack`]s a [`WarmBudget`] drops from under memory pressure.
+#[derive(Default)]
+struct Stacks(Mutex<Vec<Weak<Stack>>>);
+
+impl std::fmt::Debug for Stacks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stacks").field("len", &self.0.lock().unwrap_or_else(PoisonError::into_inner).len()).finish()
+    }
+}
+
+impl Stacks {
+    /// The stacks still alive (forgetting the others).
+    fn alive(&self) -> Vec<Arc<Stack>> {
+        let mut stacks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        stacks.retain(|stack| stack.strong_count() > 0);
+        stacks.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    fn register(&self, stack: &Arc<Stack>) {
+        let mut stacks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        stacks.retain(|stack| stack.strong_count() > 0);
+        stacks.push(Arc::downgrade(stack));
+    }
 }
 
 impl WarmBudget {
     /// A budget of `cap` idle instances (0 keeps none), each dropped after
     /// `idle_for` without a request.
     pub fn new(cap: usize, idle_for: Duration) -> Arc<Self> {
-        Arc::new(Self { cap, idle_for, idle: AtomicUsize::new(0), per_tenant: Mutex::default() })
+        Arc::new(Self { cap, idle_for, idle: AtomicUsize::new(0), per_tenant: Mutex::default(), stacks: Stacks::default() })
     }
 
     /// Idle instances now, all handlers.
@@ -120,6 +158,25 @@ impl WarmBudget {
     }
 }
 
+impl Reclaim for WarmBudget {
+    /// Drops the instance idle longest, of any handler and tenant.
+    fn reclaim_one(&self) -> bool {
+        if self.idle() == 0 {
+            return false;
+        }
+        let stacks = self.stacks.alive();
+        // The bottom of each stack is its oldest (instances go back on top).
+        let oldest = stacks.iter().filter_map(|stack| Some((lock(stack).first()?.idle_since, stack))).min_by_key(|(since, _)| *since);
+        let Some((_, stack)) = oldest else { return false };
+        let dropped = {
+            let mut idle = lock(stack);
+            (!idle.is_empty()).then(|| idle.remove(0))
+        };
+        // Dropped outside the lock: freeing an instance resets its memory.
+        dropped.is_some()
+    }
+}
+
 /// One idle instance's place in the [`WarmBudget`], given back when dropped.
 #[derive(Debug)]
 struct WarmToken {
@@ -148,7 +205,9 @@ pub struct Warm {
 /// One handler version's idle instances, the one used last on top.
 #[derive(Default)]
 pub struct WarmInstances {
-    idle: Mutex<Vec<Warm>>,
+    idle: Arc<Stack>,
+    /// Whether [`WarmBudget`]'s stacks know this one.
+    registered: AtomicBool,
 }
 
 impl WarmInstances {
@@ -171,6 +230,9 @@ impl WarmInstances {
         served: u32,
     ) {
         if let Some(token) = budget.try_take(tenant, tenant_cap) {
+            if !self.registered.swap(true, Ordering::AcqRel) {
+                budget.stacks.register(&self.idle);
+            }
             self.lock().push(Warm { store, proxy, served, idle_since: Instant::now(), _token: token });
         }
     }
@@ -195,9 +257,13 @@ impl WarmInstances {
         drop(dropped);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Warm>> {
-        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, Vec<Warm>> {
+        lock(&self.idle)
     }
+}
+
+fn lock(stack: &Stack) -> MutexGuard<'_, Vec<Warm>> {
+    stack.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[cfg(test)]

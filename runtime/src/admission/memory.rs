@@ -18,9 +18,20 @@
 //! holding memory, the asker if new, and one more not yet arrived). A tenant
 //! that fills the node with big requests is then the one refused, and
 //! others keep being served.
+//!
+//! The shares are equal, not weighted: a tenant's own limits (`memory_mib`
+//! times `max_concurrency`) already say how much of the first seven eighths
+//! it may hold, and weighting the scarce last eighth by those same limits
+//! would hand most of it to the tenant with the largest limits, the one
+//! most able to fill the node. (The tenants' `weight` is a share of device
+//! time, not of memory.)
+//!
+//! Idle instances kept warm are a cache: before a charge is refused, or
+//! once one takes the budget into its reserve, the [`Reclaim`] hook drops
+//! them, oldest first and whoever's they are, and the charge is retried.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 /// Bytes charged for every admitted request before it grows anything: the
 /// guest's async stack (wasmtime's default 2 MiB, touched as it runs) and
@@ -44,6 +55,14 @@ pub enum Refusal {
 #[error("node memory budget: {0}")]
 pub struct NodeMemoryExhausted(pub Refusal);
 
+/// Memory the node keeps only as a cache (idle warm instances), given back
+/// when work needs it.
+pub trait Reclaim: Send + Sync + std::fmt::Debug {
+    /// Drops the oldest cached item, its charge given back; `false` when
+    /// there was none.
+    fn reclaim_one(&self) -> bool;
+}
+
 #[derive(Debug, Default)]
 struct Ledger {
     used: usize,
@@ -56,12 +75,21 @@ pub struct MemoryBudget {
     total: usize,
     reserve: usize,
     ledger: Mutex<Ledger>,
+    /// What drops idle instances under pressure (weak: the cache's owner
+    /// holds the budget, not the other way round).
+    reclaimer: OnceLock<Weak<dyn Reclaim>>,
 }
 
 impl MemoryBudget {
     /// A budget of `total` bytes; its last eighth is the fair-share reserve.
     pub fn new(total: usize) -> Arc<Self> {
-        Arc::new(Self { total, reserve: total / 8, ledger: Mutex::default() })
+        Arc::new(Self { total, reserve: total / 8, ledger: Mutex::default(), reclaimer: OnceLock::new() })
+    }
+
+    /// Sets what drops cached memory before a charge is refused (once; a
+    /// second call is ignored).
+    pub fn set_reclaimer(&self, reclaimer: Weak<dyn Reclaim>) {
+        let _ = self.reclaimer.set(reclaimer);
     }
 
     /// Bytes the budget holds.
@@ -99,10 +127,36 @@ impl MemoryBudget {
         used.saturating_add(bytes).saturating_add(self.reserve) <= self.total
     }
 
+    /// Charges `bytes` to `tenant`: idle instances are dropped, oldest first,
+    /// until the charge fits or none is left, and once it fits, while the
+    /// budget is in its reserve (idle memory never squeezes work).
     fn add(&self, tenant: &Arc<str>, bytes: usize) -> Result<(), Refusal> {
         if bytes == 0 {
             return Ok(());
         }
+        loop {
+            match self.try_add(tenant, bytes) {
+                Ok(()) => break,
+                Err(refusal) if !self.reclaim_one() => return Err(refusal),
+                Err(_) => {}
+            }
+        }
+        while self.in_reserve() && self.reclaim_one() {}
+        Ok(())
+    }
+
+    /// Whether less than the reserve is left.
+    fn in_reserve(&self) -> bool {
+        self.total - self.lock().used < self.reserve
+    }
+
+    /// Drops one idle instance through the reclaimer, if any (never with the
+    /// ledger locked: its charge comes back through it).
+    fn reclaim_one(&self) -> bool {
+        self.reclaimer.get().and_then(Weak::upgrade).is_some_and(|reclaimer| reclaimer.reclaim_one())
+    }
+
+    fn try_add(&self, tenant: &Arc<str>, bytes: usize) -> Result<(), Refusal> {
         let mut ledger = self.lock();
         let used = ledger.used.checked_add(bytes).filter(|&used| used <= self.total).ok_or(Refusal::Spent)?;
         let held = ledger.by_tenant.get(tenant).copied().unwrap_or(0);
@@ -223,6 +277,46 @@ mod tests {
         assert_eq!(charge.bytes(), 10 * MIB);
         charge.resize(0).unwrap();
         assert_eq!(budget.used(), 0);
+    }
+
+    /// Cached charges, dropped oldest first.
+    #[derive(Debug, Default)]
+    struct Cache(Mutex<Vec<Charge>>);
+
+    impl Reclaim for Cache {
+        fn reclaim_one(&self) -> bool {
+            let mut cached = self.0.lock().unwrap();
+            (!cached.is_empty()).then(|| cached.remove(0)).is_some()
+        }
+    }
+
+    #[test]
+    fn cached_memory_is_dropped_oldest_first_before_work_is_refused() {
+        let budget = MemoryBudget::new(100 * MIB);
+        let cache = Arc::new(Cache::default());
+        let weak: Weak<Cache> = Arc::downgrade(&cache);
+        budget.set_reclaimer(weak);
+        let fill = || {
+            for _ in 0..4 {
+                let charge = budget.charge(&tenant("idle"), 20 * MIB).unwrap();
+                cache.0.lock().unwrap().push(charge);
+            }
+        };
+        fill();
+        // 80 MiB cached: 50 more fit once three are dropped (after two, the
+        // charge would be in the reserve, past a newcomer's fair share).
+        let work = budget.charge(&tenant("work"), 50 * MIB).unwrap();
+        assert_eq!(cache.0.lock().unwrap().len(), 1, "the oldest were dropped, one is left");
+        assert_eq!(budget.used(), 70 * MIB);
+        // Nothing left to drop: past the budget is still refused.
+        assert_eq!(budget.charge(&tenant("more"), 60 * MIB).unwrap_err(), Refusal::Spent);
+        assert!(cache.0.lock().unwrap().is_empty());
+        drop(work);
+        assert_eq!(budget.used(), 0);
+        // A charge that fits but enters the reserve drops cached memory until it is out.
+        fill();
+        let _small = budget.charge(&tenant("work"), 10 * MIB).unwrap();
+        assert_eq!((cache.0.lock().unwrap().len(), budget.used()), (3, 70 * MIB));
     }
 
     #[test]

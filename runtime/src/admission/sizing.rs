@@ -41,16 +41,27 @@ pub struct MemorySizing {
 }
 
 /// Splits `budget` between requests and the pool's resident pages, lowering
-/// `engine.keep_resident` when the pages would take more than a quarter.
+/// `engine.keep_resident` when the pages would take more than a quarter, or
+/// leave requests less than [`MIN_BUDGET`]. The two parts add up to at most
+/// `budget`, unless the tables' resident pages (which only fewer slots
+/// lower) leave requests less than [`MIN_BUDGET`]: requests then get that
+/// least budget (at most `budget`) and [`MemorySizing::fits`] says no.
 pub fn split(budget: usize, engine: EngineLimits) -> MemorySizing {
-    let bound = budget / RESIDENT_SHARE;
+    let bound = (budget / RESIDENT_SHARE).min(budget.saturating_sub(MIN_BUDGET));
     let engine = if engine.resident_between_instances() > bound {
         EngineLimits { keep_resident: engine.keep_resident.min(engine.keep_resident_within(bound)), ..engine }
     } else {
         engine
     };
     let resident = engine.resident_between_instances();
-    MemorySizing { chargeable: budget.saturating_sub(resident).max(MIN_BUDGET), resident, engine }
+    MemorySizing { chargeable: budget.saturating_sub(resident).max(MIN_BUDGET.min(budget)), resident, engine }
+}
+
+impl MemorySizing {
+    /// Whether requests and resident pages together stay within `budget`.
+    pub fn fits(&self, budget: usize) -> bool {
+        self.chargeable.saturating_add(self.resident) <= budget
+    }
 }
 
 /// The default budget: three quarters of what is left of `available` once
@@ -66,7 +77,10 @@ pub fn available(total_mib: Option<usize>) -> Option<Available> {
         return Some(Available { bytes: mib.saturating_mul(1 << 20), source: "--memory-total-mib" });
     }
     let physical = meminfo_total(&read(Path::new("/proc/meminfo"))?);
-    let cgroup = cgroup_limit(Path::new("/sys/fs/cgroup"));
+    let own = read(Path::new("/proc/self/cgroup")).and_then(|text| own_cgroup(&text).map(|path| Path::new(CGROUP_ROOT).join(path)));
+    // The process's own cgroup (v2), else the root: a container's namespace
+    // shows its cgroup there; a process on a host may sit deeper.
+    let cgroup = own.and_then(|dir| cgroup_limit(&dir)).or_else(|| cgroup_limit(Path::new(CGROUP_ROOT)));
     match (cgroup, physical) {
         (Some(limit), Some(physical)) if limit < physical => Some(Available { bytes: limit, source: "cgroup memory.max" }),
         (_, Some(physical)) => Some(Available { bytes: physical, source: "physical memory" }),
@@ -86,6 +100,17 @@ pub fn resident_set() -> Option<usize> {
 fn cgroup_limit(root: &Path) -> Option<usize> {
     let text = read(&root.join("memory.max")).or_else(|| read(&root.join("memory/memory.limit_in_bytes")))?;
     text.trim().parse::<usize>().ok()
+}
+
+/// Where the cgroup file system is mounted.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// The process's cgroup v2 path, relative to [`CGROUP_ROOT`], from
+/// `/proc/self/cgroup` (its `0::/PATH` line); `None` at the root or on v1.
+fn own_cgroup(proc_self_cgroup: &str) -> Option<&str> {
+    let path = proc_self_cgroup.lines().find_map(|line| line.strip_prefix("0::"))?.trim().trim_start_matches('/');
+    // A path with `..` would leave the mount (a process outside the cgroup namespace's root).
+    (!path.is_empty() && !path.split('/').any(|part| part == "..")).then_some(path)
 }
 
 /// `MemTotal` of `/proc/meminfo`, bytes.
@@ -127,6 +152,30 @@ mod tests {
         let roomy = split(64 * 1024 * MIB, engine);
         assert_eq!(roomy.engine.keep_resident, 8 * MIB);
         assert_eq!(roomy.resident, engine.resident_between_instances());
+    }
+
+    #[test]
+    fn the_split_never_exceeds_a_small_budget() {
+        // 8 slots: 8 MiB of table pages, 256 MiB of memory pages as configured.
+        let engine = EngineLimits { max_instances: 8, memory_limit: 256 * MIB, keep_resident: 8 * MIB };
+        for mib in [72, 80, 100, 256] {
+            let sizing = split(mib * MIB, engine);
+            assert!(sizing.fits(mib * MIB), "{mib} MiB: {sizing:?}");
+            assert!(sizing.chargeable >= MIN_BUDGET, "the memory pages give way to the least budget: {mib} MiB: {sizing:?}");
+        }
+        // 192 slots: their table pages alone (192 MiB) are past a small budget.
+        let crowded = split(128 * MIB, EngineLimits { max_instances: 192, ..engine });
+        assert!(!crowded.fits(128 * MIB), "{crowded:?}");
+        assert_eq!((crowded.chargeable, crowded.engine.keep_resident), (MIN_BUDGET, 0), "{crowded:?}");
+    }
+
+    #[test]
+    fn the_process_own_cgroup_is_found() {
+        assert_eq!(own_cgroup("0::/kubepods.slice/pod1/ctr\n"), Some("kubepods.slice/pod1/ctr"));
+        assert_eq!(own_cgroup("12:memory:/docker/abc\n0::/system.slice/facegate.service\n"), Some("system.slice/facegate.service"));
+        assert_eq!(own_cgroup("0::/\n"), None, "the root: read there");
+        assert_eq!(own_cgroup("0::/../outside\n"), None);
+        assert_eq!(own_cgroup("4:memory:/docker/abc\n"), None, "cgroup v1 only");
     }
 
     #[test]

@@ -22,7 +22,7 @@ use wasmtime::component::Component;
 
 use super::blobs::{ArtifactCache, Unsealed};
 
-use super::store::{ActiveHandler, Store, StoreError, StoreResult};
+use super::store::{ActiveHandler, SharedArtifact, Store, StoreError, StoreResult};
 use super::{ControlPlane, keys, validate};
 use crate::handlers::Handler;
 
@@ -102,16 +102,20 @@ impl ControlPlane {
 
     /// The compiled component of `sha256`: this node's artifact or one
     /// another node shared, else compiled on the compile pool (its budget
-    /// and its bound on pending work) without holding the store's lock, then
-    /// cached and shared as any compile.
+    /// and its bound on pending work), then cached and shared as any
+    /// compile. The store's lock is held only for the store's reads and
+    /// writes: checking a MAC and loading native code (a large component's
+    /// artifact is tens of MB) run outside it, as compiling does, so other
+    /// admin calls and the sync go on meanwhile.
     pub(super) fn compile_off_lock(&self, sha256: &str) -> StoreResult<Component> {
-        let bytes = {
-            let mut db = self.db();
-            if let Some(component) = self.compiled_component(&mut **db, sha256) {
-                return Ok(component);
-            }
-            db.component(sha256)?
-        };
+        if let Some(component) = self.cached_component(sha256) {
+            return Ok(component);
+        }
+        let shared = self.fetch_shared(&mut **self.db(), sha256);
+        if let Some(component) = shared.and_then(|artifact| self.load_shared(sha256, &artifact)) {
+            return Ok(component);
+        }
+        let bytes = self.db().component(sha256)?;
         let engine = self.sandbox.engine().clone();
         let compiled = self.compile.run(move || Component::new(&engine, &bytes)).map_err(super::compile_refusal)?;
         let component = compiled.map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
@@ -131,6 +135,11 @@ impl ControlPlane {
 
     /// This node's cached artifact, else one another node shared; `None` means compiling.
     fn compiled_component(&self, db: &mut dyn Store, sha256: &str) -> Option<Component> {
+        self.cached_component(sha256).or_else(|| self.shared_component(db, sha256))
+    }
+
+    /// This node's cached artifact, if its MAC holds and it loads (no store involved).
+    fn cached_component(&self, sha256: &str) -> Option<Component> {
         match self.cache.get(sha256, &self.engine_id) {
             Ok(Some(bytes)) => match deserialize(self.sandbox.engine(), &bytes) {
                 Ok(component) => return Some(component),
@@ -143,7 +152,7 @@ impl ControlPlane {
             }
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "cached artifact unreadable; compiling again"),
         }
-        self.shared_component(db, sha256)
+        None
     }
 
     /// Compiles verified component bytes and caches the artifact; returns
@@ -170,15 +179,28 @@ impl ControlPlane {
     /// The artifact another node compiled for this engine, if the store has
     /// one and its MAC holds; cached here. Anything else means compiling.
     fn shared_component(&self, db: &mut dyn Store, sha256: &str) -> Option<Component> {
-        let key = self.artifact_key.as_ref()?;
-        let artifact = match db.shared_artifact(sha256, &self.engine_id) {
-            Ok(found) => found?,
+        let artifact = self.fetch_shared(db, sha256)?;
+        self.load_shared(sha256, &artifact)
+    }
+
+    /// The store's artifact of `sha256` for this engine, unchecked; none
+    /// without an artifact key (nothing shared could be verified).
+    fn fetch_shared(&self, db: &mut dyn Store, sha256: &str) -> Option<SharedArtifact> {
+        // Without the key nothing shared could be verified: not even fetched.
+        self.artifact_key.as_ref()?;
+        match db.shared_artifact(sha256, &self.engine_id) {
+            Ok(found) => found,
             Err(e) => {
                 tracing::debug!(error = %e, "shared artifacts unavailable; compiling");
-                return None;
+                None
             }
-        };
-        if !key.verify(sha256, &artifact) {
+        }
+    }
+
+    /// Loads a fetched shared artifact if its MAC holds, and caches it here.
+    fn load_shared(&self, sha256: &str, artifact: &SharedArtifact) -> Option<Component> {
+        let key = self.artifact_key.as_ref()?;
+        if !key.verify(sha256, artifact) {
             tracing::warn!(
                 component = sha256,
                 "a shared artifact's MAC does not hold (another artifact key, sealed before --artifact-key, or written by someone else); compiling"

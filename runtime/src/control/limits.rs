@@ -199,6 +199,17 @@ struct Bucket {
     last: Instant,
 }
 
+impl Bucket {
+    /// Adds the tokens earned at the current rate since the last refill (none
+    /// while unlimited), up to the burst.
+    fn refill(&mut self, now: Instant) {
+        if self.rate > 0.0 {
+            self.tokens = (self.tokens + now.saturating_duration_since(self.last).as_secs_f64() * self.rate).min(self.burst);
+        }
+        self.last = now;
+    }
+}
+
 impl TokenBucket {
     /// A full bucket; `rate` 0 never refuses.
     pub fn new(rate: f64, burst: u32) -> Self {
@@ -206,9 +217,17 @@ impl TokenBucket {
         Self { state: Mutex::new(Bucket { rate, burst, tokens: burst, last: Instant::now() }) }
     }
 
-    /// Changes rate and burst in place: tokens saved up stay (up to the new burst).
+    /// Changes rate and burst in place: tokens saved up stay (up to the new
+    /// burst), and the time since the last take earns tokens at the old
+    /// rate, never at the new one (raising the rate grants no tokens for
+    /// the time before it).
     pub fn reconfigure(&self, rate: f64, burst: u32) {
+        self.reconfigure_at(rate, burst, Instant::now());
+    }
+
+    fn reconfigure_at(&self, rate: f64, burst: u32, now: Instant) {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.refill(now);
         state.rate = rate;
         state.burst = f64::from(burst.max(1));
         state.tokens = state.tokens.min(state.burst);
@@ -225,8 +244,7 @@ impl TokenBucket {
         if b.rate <= 0.0 {
             return Ok(());
         }
-        b.tokens = (b.tokens + now.saturating_duration_since(b.last).as_secs_f64() * b.rate).min(b.burst);
-        b.last = now;
+        b.refill(now);
         if b.tokens >= 1.0 {
             b.tokens -= 1.0;
             Ok(())
@@ -296,6 +314,23 @@ mod tests {
         assert!(bucket.try_take_at(t0 + Duration::from_millis(500)).is_ok());
         assert!(bucket.try_take_at(t0 + Duration::from_millis(500)).is_err());
         assert!(TokenBucket::new(0.0, 1).try_take_at(t0).is_ok(), "rate 0 is unlimited");
+    }
+
+    #[test]
+    fn a_raised_rate_grants_no_tokens_for_the_time_before_it() {
+        let bucket = TokenBucket::new(1.0, 1);
+        let t0 = Instant::now();
+        assert!(bucket.try_take_at(t0).is_ok());
+        // Ten idle seconds at 1/s refill the burst of 1, not 10 000 at the new rate.
+        let t1 = t0 + Duration::from_secs(10);
+        bucket.reconfigure_at(1000.0, 1000, t1);
+        let granted = std::iter::from_fn(|| bucket.try_take_at(t1).ok()).take(2000).count();
+        assert_eq!(granted, 1);
+        assert!(bucket.try_take_at(t1 + Duration::from_millis(10)).is_ok(), "the new rate applies from the change on");
+        // Lowered, the saved-up tokens stay within the new burst.
+        let full = TokenBucket::new(1.0, 50);
+        full.reconfigure_at(1.0, 2, t0);
+        assert_eq!(std::iter::from_fn(|| full.try_take_at(t0).ok()).take(100).count(), 2);
     }
 
     #[test]

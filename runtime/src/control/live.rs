@@ -4,9 +4,11 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::keys;
 use super::limits::{ConcurrencyGate, TenantLimits, TokenBucket};
+use super::store::NodeRow;
 use crate::handlers::Handler;
 
 /// A tenant's admission state: limits, rate bucket, concurrency slots.
@@ -114,9 +116,73 @@ pub(super) fn new_gate(limits: TenantLimits, old: Option<&TenantGate>, nodes: us
     gate
 }
 
+/// Which nodes of the cluster are alive, judged by whether their heartbeats
+/// advance while this node watches, timed by this node's own monotonic
+/// clock. Each node stamps its heartbeat with its own wall clock, which may
+/// be minutes off this one's: comparing the stamps with this clock would
+/// count a live node whose clock is behind as dead (and this node would
+/// take its share too, letting a tenant past its cluster-wide limits). Only
+/// a stamp's change is used, never its value.
+#[derive(Debug, Default)]
+pub struct NodeWatch {
+    /// By node id: its last heartbeat stamp, and when this node saw it change.
+    seen: HashMap<String, (i64, Instant)>,
+}
+
+impl NodeWatch {
+    /// Counts the nodes in `nodes` (the store's rows) whose heartbeat
+    /// changed within `window` before `now`, at least 1 (this one). A node
+    /// seen for the first time counts until `window` passes without a
+    /// change: a dead one is then counted a while, so each node enforces
+    /// less meanwhile, never more.
+    pub fn count_alive(&mut self, nodes: &[NodeRow], now: Instant, window: Duration) -> usize {
+        self.seen.retain(|id, _| nodes.iter().any(|n| &n.id == id));
+        let mut alive = 0;
+        for node in nodes {
+            let (stamp, changed) = self.seen.entry(node.id.clone()).or_insert((node.heartbeat_at, now));
+            if *stamp != node.heartbeat_at {
+                *stamp = node.heartbeat_at;
+                *changed = now;
+            }
+            alive += usize::from(now.saturating_duration_since(*changed) <= window);
+        }
+        alive.max(1)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn row(id: &str, heartbeat_at: i64) -> NodeRow {
+        NodeRow {
+            id: id.to_owned(),
+            address: String::new(),
+            version: String::new(),
+            devices: Vec::new(),
+            load: Default::default(),
+            started_at: 0,
+            heartbeat_at,
+        }
+    }
+
+    #[test]
+    fn nodes_are_alive_while_their_heartbeats_advance_whatever_their_clocks_say() {
+        const WINDOW: Duration = Duration::from_secs(30);
+        let mut watch = NodeWatch::default();
+        let t0 = Instant::now();
+        // "behind" stamps an hour in the past, "ahead" an hour in the future.
+        let (behind, ahead) = (-3_600_000, 3_600_000);
+        assert_eq!(watch.count_alive(&[row("me", 0), row("behind", behind), row("ahead", ahead)], t0, WINDOW), 3);
+        let later = t0 + Duration::from_secs(20);
+        let rows = [row("me", 20_000), row("behind", behind + 20_000), row("ahead", ahead)];
+        assert_eq!(watch.count_alive(&rows, later, WINDOW), 3, "'ahead' stopped, but only 20 s ago");
+        let rows = [row("me", 40_000), row("behind", behind + 40_000), row("ahead", ahead)];
+        assert_eq!(watch.count_alive(&rows, t0 + Duration::from_secs(40), WINDOW), 2, "'ahead' silent for 40 s: dead, its clock no matter");
+        assert_eq!(watch.count_alive(&[row("me", 50_000)], t0 + Duration::from_secs(50), WINDOW), 1, "rows removed are forgotten");
+        assert_eq!(watch.seen.len(), 1);
+        assert_eq!(NodeWatch::default().count_alive(&[], t0, WINDOW), 1, "at least this node");
+    }
 
     fn limits(rps: f64, burst: u32, max_concurrency: u32) -> TenantLimits {
         TenantLimits {

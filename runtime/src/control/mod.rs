@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use self::blobs::{ArtifactCache, Blobs};
 use self::components::Compile;
@@ -103,6 +103,8 @@ pub struct ControlPlane {
     /// Live nodes of the cluster (this one included), from the heartbeats:
     /// each enforces its share of a tenant's rate and concurrency.
     nodes: AtomicUsize,
+    /// Whose heartbeats advance (see [`live::NodeWatch`]).
+    node_watch: Mutex<live::NodeWatch>,
 }
 
 impl ControlPlane {
@@ -154,6 +156,7 @@ impl ControlPlane {
             artifact_key,
             live: RwLock::new(Arc::new(Live::default())),
             nodes: AtomicUsize::new(1),
+            node_watch: Mutex::default(),
         };
         control.refresh(&mut **control.db(), Vec::new(), Compile::Now)?;
         Ok(control)
@@ -222,15 +225,17 @@ impl ControlPlane {
         self.db().nodes()
     }
 
-    /// Counts the nodes alive at `now_ms` (a heartbeat within
-    /// [`sync::ALIVE_WITHIN`]; at least this one) and gives every tenant's
-    /// gate this node's share of its rate and concurrency among them. A node
-    /// that stops cleanly deregisters at once; one that dies keeps its share
-    /// until it is listed as not alive (the others enforce less meanwhile,
-    /// never more).
-    pub fn share_tenant_limits(&self, nodes: &[NodeRow], now_ms: i64) {
-        let window = i64::try_from(sync::ALIVE_WITHIN.as_millis()).unwrap_or(i64::MAX);
-        let live = nodes.iter().filter(|n| n.heartbeat_at >= now_ms - window).count().max(1);
+    /// Counts the nodes alive (a heartbeat that advanced within
+    /// [`sync::ALIVE_WITHIN`] by this node's clock, whatever the others'
+    /// clocks say, see [`live::NodeWatch`]; at least this one) and gives
+    /// every tenant's gate this node's share of its rate and concurrency
+    /// among them. A node that stops cleanly deregisters at once; one that
+    /// dies keeps its share until it is seen silent that long (the others
+    /// enforce less meanwhile, never more).
+    pub fn share_tenant_limits(&self, nodes: &[NodeRow]) {
+        let mut watch = self.node_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let live = watch.count_alive(nodes, Instant::now(), sync::ALIVE_WITHIN);
+        drop(watch);
         if self.nodes.swap(live, Ordering::AcqRel) != live {
             tracing::info!(nodes = live, "live nodes changed: each enforces its share of the tenants' rate and concurrency");
         }

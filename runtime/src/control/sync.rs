@@ -222,7 +222,7 @@ impl Worker {
             return;
         }
         match self.control.nodes() {
-            Ok(nodes) => self.control.share_tenant_limits(&nodes, row.heartbeat_at),
+            Ok(nodes) => self.control.share_tenant_limits(&nodes),
             Err(e) => tracing::debug!(error = %e, "nodes not read; tenants' shares unchanged"),
         }
     }

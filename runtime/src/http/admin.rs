@@ -4,6 +4,8 @@
 //! Also who may read `/metrics`: the metrics token or the admin token. Store work (SQLite, compilation, fsync) runs on
 //! blocking threads, never on the async workers.
 
+use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -15,6 +17,7 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
+use super::conn::ClientAddr;
 use super::response::{self, Body};
 use super::routes::{App, bearer, buffer_body};
 use crate::compile::CompileError;
@@ -36,12 +39,53 @@ pub const TOKEN_FAILURE_DELAY: Duration = Duration::from_millis(250);
 /// many were refused since the last one: a guesser cannot flood the log.
 const TOKEN_FAILURE_LOG_EVERY: Duration = Duration::from_secs(1);
 
+/// Client addresses whose refusals are counted apart between two log
+/// lines; refusals from more addresses count in the total only. Bounds
+/// the memory a guesser spreading over many addresses can make us hold.
+const TOKEN_FAILURE_ADDRESSES: usize = 64;
+
 /// Refused admin and metrics tokens: logged (at most once a
-/// [`TOKEN_FAILURE_LOG_EVERY`], with a count) and slowed.
+/// [`TOKEN_FAILURE_LOG_EVERY`], naming the client and the address refused
+/// most since the last line) and slowed.
 #[derive(Debug, Default)]
 pub(super) struct TokenFailures {
-    /// When the last line was logged, and the refusals since.
-    state: Mutex<(Option<Instant>, u64)>,
+    state: Mutex<Refusals>,
+}
+
+/// Refusals since the last log line.
+#[derive(Debug, Default)]
+struct Refusals {
+    /// When the last line was logged.
+    logged_at: Option<Instant>,
+    total: u64,
+    /// Per client address: the first [`TOKEN_FAILURE_ADDRESSES`] refused.
+    by_address: HashMap<IpAddr, u64>,
+}
+
+impl Refusals {
+    /// Counts a refusal from `ip` (if known).
+    fn count(&mut self, ip: Option<IpAddr>) {
+        self.total += 1;
+        let Some(ip) = ip else { return };
+        let known = self.by_address.len();
+        match self.by_address.get_mut(&ip) {
+            Some(count) => *count += 1,
+            None if known < TOKEN_FAILURE_ADDRESSES => {
+                self.by_address.insert(ip, 1);
+            }
+            None => {}
+        }
+    }
+
+    /// The address refused most (and how often), if any was counted apart.
+    fn most_refused(&self) -> Option<(IpAddr, u64)> {
+        self.by_address.iter().map(|(ip, count)| (*ip, *count)).max_by_key(|&(_, count)| count)
+    }
+
+    /// Starts over after a log line at `now`.
+    fn logged(&mut self, now: Instant) {
+        *self = Self { logged_at: Some(now), ..Self::default() };
+    }
 }
 
 impl TokenFailures {
@@ -56,12 +100,25 @@ impl TokenFailures {
     }
 
     fn log(&self, scope: &str, req: &Request<Incoming>) {
+        let peer = req.extensions().get::<ClientAddr>().map(|addr| addr.0);
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        state.1 += 1;
-        if state.0.is_none_or(|last| last.elapsed() >= TOKEN_FAILURE_LOG_EVERY) {
+        state.count(peer.map(|peer| peer.ip()));
+        if state.logged_at.is_none_or(|last| last.elapsed() >= TOKEN_FAILURE_LOG_EVERY) {
             let given = if bearer(req).is_some() { "wrong" } else { "missing" };
-            tracing::warn!(scope, method = %req.method(), path = %req.uri().path().escape_debug(), token = given, refused_since_last_line = state.1, "token refused");
-            *state = (Some(Instant::now()), 0);
+            let (most_refused, most_refused_times) = state.most_refused().unzip();
+            tracing::warn!(
+                scope,
+                peer = peer.map(tracing::field::display),
+                method = %req.method(),
+                path = %req.uri().path().escape_debug(),
+                token = given,
+                refused_since_last_line = state.total,
+                addresses_since_last_line = state.by_address.len(),
+                most_refused = most_refused.map(tracing::field::display),
+                most_refused_times,
+                "token refused"
+            );
+            state.logged(Instant::now());
         }
     }
 }
@@ -240,5 +297,33 @@ fn store_error(e: &StoreError) -> Response<Body> {
             tracing::error!(error = %format!("{err:#}"), "admin operation failed");
             response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e)
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_name_the_address_refused_most_and_stay_bounded() {
+        let mut refusals = Refusals::default();
+        let ip = |i: u32| IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i));
+        for _ in 0..3 {
+            refusals.count(Some(ip(7)));
+        }
+        refusals.count(Some(ip(8)));
+        refusals.count(None);
+        assert_eq!(refusals.most_refused(), Some((ip(7), 3)));
+        // A guesser spread over many addresses: counted, not remembered.
+        for i in 100..10_100 {
+            refusals.count(Some(ip(i)));
+        }
+        assert_eq!(refusals.by_address.len(), TOKEN_FAILURE_ADDRESSES);
+        assert_eq!(refusals.total, 10_005);
+        refusals.count(Some(ip(7)));
+        assert_eq!(refusals.most_refused(), Some((ip(7), 4)), "addresses already counted keep counting");
+        refusals.logged(Instant::now());
+        assert_eq!((refusals.total, refusals.by_address.len(), refusals.most_refused()), (0, 0, None));
     }
 }

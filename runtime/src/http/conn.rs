@@ -11,6 +11,13 @@
 //! ended. Only requests count: bytes that carry none (HTTP/2 PINGs and
 //! WINDOW_UPDATEs, a head trickling in) do not keep a connection from being
 //! idle.
+//!
+//! A request in flight keeps its connection, but not forever: a client that
+//! stops taking its answers (its receive window or socket buffer full) has
+//! its connection dropped after the idle timeout ([`CloseReason::Stalled`]),
+//! and a connection told to close (idle, too old, evicted, draining) is
+//! dropped with whatever is still in flight once its closing limit
+//! ([`closing_limit`]) has passed.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -46,10 +53,13 @@ pub const ADMIN_RESERVE_CONNECTIONS: usize = 32;
 pub const RESERVE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Largest request head: hyper's HTTP/1 read buffer (`max_buf_size`; a head
-/// must fit in it, else 431) and HTTP/2's header list. The read buffer is
-/// what a client makes the gateway hold without finishing a request: 4096
-/// connections × 32 KiB is 128 MiB at most, where hyper's default (about
-/// 400 KiB) would allow 1.6 GiB. 32 KiB is what nginx allows a head by
+/// must fit in it, else 431) and HTTP/2's header list. The HTTP/1 read
+/// buffer is what a client makes the gateway hold without finishing a
+/// request: 4096 connections × 32 KiB is 128 MiB at most, where hyper's
+/// default (about 400 KiB) would allow 1.6 GiB. (An HTTP/2 client can make
+/// it hold its receive window besides: see [`H2_CONNECTION_WINDOW`].) It
+/// also bounds the HTTP/1 write buffer: an answer is read ahead of a slow
+/// client by at most this much. 32 KiB is what nginx allows a head by
 /// default (4 × 8 KiB), far above what browsers and bearer tokens need.
 pub const MAX_HEAD_BYTES: usize = 32 << 10;
 
@@ -59,10 +69,50 @@ pub const MAX_HEAD_BYTES: usize = 32 << 10;
 /// own default (200) is not part of its stable API.
 const H2_MAX_CONCURRENT_STREAMS: u32 = 128;
 
+/// HTTP/2 receive window of one stream: request body bytes a client may
+/// send ahead of the handler reading them. 256 KiB per round trip is about
+/// 25 MB/s at 10 ms, plenty for an image upload; hyper's default (1 MiB)
+/// would let one connection park 1 MiB per stream.
+pub const H2_STREAM_WINDOW: u32 = 256 << 10;
+
+/// HTTP/2 receive window of one connection, all its streams together: what
+/// an HTTP/2 client can make the gateway hold besides its head
+/// ([`MAX_HEAD_BYTES`]). Worst case, every connection of a full listener
+/// with its window full: 4096 × (256 + 32) KiB = 1.1 GiB by default (unread
+/// bodies only: a handler reading its body frees the window). Without it,
+/// hyper's defaults (1 MiB a stream and a connection) would allow 4 GiB.
+pub const H2_CONNECTION_WINDOW: u32 = 256 << 10;
+
+/// Answer bytes one HTTP/2 stream buffers ahead of the client's window: a
+/// streamed answer is read from the handler no further ahead than this
+/// (answers whole in memory are sent as they are). Worst case a connection
+/// buffers streams × this: 128 × 64 KiB = 8 MiB, and only of answers that
+/// exist anyway; a client that takes none is dropped ([`CloseReason::Stalled`]).
+/// hyper's default is 400 KiB.
+const H2_MAX_SEND_BUF: usize = 64 << 10;
+
 /// How long a connection shutting down gracefully (idle, too old, evicted,
 /// draining) with nothing in flight may take to close by itself before it
 /// is dropped: HTTP/2's GOAWAY waits for the answer to a PING.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// How often, per idle timeout, a connection with a request in flight is
+/// looked at for a stall: a stall is seen at most a quarter of the idle
+/// timeout late, for a timer per busy connection every few seconds.
+const STALL_CHECKS: u32 = 4;
+
+/// How long a connection told to close (idle, too old, evicted, draining)
+/// may keep requests in flight before it is dropped with them: a request
+/// that arrived just before has its deadline (`--request-timeout-ms`) for
+/// its handler, then an idle timeout for its answer to be sent. A client
+/// still taking an answer then sees the connection cut mid-answer (HTTP/1:
+/// fewer bytes than its `Content-Length`, or no last chunk; HTTP/2: the
+/// connection closes after its GOAWAY, the stream unfinished). A tenant
+/// whose deadline is longer than the default loses a request still running
+/// then; the drain at shutdown cuts sooner still (`SHUTDOWN_GRACE`).
+fn closing_limit(request_timeout: Duration, idle_timeout: Duration) -> Duration {
+    request_timeout + idle_timeout
+}
 
 /// Evicted connections still closing, at most, per listener. Each holds a
 /// file descriptor past the cap until it closes (within [`CLOSE_GRACE`]
@@ -80,11 +130,15 @@ struct Profile {
     builder: auto::Builder<TokioExecutor>,
     plane: Plane,
     head_timeout: Duration,
+    /// How long a connection may have no request in flight, or an answer
+    /// the client does not take.
     idle_timeout: Duration,
+    /// See [`closing_limit`].
+    closing_limit: Duration,
 }
 
 impl Profile {
-    fn new(plane: Plane, head_timeout: Duration, idle_timeout: Duration) -> Self {
+    fn new(plane: Plane, head_timeout: Duration, idle_timeout: Duration, request_timeout: Duration) -> Self {
         let mut builder = auto::Builder::new(TokioExecutor::new());
         // hyper restarts this timer whenever an HTTP/1 connection waits for a
         // head, idle keep-alive included. The watchdog enforces the first head
@@ -102,8 +156,14 @@ impl Profile {
             .http2()
             .timer(TokioTimer::new())
             .max_concurrent_streams(H2_MAX_CONCURRENT_STREAMS)
-            .max_header_list_size(MAX_HEAD_BYTES as u32);
-        Self { builder, plane, head_timeout, idle_timeout }
+            .max_header_list_size(MAX_HEAD_BYTES as u32)
+            .initial_stream_window_size(H2_STREAM_WINDOW)
+            .initial_connection_window_size(H2_CONNECTION_WINDOW)
+            // Fixed windows: an adaptive one would grow past them.
+            .adaptive_window(false)
+            .max_send_buf_size(H2_MAX_SEND_BUF);
+        let closing_limit = closing_limit(request_timeout, idle_timeout);
+        Self { builder, plane, head_timeout, idle_timeout, closing_limit }
     }
 }
 
@@ -126,10 +186,10 @@ impl Listener {
     /// The settings `app`'s configuration asks for, serving `plane`.
     pub(super) fn new(app: Arc<App>, plane: Plane, tls: Option<TlsAcceptor>) -> Self {
         let config = &app.config;
-        let (head, idle) = (config.request_head_timeout(), config.idle_timeout());
-        let main = Profile::new(plane, head, idle);
+        let (head, idle, request) = (config.request_head_timeout(), config.idle_timeout(), config.request_timeout());
+        let main = Profile::new(plane, head, idle, request);
         let reserve = (plane == Plane::Both).then(|| {
-            let profile = Profile::new(Plane::Reserve, head.min(RESERVE_TIMEOUT), idle.min(RESERVE_TIMEOUT));
+            let profile = Profile::new(Plane::Reserve, head.min(RESERVE_TIMEOUT), idle.min(RESERVE_TIMEOUT), request);
             (profile, Arc::new(Semaphore::new(ADMIN_RESERVE_CONNECTIONS)))
         });
         let open = Arc::new(Registry::new(config.max_connections as usize));
@@ -183,6 +243,8 @@ impl Listener {
             _ => &self.main,
         };
         let activity = Arc::clone(&slot.activity);
+        // Under TLS too: a blocked write is the client's socket being full.
+        let stream = Watched { inner: stream, activity: Arc::clone(&activity) };
         let watch = Watch { profile, activity: Arc::clone(&activity), peer, metrics: &self.metrics, draining };
         match &self.tls {
             None => watch.run(&self.app, stream).await,
@@ -378,7 +440,19 @@ struct Activity {
     requested: AtomicBool,
     /// Told when a newcomer takes this connection's slot.
     eviction: Notify,
+    /// Answers waiting for the client: hyper holds a frame of theirs (or
+    /// their head) and has not asked for the next.
+    waiting_answers: AtomicUsize,
+    /// When an answer last moved (was made, or asked for its next frame),
+    /// in ms since `epoch`.
+    answer_moved_ms: AtomicU64,
+    /// Since when writes to the socket have been blocked (it is full: the
+    /// client does not read), in ms since `epoch`; [`NOT_BLOCKED`] if not.
+    write_blocked_ms: AtomicU64,
 }
+
+/// [`Activity::write_blocked_ms`] when the last write went through.
+const NOT_BLOCKED: u64 = u64::MAX;
 
 impl Activity {
     fn new(epoch: Instant, age_limit: Option<Duration>) -> Self {
@@ -389,7 +463,53 @@ impl Activity {
             in_flight: AtomicUsize::new(0),
             requested: AtomicBool::new(false),
             eviction: Notify::new(),
+            waiting_answers: AtomicUsize::new(0),
+            answer_moved_ms: AtomicU64::new(0),
+            write_blocked_ms: AtomicU64::new(NOT_BLOCKED),
         }
+    }
+
+    /// Milliseconds from `epoch` to now.
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64 // `as` saturates
+    }
+
+    /// An answer moved, and now waits for the client until the guard drops.
+    fn wait(self: &Arc<Self>) -> Waiting {
+        self.moved();
+        self.waiting_answers.fetch_add(1, Ordering::AcqRel);
+        Waiting(Arc::clone(self))
+    }
+
+    /// An answer moved: hyper asked for its next frame.
+    fn moved(&self) {
+        self.answer_moved_ms.fetch_max(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// A write to the socket went through (`blocked`: it did not).
+    fn wrote(&self, blocked: bool) {
+        if blocked {
+            // From the first blocked write on, not the latest.
+            let _ = self.write_blocked_ms.compare_exchange(NOT_BLOCKED, self.now_ms(), Ordering::Relaxed, Ordering::Relaxed);
+        } else if self.write_blocked_ms.load(Ordering::Relaxed) != NOT_BLOCKED {
+            self.write_blocked_ms.store(NOT_BLOCKED, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the last write to the socket was blocked (it is full).
+    fn write_blocked(&self) -> bool {
+        self.write_blocked_ms.load(Ordering::Relaxed) != NOT_BLOCKED
+    }
+
+    /// Since when the client has taken nothing: its socket full, or an
+    /// answer waiting for it with none moving. `None` while it takes them.
+    fn stalled_since(&self) -> Option<Instant> {
+        let blocked = self.write_blocked_ms.load(Ordering::Relaxed);
+        let blocked = (blocked != NOT_BLOCKED).then_some(blocked);
+        let waiting = self.waiting_answers.load(Ordering::Acquire) > 0;
+        let unmoved = waiting.then(|| self.answer_moved_ms.load(Ordering::Relaxed));
+        let since = blocked.into_iter().chain(unmoved).min()?;
+        Some(self.epoch + Duration::from_millis(since))
     }
 
     /// A request head arrived: counted in flight until the guard drops
@@ -428,15 +548,55 @@ impl Activity {
         } else if let Some(since) = self.idle_since() {
             let deadline = since + profile.idle_timeout;
             if now >= deadline {
-                return Verdict::Expired(CloseReason::Idle);
+                // HTTP/1 reads no request while its last answer waits to be
+                // flushed: a client that does not read is idle, and stalled.
+                let reason = if self.write_blocked() { CloseReason::Stalled } else { CloseReason::Idle };
+                return Verdict::Expired(reason);
+            }
+            deadline
+        } else if let Some(since) = self.stalled_since() {
+            // In flight, but the client takes nothing: as good as idle.
+            let deadline = since + profile.idle_timeout;
+            if now >= deadline {
+                return Verdict::Expired(CloseReason::Stalled);
             }
             deadline
         } else {
-            // A request in flight is never idle; its own deadline bounds it.
-            now + profile.idle_timeout
+            // A request in flight is never idle; its own deadline bounds it,
+            // and a stall is looked for again soon.
+            now + profile.idle_timeout / STALL_CHECKS
         };
         Verdict::CheckAt(too_old_at.map_or(next, |at| at.min(next)))
     }
+
+    /// What a connection shutting down since `cut_at` less its closing
+    /// limit should do at `now`: go once nothing is in flight; past
+    /// `cut_at`, or with its client taking nothing for the idle timeout, go
+    /// with its requests in flight (not counted again: its closure was).
+    fn check_closing(&self, profile: &Profile, cut_at: Instant, now: Instant) -> Closing {
+        if self.in_flight() == 0 {
+            return Closing::Done;
+        }
+        if now >= cut_at {
+            return Closing::Cut("its closing limit passed");
+        }
+        let stalled_at = self.stalled_since().map(|since| since + profile.idle_timeout);
+        if stalled_at.is_some_and(|at| now >= at) {
+            return Closing::Cut("its client takes no answer");
+        }
+        Closing::Wait((now + CLOSE_GRACE).min(cut_at).min(stalled_at.unwrap_or(cut_at)))
+    }
+}
+
+/// See [`Activity::check_closing`].
+#[derive(Debug, PartialEq)]
+enum Closing {
+    /// Look again then.
+    Wait(Instant),
+    /// Nothing in flight: drop it.
+    Done,
+    /// Drop it with its requests in flight, for this reason.
+    Cut(&'static str),
 }
 
 #[derive(Debug, PartialEq)]
@@ -452,9 +612,62 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         // Idleness counts from the answer. `fetch_max`: streams of one
         // HTTP/2 connection end concurrently.
-        let done_ms = self.0.epoch.elapsed().as_millis() as u64; // `as` saturates
-        self.0.last_done_ms.fetch_max(done_ms, Ordering::Relaxed);
+        self.0.last_done_ms.fetch_max(self.0.now_ms(), Ordering::Relaxed);
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// An answer waiting for the client (see [`Activity::wait`]).
+struct Waiting(Arc<Activity>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting_answers.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The client's socket, telling its [`Activity`] whether writes go through.
+struct Watched<S> {
+    inner: S,
+    activity: Arc<Activity>,
+}
+
+impl<S> Watched<S> {
+    fn note<T>(&self, polled: Poll<std::io::Result<T>>) -> Poll<std::io::Result<T>> {
+        self.activity.wrote(polled.is_pending());
+        polled
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut tokio::io::ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.note(polled)
+    }
+
+    fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[std::io::IoSlice<'_>]) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.note(polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
     }
 }
 
@@ -479,18 +692,20 @@ struct Watch<'a> {
 }
 
 impl Watch<'_> {
-    /// Serves HTTP on `io` until the connection ends. Past the head deadline
-    /// the connection is dropped; idle, too old, evicted or at the drain, it
-    /// is shut down gracefully, and dropped once nothing is in flight and it
-    /// has not closed within [`CLOSE_GRACE`].
+    /// Serves HTTP on `io` until the connection ends. Past the head deadline,
+    /// or stalled, the connection is dropped; idle, too old, evicted or at
+    /// the drain, it is shut down gracefully, and dropped once nothing is in
+    /// flight and it has not closed within [`CLOSE_GRACE`], or with what is
+    /// in flight past its closing limit.
     async fn run<I>(mut self, app: &Arc<App>, io: I)
     where
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let service = service(app, self.profile.plane, &self.activity);
+        let service = service(app, self.profile.plane, &self.activity, self.peer);
         let conn = self.profile.builder.serve_connection_with_upgrades(TokioIo::new(io), service);
         tokio::pin!(conn);
-        let mut closing = false;
+        // Once shutting down: when it is dropped with whatever is in flight.
+        let mut cut_at = None;
         // At once: the first check says when the next is due.
         let mut check_at = self.activity.epoch;
         loop {
@@ -501,7 +716,7 @@ impl Watch<'_> {
                     }
                     return;
                 }
-                () = tokio::time::sleep_until(check_at) => match self.step(closing, Instant::now()) {
+                () = tokio::time::sleep_until(check_at) => match self.step(cut_at, Instant::now()) {
                     Step::Wait(at) => {
                         check_at = at;
                         false
@@ -510,59 +725,85 @@ impl Watch<'_> {
                     Step::Drop => return,
                 },
                 // A newcomer took this connection's slot (and counted it).
-                () = self.activity.eviction.notified(), if !closing => true,
-                () = drained(&mut self.draining), if !closing => true,
+                () = self.activity.eviction.notified(), if cut_at.is_none() => true,
+                () = drained(&mut self.draining), if cut_at.is_none() => true,
             };
             if close {
                 conn.as_mut().graceful_shutdown();
-                closing = true;
-                check_at = Instant::now() + CLOSE_GRACE;
+                let now = Instant::now();
+                cut_at = Some(now + self.profile.closing_limit);
+                check_at = now + CLOSE_GRACE;
             }
         }
     }
 
-    /// What to do at `now`; counts the closures a limit decides.
-    fn step(&self, closing: bool, now: Instant) -> Step {
-        if closing {
-            // In-flight requests finish; then the connection goes.
-            return if self.activity.in_flight() > 0 { Step::Wait(now + CLOSE_GRACE) } else { Step::Drop };
+    /// What to do at `now` (`cut_at`: shutting down, see [`Self::run`]);
+    /// counts the closures a limit decides.
+    fn step(&self, cut_at: Option<Instant>, now: Instant) -> Step {
+        if let Some(cut_at) = cut_at {
+            // In-flight requests finish, within bounds; then the connection goes.
+            return match self.activity.check_closing(self.profile, cut_at, now) {
+                Closing::Wait(at) => Step::Wait(at),
+                Closing::Done => Step::Drop,
+                Closing::Cut(why) => {
+                    tracing::debug!(peer = %self.peer, why, in_flight = self.activity.in_flight(), "closing connection dropped with requests in flight");
+                    Step::Drop
+                }
+            };
         }
         match self.activity.check(self.profile, now) {
             Verdict::CheckAt(at) => Step::Wait(at),
             Verdict::Expired(reason) => {
                 closed(self.metrics, self.peer, reason);
-                // No request yet: nothing to finish.
-                if reason == CloseReason::HeadTimeout { Step::Drop } else { Step::Close }
+                // No request yet, or a client that takes no answer (it would
+                // not read a GOAWAY either): nothing to finish.
+                if matches!(reason, CloseReason::HeadTimeout | CloseReason::Stalled) { Step::Drop } else { Step::Close }
             }
         }
     }
 }
 
+/// The client's address, in each request's extensions.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ClientAddr(pub(super) SocketAddr);
+
 /// The connection's service: `app`'s routes for `plane`, each request
-/// counted in flight until its response body is sent.
+/// (tagged with `peer`'s [`ClientAddr`]) counted in flight until its
+/// response body is sent.
 fn service(
     app: &Arc<App>,
     plane: Plane,
     activity: &Arc<Activity>,
+    peer: SocketAddr,
 ) -> impl hyper::service::Service<hyper::Request<Incoming>, Response = hyper::Response<Answer>, Error = Infallible, Future: Send>
 + Clone
 + Send
 + 'static {
     let (app, activity) = (Arc::clone(app), Arc::clone(activity));
-    service_fn(move |req: hyper::Request<Incoming>| {
+    service_fn(move |mut req: hyper::Request<Incoming>| {
         let (app, in_flight) = (Arc::clone(&app), activity.begin());
+        req.extensions_mut().insert(ClientAddr(peer));
         async move {
             let response = app.route(req, plane).await;
-            Ok::<_, Infallible>(response.map(|body| Answer { body, in_flight: Some(in_flight) }))
+            Ok::<_, Infallible>(response.map(|body| Answer::new(body, in_flight)))
         }
     })
 }
 
 /// A response body that keeps its request in flight until it ends (or is
-/// dropped): a long response stream is not an idle connection.
+/// dropped): a long response stream is not an idle connection. It also
+/// says whether the client takes it: from when it is made, and after each
+/// frame it gives, it waits for the client until hyper asks for the next.
 struct Answer {
     body: Body,
     in_flight: Option<InFlight>,
+    waiting: Option<Waiting>,
+}
+
+impl Answer {
+    fn new(body: Body, in_flight: InFlight) -> Self {
+        Self { body, waiting: Some(in_flight.0.wait()), in_flight: Some(in_flight) }
+    }
 }
 
 impl hyper::body::Body for Answer {
@@ -571,9 +812,16 @@ impl hyper::body::Body for Answer {
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.get_mut();
+        // Asked for more: what it gave before has gone on.
+        this.waiting = None;
+        let activity = this.in_flight.as_ref().map(|in_flight| &in_flight.0);
+        activity.inspect(|activity| activity.moved());
         let polled = Pin::new(&mut this.body).poll_frame(cx);
-        if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
-            this.in_flight = None;
+        match &polled {
+            Poll::Ready(Some(Ok(_))) => this.waiting = activity.map(Activity::wait),
+            Poll::Ready(None | Some(Err(_))) => this.in_flight = None,
+            // The handler is still making it: the client is not the one waited for.
+            Poll::Pending => {}
         }
         polled
     }
@@ -596,9 +844,10 @@ mod tests {
 
     const HEAD: Duration = Duration::from_secs(10);
     const IDLE: Duration = Duration::from_secs(30);
+    const REQUEST: Duration = Duration::from_secs(10);
 
     fn profile() -> Profile {
-        Profile::new(Plane::Data, HEAD, IDLE)
+        Profile::new(Plane::Data, HEAD, IDLE, REQUEST)
     }
 
     #[test]
@@ -631,7 +880,7 @@ mod tests {
         assert_eq!(activity.check(&profile, t0 + HEAD), Verdict::Expired(CloseReason::HeadTimeout));
         let in_flight = activity.begin();
         let later = t0 + Duration::from_secs(100);
-        assert_eq!(activity.check(&profile, later), Verdict::CheckAt(later + IDLE), "in flight: never idle");
+        assert_eq!(activity.check(&profile, later), Verdict::CheckAt(later + IDLE / STALL_CHECKS), "in flight: never idle");
         drop(in_flight);
         let answered = activity.idle_since().unwrap();
         assert!(answered >= t0);
@@ -646,7 +895,7 @@ mod tests {
         let age = Duration::from_secs(60);
         let activity = Arc::new(Activity::new(t0, Some(age)));
         let _in_flight = activity.begin();
-        let now = t0 + Duration::from_secs(45);
+        let now = t0 + Duration::from_secs(55);
         assert_eq!(activity.check(&profile, now), Verdict::CheckAt(t0 + age), "the next check is due at the age limit");
         assert_eq!(activity.check(&profile, t0 + age), Verdict::Expired(CloseReason::MaxAge));
     }
@@ -663,11 +912,73 @@ mod tests {
     #[tokio::test]
     async fn a_response_body_keeps_its_request_in_flight_until_sent() {
         let activity = Arc::new(Activity::new(Instant::now(), None));
-        let answer = Answer { body: super::super::response::full("streamed"), in_flight: Some(activity.begin()) };
+        let answer = Answer::new(super::super::response::full("streamed"), activity.begin());
         assert_eq!(activity.idle_since(), None, "the head is answered, the body not yet sent");
         let sent = answer.collect().await.unwrap().to_bytes();
         assert_eq!(&sent[..], b"streamed");
         assert!(activity.idle_since().is_some(), "idle once the body is sent");
+    }
+
+    #[test]
+    fn an_answer_the_client_does_not_take_stalls_its_connection() {
+        let profile = profile();
+        let t0 = Instant::now();
+        let activity = Arc::new(Activity::new(t0, None));
+        let in_flight = activity.begin();
+        assert_eq!(activity.stalled_since(), None, "the handler runs: nothing waits for the client");
+        // Answered: it waits for the client from then on.
+        let waiting = activity.wait();
+        let since = activity.stalled_since().unwrap();
+        assert_eq!(activity.check(&profile, since), Verdict::CheckAt(since + IDLE));
+        assert_eq!(activity.check(&profile, since + IDLE), Verdict::Expired(CloseReason::Stalled));
+        drop(waiting);
+        assert_eq!(activity.stalled_since(), None, "taken");
+        // A socket the client does not read is a stall too, from the first blocked write.
+        activity.wrote(true);
+        let blocked = activity.stalled_since().unwrap();
+        activity.wrote(true);
+        assert_eq!(activity.stalled_since(), Some(blocked));
+        assert_eq!(activity.check(&profile, blocked + IDLE), Verdict::Expired(CloseReason::Stalled));
+        activity.wrote(false);
+        assert_eq!(activity.stalled_since(), None, "a write went through");
+        drop(in_flight);
+        activity.wrote(true);
+        let idle = activity.idle_since().unwrap();
+        assert_eq!(activity.check(&profile, idle), Verdict::CheckAt(idle + IDLE), "nothing in flight: the idle timeout decides");
+        assert_eq!(activity.check(&profile, idle + IDLE), Verdict::Expired(CloseReason::Stalled), "idle, its socket full");
+    }
+
+    #[test]
+    fn a_closing_connection_goes_when_done_or_at_its_limit_with_what_is_in_flight() {
+        let profile = profile();
+        let t0 = Instant::now();
+        let cut_at = t0 + profile.closing_limit;
+        assert_eq!(profile.closing_limit, REQUEST + IDLE);
+        let activity = Arc::new(Activity::new(t0, None));
+        assert_eq!(activity.check_closing(&profile, cut_at, t0), Closing::Done, "nothing in flight");
+        let _in_flight = activity.begin();
+        assert_eq!(activity.check_closing(&profile, cut_at, t0), Closing::Wait(t0 + CLOSE_GRACE), "in flight: it finishes");
+        let late = cut_at - CLOSE_GRACE / 2;
+        assert_eq!(activity.check_closing(&profile, cut_at, late), Closing::Wait(cut_at), "never waits past the limit");
+        assert!(matches!(activity.check_closing(&profile, cut_at, cut_at), Closing::Cut(_)), "cut at the limit");
+        // A client taking nothing is not waited for to the limit.
+        let _waiting = activity.wait();
+        let stalled_at = activity.stalled_since().unwrap() + IDLE;
+        assert!(stalled_at < cut_at);
+        assert!(matches!(activity.check_closing(&profile, cut_at, stalled_at), Closing::Cut(_)));
+    }
+
+    #[tokio::test]
+    async fn an_answer_waits_for_the_client_between_the_frames_it_gives() {
+        let activity = Arc::new(Activity::new(Instant::now(), None));
+        let mut answer = Answer::new(super::super::response::full("streamed"), activity.begin());
+        assert!(activity.stalled_since().is_some(), "made: waiting to be asked for its body");
+        let frame = answer.frame().await.unwrap().unwrap();
+        assert!(frame.is_data());
+        assert!(activity.stalled_since().is_some(), "a frame given: waiting for the next ask");
+        assert!(answer.frame().await.is_none());
+        assert_eq!(activity.stalled_since(), None, "sent");
+        assert!(activity.idle_since().is_some());
     }
 
     /// An activity accepted at `epoch` whose one request ended there.

@@ -5,6 +5,8 @@
 //! with a 1 GiB budget: its peak RSS stays within the budget over its
 //! baseline, what is refused is refused with 503 `overloaded`, a neighbour
 //! tenant's detections all succeed and `/healthz` answers throughout.
+//! Idle warm instances are a cache: a tenant's kept instances are dropped
+//! before a neighbour is refused.
 
 use std::path::Path;
 use std::sync::Mutex;
@@ -160,4 +162,97 @@ fn one_or_two_tenants_holding_memory_at_once_stay_within_the_node_budget() {
     assert!(hits("evil").unwrap_or(0.0) + hits("evil2").unwrap_or(0.0) >= refused(&one) + refused(&two), "{metrics}");
     assert_eq!(hits("demo"), None, "the neighbour hit no budget");
     assert!(harness::metric(&metrics, "facegate_memory_budget_bytes").is_some_and(|b| b > 0.0), "{metrics}");
+}
+
+/// A `/metrics` gauge of `server`.
+fn gauge(server: &Server, name: &str) -> f64 {
+    let text = anonymous().get(format!("http://{}/metrics", server.addr)).bearer_auth(harness::ADMIN_TOKEN).send().unwrap().text().unwrap();
+    harness::metric(&text, name).unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+/// Calls `tenant`'s hostile handler to hold `mib` MiB for `ms`; its status.
+fn hold(server: &Server, key: &str, tenant: &str, mib: u64, ms: u64) -> u16 {
+    let url = format!("http://{}/v1/{tenant}/attack?attack=hold&mib={mib}&ms={ms}", server.addr);
+    client_with_key(key).get(url).send().unwrap().status().as_u16()
+}
+
+#[test]
+fn idle_warm_instances_are_dropped_before_a_neighbour_is_refused() {
+    const WARM: usize = 3;
+    const WARM_HOLD_MIB: u64 = 40;
+    const MIB: f64 = (1 << 20) as f64;
+    let data = harness::fresh_dir("budget-warm");
+    let seed = harness::fresh_dir("budget-warm-seed");
+    harness::install(&seed, "keeper", "attack", &harness::guest("hostile"));
+    harness::install(&seed, "neighbour", "attack", &harness::guest("hostile"));
+    let args = ["--seed-dir", seed.to_str().unwrap(), "--memory-budget-mib", "512", "--instance-reuse", "100"];
+    let server = Server::start_with(&data, &args);
+    let (keeper, neighbour) = (key(&data, "keeper"), key(&data, "neighbour"));
+
+    // The keeper's requests at once leave WARM instances of 40 MiB each idle.
+    std::thread::scope(|s| {
+        let calls: Vec<_> = (0..WARM).map(|_| s.spawn(|| hold(&server, &keeper, "keeper", WARM_HOLD_MIB, 1500))).collect();
+        calls.into_iter().for_each(|call| assert_eq!(call.join().unwrap(), 200));
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gauge(&server, "facegate_instances_warm") < WARM as f64 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(gauge(&server, "facegate_instances_warm"), WARM as f64, "the keeper's instances are kept warm");
+    let (budget, idle) = (gauge(&server, "facegate_memory_budget_bytes") / MIB, gauge(&server, "facegate_memory_charged_bytes") / MIB);
+    assert!(idle >= (WARM as u64 * WARM_HOLD_MIB) as f64, "idle instances keep their charge: {idle} MiB");
+
+    // The neighbour asks for more than the idle instances leave, but for
+    // less than the budget keeps out of its reserve: served once they go.
+    let wanted = (budget - idle) as u64 + 16;
+    assert!((wanted + 8) as f64 <= budget * 7.0 / 8.0, "the neighbour's {wanted} MiB fit an empty node of {budget} MiB");
+    assert_eq!(hold(&server, &neighbour, "neighbour", wanted, 0), 200, "the neighbour is served, not refused for idle memory");
+    assert!(gauge(&server, "facegate_instances_warm") < WARM as f64, "idle instances were dropped to make room");
+}
+
+/// Opens a chunked upload to `tenant`'s hostile handler and sends its first
+/// chunk of `sent` bytes; the connection, left waiting for the rest.
+fn start_chunked_upload(server: &Server, key: &str, tenant: &str, sent: usize) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(server.addr).unwrap();
+    let head = format!(
+        "POST /v1/{tenant}/attack?attack=count HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {key}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(format!("{sent:x}\r\n").as_bytes()).unwrap();
+    stream.write_all(&vec![b'x'; sent]).unwrap();
+    stream.write_all(b"\r\n").unwrap();
+    stream
+}
+
+#[test]
+fn a_slow_chunked_upload_is_charged_what_it_sent_not_the_largest_body() {
+    const UPLOADS: usize = 4;
+    const SENT: usize = 1024;
+    const BASE_MIB: f64 = 2.0;
+    let data = harness::fresh_dir("budget-chunked");
+    let seed = harness::fresh_dir("budget-chunked-seed");
+    harness::install(&seed, "uploader", "attack", &harness::guest("hostile"));
+    let server = Server::start_with(&data, &["--seed-dir", seed.to_str().unwrap(), "--memory-budget-mib", "512"]);
+    let uploader = key(&data, "uploader");
+    let charged_mib = || gauge(&server, "facegate_memory_charged_bytes") / f64::from(1 << 20);
+
+    let mut uploads: Vec<_> = (0..UPLOADS).map(|_| start_chunked_upload(&server, &uploader, "uploader", SENT)).collect();
+    // Admitted: each holds at least its base.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while charged_mib() < UPLOADS as f64 * BASE_MIB && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let charged = charged_mib();
+    assert!(charged >= UPLOADS as f64 * BASE_MIB, "the uploads were admitted: {charged} MiB charged");
+    // The largest body (16 MiB) each would be 72 MiB in all.
+    assert!(charged < UPLOADS as f64 * (BASE_MIB + 1.0), "{UPLOADS} uploads of {SENT} bytes so far hold {charged} MiB of the budget");
+
+    // An upload that finishes is served.
+    use std::io::{Read, Write};
+    let mut last = uploads.pop().unwrap();
+    last.write_all(b"0\r\n\r\n").unwrap();
+    let mut head = [0u8; 12];
+    last.read_exact(&mut head).unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200", "{}", String::from_utf8_lossy(&head));
 }

@@ -5,12 +5,14 @@
 //! close the connections over them, and a full listener closes its
 //! longest-idle connection to serve a newcomer; the admin API answers on a
 //! shared listener whose slots are full of busy connections; request heads
-//! are bounded; closures are counted; the open-file limit is raised to fit.
+//! are bounded; closures are counted; the open-file limit is raised to fit;
+//! a client that takes no answer (HTTP/1: reads nothing; HTTP/2: opens no
+//! window) loses its connection after the idle timeout, even at the drain.
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -19,7 +21,7 @@ use facegate::config::ServeConfig;
 use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 use tokio_rustls::rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
 
-use crate::harness::{ADMIN_TOKEN, config, fresh_dir, seed_dir, start, start_until, tls_config};
+use crate::harness::{ADMIN_TOKEN, config, fresh_dir, seed_dir, start, start_split, start_until, tls_config};
 
 /// Head timeout of the quick gateways.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(1);
@@ -37,6 +39,8 @@ const AGE: Duration = Duration::from_secs(3);
 
 struct Gateway {
     addr: SocketAddr,
+    /// Where `/metrics` is served: `addr`, or the admin listener's.
+    admin: SocketAddr,
     data_dir: PathBuf,
 }
 
@@ -45,7 +49,8 @@ impl Gateway {
         let data_dir = fresh_dir(name);
         let mut config = config(data_dir.clone(), Some(seed_dir()));
         tune(&mut config);
-        Self { addr: start(config), data_dir }
+        let addr = start(config);
+        Self { addr, admin: addr, data_dir }
     }
 
     fn key(&self, tenant: &str) -> String {
@@ -114,11 +119,15 @@ fn tls() -> &'static (SocketAddr, CertificateDer<'static>) {
 /// A TCP connection to `addr` from the loopback address `source` (each
 /// address has its own per-address cap).
 fn connect_from(source: &str, addr: SocketAddr) -> TcpStream {
-    let source: IpAddr = source.parse().unwrap();
+    connect_with(addr, |socket| socket.bind(SocketAddr::new(source.parse().unwrap(), 0)).unwrap())
+}
+
+/// A TCP connection to `addr` whose socket `set_up` sets up first.
+fn connect_with(addr: SocketAddr, set_up: impl FnOnce(&tokio::net::TcpSocket)) -> TcpStream {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_io().build().unwrap();
     runtime.block_on(async {
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
-        socket.bind(SocketAddr::new(source, 0)).unwrap();
+        set_up(&socket);
         let stream = socket.connect(addr).await.unwrap().into_std().unwrap();
         stream.set_nonblocking(false).unwrap();
         stream
@@ -207,7 +216,7 @@ fn metrics(gateway: &Gateway) -> String {
     // While the gateway is full a connection may be refused: try again.
     let deadline = Instant::now() + MARGIN;
     loop {
-        match fresh_client().get(gateway.url("/metrics")).bearer_auth(ADMIN_TOKEN).send() {
+        match fresh_client().get(format!("http://{}/metrics", gateway.admin)).bearer_auth(ADMIN_TOKEN).send() {
             Ok(response) => {
                 assert_eq!(response.status(), 200);
                 return response.text().unwrap();
@@ -373,6 +382,19 @@ fn try_write_frame(stream: &mut TcpStream, kind: u8, flags: u8, stream_id: u32, 
     stream.write_all(&frame)
 }
 
+/// h2c with prior knowledge: the preface, a SETTINGS frame with `settings`
+/// (its payload), one GET /healthz on stream 1 (HPACK: GET, http, literal
+/// :authority and :path).
+fn h2_get_healthz(stream: &mut TcpStream, settings: &[u8]) {
+    stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+    write_frame(stream, SETTINGS, 0, 0, settings);
+    let mut block = vec![0x82, 0x86, 0x01, 9];
+    block.extend_from_slice(b"localhost");
+    block.extend_from_slice(&[0x04, 8]);
+    block.extend_from_slice(b"/healthz");
+    write_frame(stream, HEADERS, 0x5, 1, &block); // END_STREAM | END_HEADERS
+}
+
 /// An HTTP/2 frame: type, flags, stream, payload.
 type Frame = (u8, u8, u32, Vec<u8>);
 
@@ -395,15 +417,7 @@ fn idle_http2_connection_gets_goaway_and_is_closed() {
     let gateway = quick();
     let mut stream = TcpStream::connect(gateway.addr).unwrap();
     stream.set_read_timeout(Some(IDLE_TIMEOUT + MARGIN)).unwrap();
-    // h2c with prior knowledge: the preface, empty SETTINGS, one GET /healthz
-    // (HPACK: GET, http, literal :authority and :path).
-    stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
-    write_frame(&mut stream, SETTINGS, 0, 0, &[]);
-    let mut block = vec![0x82, 0x86, 0x01, 9];
-    block.extend_from_slice(b"localhost");
-    block.extend_from_slice(&[0x04, 8]);
-    block.extend_from_slice(b"/healthz");
-    write_frame(&mut stream, HEADERS, 0x5, 1, &block); // END_STREAM | END_HEADERS
+    h2_get_healthz(&mut stream, &[]);
     let (mut answered, mut goaway_after) = (false, None);
     let mut answered_at = Instant::now();
     while let Some((kind, flags, id, payload)) = read_frame(&mut stream) {
@@ -455,24 +469,18 @@ fn admin_api_answers_on_a_full_shared_listener_and_tenants_get_503() {
     // Every main slot held by a connection with a request in flight (none
     // idle, so none is evicted), each from its own address.
     let mut fillers: Vec<TcpStream> = (1..=SMALL_SLOTS).map(|i| busy_from(&format!("127.0.1.{i}"), gateway.addr)).collect();
-    // Served on a reserve connection: metrics, which count the fillers and itself.
-    let deadline = Instant::now() + MARGIN;
-    while sample(&metrics(gateway), "facegate_connections_open") < SMALL_SLOTS as i64 + 1 {
-        assert!(Instant::now() < deadline, "fillers not admitted");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    // That count may include a metrics connection closed but not yet
-    // reaped, with a filler still in the accept queue (a loaded machine):
-    // the fillers hold every main slot once a tenant's request is refused.
-    // A tenant served means a main slot is still free: another filler takes it.
+    // A filler whose head the gateway has not read yet (a loaded machine)
+    // is idle, and a newcomer (a scrape, the tenant's request) may take its
+    // slot. A tenant served means a main slot was still free or idle:
+    // another filler takes it, until a tenant's request is refused.
     let deadline = Instant::now() + MARGIN;
     let response = loop {
+        std::thread::sleep(Duration::from_millis(200));
         let response = fresh_client().get(gateway.url("/v1/models")).send().unwrap();
         if response.status() == 503 || Instant::now() >= deadline {
             break response;
         }
         fillers.push(busy_from(&format!("127.0.1.{}", fillers.len() + 1), gateway.addr));
-        std::thread::sleep(Duration::from_millis(50));
     };
     assert_eq!(response.status(), 503, "tenants wait for a main slot");
     assert_eq!(response.headers().get("retry-after").unwrap(), "1");
@@ -539,7 +547,7 @@ fn shutdown_finishes_requests_in_flight_and_closes_idle_connections() {
     let (addr, returned) = start_until(config, async move {
         let _ = signalled.await;
     });
-    let gateway = Gateway { addr, data_dir };
+    let gateway = Gateway { addr, admin: addr, data_dir };
     let mut idle = TcpStream::connect(addr).unwrap();
     assert_eq!(exchange(&mut idle, "GET", "/healthz", None).0, 200);
     let key = gateway.key("evil");
@@ -612,13 +620,7 @@ fn a_full_listener_of_idle_keep_alives_closes_its_longest_idle_to_serve_a_newcom
 fn http2_pings_and_window_updates_do_not_keep_an_idle_connection_open() {
     let gateway = quick();
     let mut stream = TcpStream::connect(gateway.addr).unwrap();
-    stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
-    write_frame(&mut stream, SETTINGS, 0, 0, &[]);
-    let mut block = vec![0x82, 0x86, 0x01, 9];
-    block.extend_from_slice(b"localhost");
-    block.extend_from_slice(&[0x04, 8]);
-    block.extend_from_slice(b"/healthz");
-    write_frame(&mut stream, HEADERS, 0x5, 1, &block); // END_STREAM | END_HEADERS
+    h2_get_healthz(&mut stream, &[]);
     stream.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
     let (mut frames, mut answered_at, mut goaway_after) = (Frames::default(), None, None);
     let deadline = Instant::now() + IDLE_TIMEOUT + MARGIN;
@@ -728,6 +730,7 @@ fn the_open_file_limit_is_raised_to_fit_the_connection_caps() {
     let hard = open_files_limits(std::process::id()).1;
     let needed = facegate::http::open_files::descriptors_needed(
         facegate::config::DEFAULT_MAX_CONNECTIONS,
+        facegate::outgoing::DEFAULT_MAX_CONNECTIONS,
         facegate::http::open_files::Listeners::Shared,
     );
     // Started with the common default soft limit, far below what is needed.
@@ -750,4 +753,133 @@ fn open_files_limits(pid: u32) -> (u64, u64) {
     let value = |v: &str| if v == "unlimited" { u64::MAX } else { v.parse().unwrap() };
     let fields: Vec<&str> = line.split_whitespace().collect();
     (value(fields[3]), value(fields[4]))
+}
+
+/// Requests pipelined by the client that reads no answer: far more answer
+/// (each a 19 KB script) than the socket buffers between them hold.
+const PIPELINED: usize = 1000;
+
+/// SETTINGS_INITIAL_WINDOW_SIZE = 0: the server may send no DATA on any
+/// stream until a WINDOW_UPDATE opens it.
+const NO_WINDOW: [u8; 6] = [0, 4, 0, 0, 0, 0];
+
+/// A gateway whose tenants' listener has one slot, with quick()'s
+/// timeouts: a client that stalls holds the only slot. `/metrics` is on an
+/// admin listener of its own, so scrapes never evict that client.
+fn one_slot(name: &str) -> Gateway {
+    let data_dir = fresh_dir(name);
+    let mut config = config(data_dir.clone(), Some(seed_dir()));
+    config.request_head_timeout_ms = HEAD_TIMEOUT.as_millis() as u64;
+    config.idle_timeout_ms = IDLE_TIMEOUT.as_millis() as u64;
+    config.request_timeout_ms = 5_000;
+    config.max_connections = 1;
+    config.admin_listen = Some("127.0.0.1:0".parse().unwrap());
+    let (addr, admin) = start_split(config);
+    Gateway { addr, admin, data_dir }
+}
+
+/// Waits until `gateway` drops a stalled connection (counted since
+/// `before`), within the idle timeout and the watchdog's lateness; then a
+/// tenant is served: the main slot came back.
+fn expect_stalled_and_slot_back(gateway: &Gateway, before: &str) {
+    let deadline = Instant::now() + IDLE_TIMEOUT * 2 + MARGIN;
+    loop {
+        let now = metrics(gateway);
+        if closed_total(&now, "stalled") > closed_total(before, "stalled") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the stalled connection is still open: {now}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let response = fresh_client().get(gateway.url("/v1/models")).send().unwrap();
+    assert_eq!(response.status(), 200, "a tenant is served: the main slot came back");
+}
+
+#[test]
+fn an_http1_client_that_reads_no_answer_is_dropped_and_its_slot_comes_back() {
+    let gateway = one_slot("conn-stall-h1");
+    let before = metrics(&gateway);
+    // A small receive buffer, never read: the answers pile up at the gateway.
+    let mut stream = connect_with(gateway.addr, |socket| socket.set_recv_buffer_size(4096).unwrap());
+    stream.set_write_timeout(Some(MARGIN)).unwrap();
+    let request = "GET /console/console.js HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    let _ = stream.write_all(request.repeat(PIPELINED).as_bytes());
+    expect_stalled_and_slot_back(&gateway, &before);
+    // What the client sees: the answers cut short, then the close.
+    let received = read_until_closed(&mut stream);
+    let asked = PIPELINED * console_script_len(&gateway);
+    assert!(received < asked / 2, "{received} of {asked} bytes sent to a client that read none");
+}
+
+/// The length of the console's script.
+fn console_script_len(gateway: &Gateway) -> usize {
+    fresh_client().get(gateway.url("/console/console.js")).send().unwrap().bytes().unwrap().len()
+}
+
+/// Reads all `stream` holds until the server's close; returns how much.
+/// Panics if it stays open past [`MARGIN`].
+fn read_until_closed(stream: &mut TcpStream) -> usize {
+    stream.set_read_timeout(Some(MARGIN)).unwrap();
+    let (mut received, mut buf) = (0, [0u8; 65536]);
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return received,
+            Ok(n) => received += n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => panic!("still open: {e}"),
+            // Reset: closed.
+            Err(_) => return received,
+        }
+    }
+}
+
+/// Sends a GET /healthz over h2c with no window for the answer's body;
+/// returns once the answer's head has come.
+fn h2_without_window(addr: SocketAddr) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    h2_get_healthz(&mut stream, &NO_WINDOW);
+    stream.set_read_timeout(Some(MARGIN)).unwrap();
+    while let Some((kind, flags, id, _)) = read_frame(&mut stream) {
+        match kind {
+            SETTINGS if flags & 1 == 0 => write_frame(&mut stream, SETTINGS, 1, 0, &[]),
+            HEADERS if id == 1 => return stream,
+            _ => {}
+        }
+    }
+    panic!("closed before the answer's head");
+}
+
+#[test]
+fn an_http2_client_that_opens_no_window_is_dropped_and_its_slot_comes_back() {
+    let gateway = one_slot("conn-stall-h2");
+    let before = metrics(&gateway);
+    let mut stream = h2_without_window(gateway.addr);
+    // Read on (the socket is not full), until the close: no DATA can come.
+    stream.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let (mut frames, mut data) = (Frames::default(), false);
+    let deadline = Instant::now() + IDLE_TIMEOUT * 2 + MARGIN;
+    while let Some(received) = frames.next(&mut stream) {
+        data |= received.iter().any(|&(kind, _, id, _)| kind == DATA && id == 1);
+        assert!(Instant::now() < deadline, "still open after {:?}", IDLE_TIMEOUT * 2 + MARGIN);
+    }
+    assert!(!data, "no window, no DATA");
+    expect_stalled_and_slot_back(&gateway, &before);
+}
+
+#[test]
+fn the_drain_does_not_wait_for_a_client_that_takes_no_answer() {
+    let mut config = config(fresh_dir("conn-drain-stalled"), Some(seed_dir()));
+    config.idle_timeout_ms = IDLE_TIMEOUT.as_millis() as u64;
+    // Its closing limit (the request deadline and the idle timeout) is
+    // longer than the grace period: only its stall ends it sooner.
+    config.request_timeout_ms = facegate::http::SHUTDOWN_GRACE.as_millis() as u64;
+    let (signal, signalled) = tokio::sync::oneshot::channel::<()>();
+    let (addr, returned) = start_until(config, async move {
+        let _ = signalled.await;
+    });
+    let _stalled = h2_without_window(addr);
+    let signalled_at = Instant::now();
+    signal.send(()).unwrap();
+    returned.recv_timeout(facegate::http::SHUTDOWN_GRACE + MARGIN).expect("serve returns once drained");
+    // Its request in flight is not waited for to the end of the grace period.
+    assert!(signalled_at.elapsed() < facegate::http::SHUTDOWN_GRACE, "drained after {:?}", signalled_at.elapsed());
 }

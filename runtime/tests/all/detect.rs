@@ -262,7 +262,7 @@ fn a_cuda_device_in_a_build_without_cuda_is_a_clear_error() {
     let mut engine = crate::harness::engine_config(&crate::harness::facegate_home());
     engine.devices = vec![facegate::config::DeviceSpec::Cuda(0)];
     let error = format!("{:#}", facegate::load_models(&engine).err().expect("a CUDA device loaded in a build without CUDA"));
-    assert!(error.contains("Cuda { device_id: 0 }") && error.contains("support for CUDA was disabled at compile time"), "{error}");
+    assert!(error.contains("cuda:0") && error.contains("support for CUDA was disabled at compile time"), "{error}");
 }
 
 /// With the `cuda` feature: where a GPU loads, it gives the CPU's outputs
@@ -280,7 +280,7 @@ fn a_cuda_device_gives_the_cpus_outputs_or_is_a_clear_error() {
         Err(e) => {
             let error = format!("{e:#}");
             assert!(std::env::var_os("FACEGATE_REQUIRE_GPU").is_none(), "FACEGATE_REQUIRE_GPU is set and CUDA failed: {error}");
-            assert!(error.contains("Cuda { device_id: 0 }") && error.contains("CUDA"), "{error}");
+            assert!(error.contains("cuda:0") && error.contains("CUDA"), "{error}");
             eprintln!("no CUDA device here: checked the error only ({error})");
             return;
         }
