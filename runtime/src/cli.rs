@@ -17,7 +17,7 @@ use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio_rustls::rustls::pki_types::ServerName;
 
-use crate::control::limits::LimitOverrides;
+use crate::admission::limits::LimitOverrides;
 
 /// Where the admin API is and how to print.
 #[derive(Debug, Clone, Args)]
@@ -170,8 +170,15 @@ pub struct Cli {
 pub enum Command {
     /// Serve tenants' handlers over HTTP.
     Serve(crate::config::ServeConfig),
-    /// Measure throughput and latency: the gateway over HTTP vs the raw engine.
-    Bench(crate::bench::BenchConfig),
+    /// Measure throughput and latency (the gateway over HTTP vs the raw
+    /// engine, and more): runs `facegate-bench`, built beside this binary,
+    /// with these arguments (`facegate bench --help` lists them).
+    #[command(disable_help_flag = true)]
+    Bench {
+        /// Arguments for facegate-bench.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// Manage tenants (admin API).
     #[command(subcommand)]
     Tenant(TenantCommand),
@@ -194,6 +201,18 @@ pub enum Command {
         #[allow(missing_docs, reason = "flattened")]
         client: ClientArgs,
     },
+}
+
+/// Logs to stderr, filtered by `FACEGATE_LOG` (`tracing`'s `EnvFilter`
+/// syntax; by default `info`, with wasmtime's and ONNX Runtime's own
+/// messages from `warn` up).
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FACEGATE_LOG").unwrap_or_else(|_| "info,wasmtime=warn,ort=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 /// Runs one client command; returns the process exit code.
@@ -239,7 +258,7 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
             (&t.client, Method::POST, format!("tenants/{}/handlers/{}/rollback", t.tenant, t.handler), Bytes::new(), "application/json")
         }
         C::Check(args) => return check(args),
-        C::Serve(_) | C::Bench(_) => bail!("not a client command"),
+        C::Serve(_) | C::Bench { .. } => bail!("not a client command"),
     };
     let token = std::env::var("FACEGATE_ADMIN_TOKEN").context("set FACEGATE_ADMIN_TOKEN to the gateway's admin token")?;
     let (status, value) = call(client, &token, method, &path, body, content_type).await?;

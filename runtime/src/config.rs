@@ -10,35 +10,24 @@ use clap::Args;
 pub use facegate_host_gpu::DeviceSpec;
 use facegate_host_gpu::Sizing;
 
-use crate::control::limits::TenantLimits;
+pub use crate::admission::limits::{
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFER_CALLS, DEFAULT_MEMORY_LIMIT_MIB, DEFAULT_REQUEST_TIMEOUT_MS, DEFAULT_TENANT_BURST,
+    DEFAULT_TENANT_MAX_CONCURRENCY, DEFAULT_TENANT_RPS, TenantLimits,
+};
 
 /// Default listen address.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
-/// Default per-request deadline, milliseconds.
-pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 10_000;
-/// Default largest request body, bytes (16 MiB).
-pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 /// Default `--memory-keep-resident-kib`: what a detection request's decode,
 /// letterbox and tensor touch for a phone photo, give or take.
 pub const DEFAULT_MEMORY_KEEP_RESIDENT_KIB: usize = 8192;
-/// Default linear-memory limit of one handler instance, MiB.
-pub const DEFAULT_MEMORY_LIMIT_MIB: usize = 256;
 /// Default most handler instances alive at once (requests in flight).
 pub const DEFAULT_MAX_INSTANCES: u32 = 128;
 /// Default most idle instances kept for reuse, all tenants together.
 pub const DEFAULT_WARM_INSTANCES: u32 = 64;
 /// Default seconds a warm instance waits for a request before it is dropped.
 pub const DEFAULT_WARM_IDLE_SECS: u64 = 60;
-/// Default most `face-detect.infer` calls per request.
-pub const DEFAULT_MAX_INFER_CALLS: u32 = 16;
 /// Default largest uploaded component (64 MiB).
 pub const DEFAULT_MAX_COMPONENT_BYTES: usize = 64 << 20;
-/// Default most requests of one tenant in flight.
-pub const DEFAULT_TENANT_MAX_CONCURRENCY: u32 = 32;
-/// Default sustained requests per second of one tenant.
-pub const DEFAULT_TENANT_RPS: f64 = 100.0;
-/// Default token-bucket size of one tenant.
-pub const DEFAULT_TENANT_BURST: u32 = 200;
 /// Default threads compiling uploads.
 pub const DEFAULT_COMPILE_THREADS: usize = 1;
 /// Default niceness of the compile threads: a weight of about a tenth of
@@ -136,18 +125,6 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_MAX_COMPONENT_BYTES", default_value_t = DEFAULT_MAX_COMPONENT_BYTES)]
     pub max_component_bytes: usize,
 
-    /// Default per-request deadline (ms): guest CPU, queueing and inference together.
-    #[arg(long, env = "FACEGATE_REQUEST_TIMEOUT_MS", default_value_t = DEFAULT_REQUEST_TIMEOUT_MS)]
-    pub request_timeout_ms: u64,
-
-    /// Default and largest request body (bytes); larger bodies get 413.
-    #[arg(long, env = "FACEGATE_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
-    pub max_body_bytes: usize,
-
-    /// Default and largest linear memory of one handler instance (MiB).
-    #[arg(long, env = "FACEGATE_MEMORY_LIMIT_MIB", default_value_t = DEFAULT_MEMORY_LIMIT_MIB)]
-    pub memory_limit_mib: usize,
-
     /// Bytes of each linear memory kept mapped when its instance ends (KiB),
     /// reset with `memset` instead of being handed back to the kernel: the
     /// next request in that slot takes no page faults for them. Costs up to
@@ -176,15 +153,12 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_MAX_INSTANCES", default_value_t = DEFAULT_MAX_INSTANCES)]
     pub max_instances: u32,
 
-    /// Default requests one handler instance may serve, one after another
-    /// (1: a fresh instance for every request, nothing of one request is
-    /// left for the next). Above 1, an instance whose request ended cleanly
-    /// is kept for the next request to the same handler version: no
-    /// instantiation or memory reset, but the handler's globals persist
-    /// between its requests. Set it per tenant (`instance_reuse`) for
-    /// handlers written for that.
-    #[arg(long, env = "FACEGATE_INSTANCE_REUSE", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::control::limits::MAX_INSTANCE_REUSE)))]
-    pub instance_reuse: u32,
+    /// Every tenant's default limits (declared in `admission::limits`):
+    /// `--memory-limit-mib`, `--request-timeout-ms`, `--max-body-bytes`,
+    /// `--max-infer-calls`, `--tenant-max-concurrency`, `--tenant-rps`,
+    /// `--tenant-burst`, `--instance-reuse`.
+    #[command(flatten)]
+    pub limits: TenantLimits,
 
     /// Most idle instances kept warm for reuse, all tenants together (see
     /// `--instance-reuse`). They hold instance slots of their own, beside
@@ -216,7 +190,7 @@ pub struct ServeConfig {
     /// The only ports handlers granted outgoing HTTP may reach,
     /// comma-separated; a request to another port fails with
     /// `HTTP-request-denied` before any lookup or connection.
-    #[arg(long, env = "FACEGATE_OUTGOING_PORTS", value_name = "PORT", value_delimiter = ',', default_values_t = crate::outgoing::DEFAULT_PORTS, value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, env = "FACEGATE_OUTGOING_PORTS", value_name = "PORT", value_delimiter = ',', default_values_t = crate::sandbox::outgoing::DEFAULT_PORTS, value_parser = clap::value_parser!(u16).range(1..))]
     pub outgoing_ports: Vec<u16>,
 
     /// Address ranges (CIDR, IPv4 or IPv6) handlers granted outgoing HTTP
@@ -224,40 +198,24 @@ pub struct ServeConfig {
     /// `--outgoing-allow-private`: the cluster's pod, node and service
     /// networks where they are public (global IPv6). Repeatable or
     /// comma-separated; IPv4 inside IPv6 is checked as IPv4.
-    #[arg(long, env = "FACEGATE_OUTGOING_DENY", value_name = "CIDR", value_delimiter = ',', value_parser = crate::outgoing::parse_cidr)]
+    #[arg(long, env = "FACEGATE_OUTGOING_DENY", value_name = "CIDR", value_delimiter = ',', value_parser = crate::sandbox::outgoing::parse_cidr)]
     pub outgoing_deny: Vec<ipnet::IpNet>,
 
     /// Most outgoing connections of one tenant's handlers open at once (a
     /// connection counts until it closes, after its response body); past
     /// it a request fails at once with `connection-limit-reached`.
-    #[arg(long, env = "FACEGATE_OUTGOING_MAX_CONNECTIONS_PER_TENANT", default_value_t = crate::outgoing::DEFAULT_TENANT_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "FACEGATE_OUTGOING_MAX_CONNECTIONS_PER_TENANT", default_value_t = crate::sandbox::outgoing::DEFAULT_TENANT_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
     pub outgoing_max_connections_per_tenant: u32,
 
     /// Most outgoing connections of all handlers open at once (each is a
     /// file descriptor); past it a request fails with `connection-limit-reached`.
-    #[arg(long, env = "FACEGATE_OUTGOING_MAX_CONNECTIONS", default_value_t = crate::outgoing::DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, env = "FACEGATE_OUTGOING_MAX_CONNECTIONS", default_value_t = crate::sandbox::outgoing::DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
     pub outgoing_max_connections: u32,
-
-    /// Default most `face-detect.infer` calls one request may make.
-    #[arg(long, env = "FACEGATE_MAX_INFER_CALLS", default_value_t = DEFAULT_MAX_INFER_CALLS)]
-    pub max_infer_calls: u32,
-
-    /// Default most requests of one tenant in flight; more get 429.
-    #[arg(long, env = "FACEGATE_TENANT_MAX_CONCURRENCY", default_value_t = DEFAULT_TENANT_MAX_CONCURRENCY)]
-    pub tenant_max_concurrency: u32,
-
-    /// Default sustained requests per second of one tenant (0: unlimited); more get 429.
-    #[arg(long, env = "FACEGATE_TENANT_RPS", default_value_t = DEFAULT_TENANT_RPS)]
-    pub tenant_rps: f64,
-
-    /// Default burst above the sustained rate (token bucket size).
-    #[arg(long, env = "FACEGATE_TENANT_BURST", default_value_t = DEFAULT_TENANT_BURST)]
-    pub tenant_burst: u32,
 
     /// Most host resources one request may hold at once (wasi:http fields,
     /// bodies, streams, pollables); past it the request ends with 500
     /// `resource_limit`. Each holds at most 128 KiB of host memory.
-    #[arg(long, env = "FACEGATE_MAX_HOST_RESOURCES", default_value_t = crate::state::DEFAULT_MAX_HOST_RESOURCES)]
+    #[arg(long, env = "FACEGATE_MAX_HOST_RESOURCES", default_value_t = crate::sandbox::state::DEFAULT_MAX_HOST_RESOURCES)]
     pub max_host_resources: usize,
 
     /// Threads that compile uploaded components (serving keeps the other cores).
@@ -379,7 +337,7 @@ pub struct EngineConfig {
     #[arg(long, env = "FACEGATE_INFERENCE_CORES", default_value_t = 0)]
     pub inference_cores: usize,
 
-    /// The cores reserved for inference, once [`crate::cores::reserve`] has
+    /// The cores reserved for inference, once [`crate::serve::cores::reserve`] has
     /// set them apart (empty: none).
     #[arg(skip)]
     pub inference_cpus: Vec<usize>,
@@ -509,33 +467,17 @@ impl ServeConfig {
 
     /// The default per-request deadline.
     pub fn request_timeout(&self) -> Duration {
-        Duration::from_millis(self.request_timeout_ms)
+        self.limits.timeout()
     }
 
     /// Where handlers granted outgoing HTTP may go, and their connection caps.
-    pub fn egress_rules(&self) -> crate::outgoing::EgressRules {
-        crate::outgoing::EgressRules {
+    pub fn egress_rules(&self) -> crate::sandbox::outgoing::EgressRules {
+        crate::sandbox::outgoing::EgressRules {
             allow_private: self.outgoing_allow_private,
             ports: self.outgoing_ports.clone(),
             deny: self.outgoing_deny.clone(),
             max_connections: self.outgoing_max_connections as usize,
             tenant_connections: self.outgoing_max_connections_per_tenant as usize,
-        }
-    }
-
-    /// Tenants' default limits (memory and body size are also ceilings).
-    pub fn default_limits(&self) -> TenantLimits {
-        TenantLimits {
-            memory_mib: self.memory_limit_mib,
-            timeout_ms: self.request_timeout_ms,
-            max_concurrency: self.tenant_max_concurrency,
-            rps: self.tenant_rps,
-            burst: self.tenant_burst,
-            max_body_bytes: self.max_body_bytes,
-            max_infer_calls: self.max_infer_calls,
-            weight: 1,
-            outgoing_http: false,
-            instance_reuse: self.instance_reuse,
         }
     }
 
@@ -554,6 +496,27 @@ impl ServeConfig {
 }
 
 impl EngineConfig {
+    /// One CPU session on the model at `model`, with ONNX Runtime from
+    /// `onnxruntime`: batches of up to 4, sized adaptively, never held to
+    /// fill; what the tests and benches start from.
+    pub fn single_cpu(model: PathBuf, onnxruntime: PathBuf) -> Self {
+        Self {
+            model,
+            onnxruntime,
+            devices: vec![DeviceSpec::Cpu],
+            cpu_workers: 1,
+            cpu_threads: 0,
+            inference_cores: 0,
+            inference_cpus: Vec::new(),
+            max_batch: 4,
+            batch_sizing: Sizing::Adaptive,
+            batch_delay_us: 0,
+            queue_capacity: facegate_host_gpu::DEFAULT_QUEUE_CAPACITY,
+            tenant_queue_capacity: facegate_host_gpu::DEFAULT_TENANT_CAPACITY,
+            tenant_weights: Vec::new(),
+        }
+    }
+
     /// CPU workers, resolving 0 to one per inference core.
     pub fn workers(&self) -> usize {
         if self.cpu_workers > 0 { self.cpu_workers } else { self.inference_core_count() }
@@ -615,7 +578,7 @@ mod tests {
     fn outgoing_ports_ranges_and_caps_parse_and_bad_ones_stop_the_start() {
         let parse = |args: &[&str]| Cli::try_parse_from(["facegate", "serve"].iter().chain(args)).map_err(|e| e.to_string());
         let Command::Serve(defaults) = parse(&[]).unwrap().command else { panic!("not serve") };
-        assert_eq!(defaults.egress_rules(), crate::outgoing::EgressRules::default());
+        assert_eq!(defaults.egress_rules(), crate::sandbox::outgoing::EgressRules::default());
         assert_eq!(defaults.egress_rules().ports, [80, 443]);
         let args =
             ["--outgoing-ports", "443,8443", "--outgoing-deny", "2001:db8::/32", "--outgoing-deny", "10.1.0.0/16,::ffff:192.0.2.0/120"];
@@ -626,7 +589,7 @@ mod tests {
         assert_eq!(rules.ports, [443, 8443]);
         let deny: Vec<String> = rules.deny.iter().map(ToString::to_string).collect();
         assert_eq!(deny, ["2001:db8::/32", "10.1.0.0/16", "192.0.2.0/24"], "repeatable and comma-separated; mapped as IPv4");
-        assert_eq!((rules.tenant_connections, rules.max_connections), (2, crate::outgoing::DEFAULT_MAX_CONNECTIONS as usize));
+        assert_eq!((rules.tenant_connections, rules.max_connections), (2, crate::sandbox::outgoing::DEFAULT_MAX_CONNECTIONS as usize));
         let bad = parse(&["--outgoing-deny", "10.0.0.0/8,pods"]).unwrap_err();
         assert!(bad.contains("--outgoing-deny") && bad.contains("\"pods\" is not a CIDR range"), "{bad}");
         for bad in [

@@ -1,5 +1,6 @@
 //! Prometheus text exposition of the gateway's and the batchers' counters.
 
+pub use crate::admission::limits::Limit;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -181,58 +182,6 @@ impl ConnectionMetrics {
         for reason in CloseReason::ALL {
             let count = self.closed[reason as usize].load(Ordering::Relaxed);
             let _ = writeln!(out, "facegate_connections_closed_total{{reason=\"{}\"}} {count}", reason.label());
-        }
-    }
-}
-
-/// Which limit a request hit (the `limit` label of `facegate_limit_hits_total`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Limit {
-    /// The tenant's token bucket (429).
-    Rate,
-    /// The tenant's requests in flight (429).
-    Concurrency,
-    /// No instance slot free for the tenant: pool full, or its fair share taken (503).
-    Instances,
-    /// Request body over the size limit (413).
-    BodySize,
-    /// Request body not received in time (408).
-    BodyTimeout,
-    /// The request deadline (504).
-    Deadline,
-    /// Linear memories and tables over the tenant's memory limit (500).
-    Memory,
-    /// The node's memory budget spent, or the tenant's fair share of it
-    /// taken while memory is scarce (503).
-    NodeMemory,
-    /// Host resources (table entries, random bytes) over their limits (500).
-    HostResources,
-    /// Guest stdout/stderr past the capture cap (output dropped, request unaffected).
-    Output,
-    /// `face-detect.infer` calls past the per-request budget (`quota-exceeded` to the guest).
-    InferCalls,
-    /// Inference queue full, globally or for the tenant (`overloaded` to the guest).
-    Queue,
-    /// Outgoing connections at the tenant's or the node's cap (`connection-limit-reached` to the guest).
-    OutgoingConnections,
-}
-
-impl Limit {
-    fn label(self) -> &'static str {
-        match self {
-            Limit::Rate => "rate",
-            Limit::Concurrency => "concurrency",
-            Limit::Instances => "instances",
-            Limit::BodySize => "body_size",
-            Limit::BodyTimeout => "body_timeout",
-            Limit::Deadline => "deadline",
-            Limit::Memory => "memory",
-            Limit::NodeMemory => "memory_budget",
-            Limit::HostResources => "host_resources",
-            Limit::Output => "output",
-            Limit::InferCalls => "infer_calls",
-            Limit::Queue => "queue",
-            Limit::OutgoingConnections => "outgoing_connections",
         }
     }
 }

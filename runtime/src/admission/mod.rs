@@ -1,9 +1,14 @@
-//! What decides whether work may start on this node, beside each tenant's
-//! own limits: the node's budgets, shared by all tenants and fairly.
+//! What decides whether work may start on this node.
 //!
+//! - [`limits`]: a tenant's limits (the server's defaults and ceilings,
+//!   what a tenant overrides).
+//! - [`gate`]: a tenant's token bucket and concurrency slots, this node's
+//!   share of its cluster-wide limits.
+//! - [`slots`]: the node's handler-instance slots, fairly shared.
 //! - [`memory`]: the node's memory budget, charged by every request and
-//!   every kept instance; [`sizing`]: how large it is by default, and what
-//!   it leaves aside for the pool's resident pages.
+//!   every kept instance (sized at start by `serve::sizing`).
 
+pub mod gate;
+pub mod limits;
 pub mod memory;
-pub mod sizing;
+pub mod slots;

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use super::limits::{LimitOverrides, TenantLimits};
 use super::store::VersionRow;
+use crate::admission::limits::{LimitOverrides, TenantLimits};
 
 /// A key created by [`ControlPlane::seed`].
 #[derive(Debug, Clone)]

@@ -24,7 +24,7 @@ use super::blobs::{ArtifactCache, Unsealed};
 
 use super::store::{ActiveHandler, SharedArtifact, Store, StoreError, StoreResult};
 use super::{ControlPlane, keys, validate};
-use crate::handlers::Handler;
+use crate::sandbox::handler::Handler;
 
 /// Whether loading a handler may compile its component there and then.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -258,7 +258,7 @@ pub fn engine_id(engine: &Engine) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{EngineLimits, build};
+    use crate::sandbox::engine::{EngineLimits, build};
 
     #[test]
     fn artifacts_are_keyed_by_the_engine_configuration() {

@@ -7,40 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::keys;
-use super::limits::{ConcurrencyGate, TenantLimits, TokenBucket};
 use super::store::NodeRow;
-use crate::handlers::Handler;
-
-/// A tenant's admission state: limits, rate bucket, concurrency slots.
-/// Kept across snapshots while the limits do not change.
-pub struct TenantGate {
-    /// Effective limits, the whole cluster's.
-    pub limits: TenantLimits,
-    /// Requests-per-second bucket: this node's share of the tenant's rate.
-    pub rate: Arc<TokenBucket>,
-    /// Concurrent-request slots: this node's share of the tenant's concurrency.
-    pub concurrency: Arc<ConcurrencyGate>,
-}
-
-/// This node's share of a tenant's rate limit, burst and concurrency when
-/// `nodes` live nodes serve it (a load balancer spreads a tenant's requests
-/// over them): each a `1/nodes` part, rounded up, at least 1; a rate of 0
-/// (unlimited) stays unlimited.
-pub fn node_share(limits: &TenantLimits, nodes: usize) -> (f64, u32, u32) {
-    let nodes = nodes.max(1);
-    let part = |n: u32| n.div_ceil(u32::try_from(nodes).unwrap_or(u32::MAX)).max(1);
-    (limits.rps / nodes as f64, part(limits.burst), part(limits.max_concurrency))
-}
-
-impl TenantGate {
-    /// Applies this node's share among `nodes` live nodes, in place (tokens
-    /// saved up and slots in use are kept).
-    pub(super) fn share_among(&self, nodes: usize) {
-        let (rps, burst, concurrency) = node_share(&self.limits, nodes);
-        self.rate.reconfigure(rps, burst);
-        self.concurrency.resize(concurrency);
-    }
-}
+use crate::admission::gate::TenantGate;
+use crate::sandbox::handler::Handler;
 
 /// One tenant in the live snapshot.
 pub struct TenantEntry {
@@ -98,22 +67,6 @@ impl Live {
     pub(super) fn share_among(&self, nodes: usize) {
         self.tenants.values().for_each(|t| t.gate.share_among(nodes));
     }
-}
-
-/// A gate for `limits`, this node's share among `nodes` live nodes. An
-/// existing tenant keeps its bucket and slots, resized in place: a limit
-/// change neither refills the bucket nor lets the tenant run its old and
-/// new concurrency at once.
-pub(super) fn new_gate(limits: TenantLimits, old: Option<&TenantGate>, nodes: usize) -> TenantGate {
-    let gate = match old {
-        Some(old) => TenantGate { rate: Arc::clone(&old.rate), concurrency: Arc::clone(&old.concurrency), limits },
-        None => {
-            let (rps, burst, concurrency) = node_share(&limits, nodes);
-            TenantGate { rate: Arc::new(TokenBucket::new(rps, burst)), concurrency: Arc::new(ConcurrencyGate::new(concurrency)), limits }
-        }
-    };
-    gate.share_among(nodes);
-    gate
 }
 
 /// Which nodes of the cluster are alive, judged by whether their heartbeats
@@ -182,39 +135,5 @@ mod tests {
         assert_eq!(watch.count_alive(&[row("me", 50_000)], t0 + Duration::from_secs(50), WINDOW), 1, "rows removed are forgotten");
         assert_eq!(watch.seen.len(), 1);
         assert_eq!(NodeWatch::default().count_alive(&[], t0, WINDOW), 1, "at least this node");
-    }
-
-    fn limits(rps: f64, burst: u32, max_concurrency: u32) -> TenantLimits {
-        TenantLimits {
-            memory_mib: 256,
-            timeout_ms: 10_000,
-            max_concurrency,
-            rps,
-            burst,
-            max_body_bytes: 1 << 20,
-            max_infer_calls: 16,
-            weight: 1,
-            outgoing_http: false,
-            instance_reuse: 1,
-        }
-    }
-
-    #[test]
-    fn each_node_enforces_its_share_rounded_up() {
-        assert_eq!(node_share(&limits(100.0, 200, 32), 1), (100.0, 200, 32), "one node: the whole limit");
-        assert_eq!(node_share(&limits(100.0, 200, 32), 3), (100.0 / 3.0, 67, 11));
-        assert_eq!(node_share(&limits(0.0, 1, 1), 4), (0.0, 1, 1), "unlimited stays unlimited; at least one slot");
-        assert_eq!(node_share(&limits(10.0, 20, 8), 0), (10.0, 20, 8), "no node known yet: this one");
-    }
-
-    #[test]
-    fn a_gate_is_reshared_in_place_when_nodes_come_and_go() {
-        let gate = new_gate(limits(10.0, 4, 4), None, 2);
-        let held: Vec<_> = std::iter::from_fn(|| gate.concurrency.try_acquire()).collect();
-        assert_eq!(held.len(), 2, "half of 4 on each of two nodes");
-        gate.share_among(1);
-        assert!(gate.concurrency.try_acquire().is_some(), "a node gone: this one takes the whole limit");
-        let kept = new_gate(limits(10.0, 4, 4), Some(&gate), 4);
-        assert!(Arc::ptr_eq(&kept.concurrency, &gate.concurrency) && kept.concurrency.try_acquire().is_none());
     }
 }

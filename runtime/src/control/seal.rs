@@ -23,7 +23,21 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use super::keys;
-use super::store::SharedArtifact;
+
+/// A component precompiled by one node, stored for the other nodes whose
+/// engine has the same settings, so that a deploy reaches every node
+/// without each compiling it again. Native code: a node loads it only when
+/// `mac` proves that a node holding the cluster's secret made it (see
+/// `components::ArtifactKey`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedArtifact {
+    /// The engine's identity (`components::engine_id`): nodes with another engine compile for themselves.
+    pub engine: String,
+    /// `Component::serialize`'s output.
+    pub bytes: Vec<u8>,
+    /// HMAC-SHA256 (hex) over the engine, the component's SHA-256 and `bytes`.
+    pub mac: String,
+}
 
 /// What the shared key is derived under; a new label makes every artifact
 /// sealed under an old derivation (the admin token's, before v2) unusable.

@@ -5,9 +5,9 @@ use std::path::Path;
 
 use anyhow::Context;
 
-use super::limits::LimitOverrides;
 use super::{ControlPlane, SeededKey};
-use crate::handlers::valid_name;
+use crate::admission::limits::LimitOverrides;
+use crate::sandbox::handler::valid_name;
 
 /// `meta` key recording the seeding: `started`, then `done`.
 const SEED_MARK: &str = "seed";

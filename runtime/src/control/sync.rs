@@ -6,7 +6,7 @@
 //! (loading what other nodes deployed: this node's cached artifact, or the
 //! one the deploying node shared). Every heartbeat interval it records the
 //! node's id, address, version, devices and load; every wake-up it drops
-//! the warm instances idle too long (see [`crate::warm`]). When the store is
+//! the warm instances idle too long (see [`crate::sandbox::warm`]). When the store is
 //! unreachable it keeps trying; the snapshot it has goes on being served.
 //!
 //! A component with no usable artifact (another engine, a node without the
@@ -109,7 +109,7 @@ impl Compiler {
         let (queued, failed) = (Arc::<Mutex<HashSet<String>>>::default(), Arc::<Mutex<HashSet<String>>>::default());
         let (done, broken) = (Arc::clone(&queued), Arc::clone(&failed));
         std::thread::Builder::new().name("facegate-precompile".into()).spawn(move || {
-            crate::compile::lower_priority(nice);
+            crate::sandbox::compile::lower_priority(nice);
             for sha in jobs {
                 let outcome = control.precompile(&sha);
                 if let Err(e) = &outcome {

@@ -16,8 +16,8 @@ use super::keys::sha256_hex;
 use super::seal::ArtifactKey;
 use super::store::{SharedArtifact, StoreError, StoreResult};
 use super::validate;
-use crate::handlers::Handler;
 use crate::sandbox::Sandbox;
+use crate::sandbox::handler::Handler;
 
 /// One upload, owned, so it can move to a compile thread.
 pub(super) struct Upload {

@@ -38,8 +38,9 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
+use super::app::{App, Plane};
+use super::auth::ClientAddr;
 use super::response::Body;
-use super::{App, Plane};
 use crate::metrics::{CloseReason, ConnectionMetrics};
 
 /// Extra connections a listener serving everything ([`Plane::Both`]) accepts
@@ -762,10 +763,6 @@ impl Watch<'_> {
         }
     }
 }
-
-/// The client's address, in each request's extensions.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct ClientAddr(pub(super) SocketAddr);
 
 /// The connection's service: `app`'s routes for `plane`, each request
 /// (tagged with `peer`'s [`ClientAddr`]) counted in flight until its

@@ -9,8 +9,9 @@ use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 use serde_json::json;
 
+use super::app::App;
+use super::auth::bearer;
 use super::response::{self, Body};
-use super::routes::{App, bearer};
 
 const INDEX: &str = include_str!("../../console/index.html");
 const SCRIPT: &str = include_str!("../../console/console.js");

@@ -1,6 +1,10 @@
 //! The HTTP side: listener, routes, limits, and graceful shutdown.
 
-pub mod admin;
+mod admin;
+mod app;
+mod auth;
+mod body;
+mod call;
 mod conn;
 pub mod console;
 pub mod open_files;
@@ -15,8 +19,9 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
+pub use app::{App, Plane, VERSION_HEADER};
+pub use auth::TOKEN_FAILURE_DELAY;
 pub use conn::{ADMIN_RESERVE_CONNECTIONS, EVICTION_BACKLOG, MAX_HEAD_BYTES, RESERVE_TIMEOUT};
-pub use routes::{App, Plane, VERSION_HEADER};
 
 /// How long in-flight requests get to finish after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);

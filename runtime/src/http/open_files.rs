@@ -162,7 +162,7 @@ mod tests {
     use super::*;
 
     /// Outgoing connections: the default cap.
-    const OUT: u32 = crate::outgoing::DEFAULT_MAX_CONNECTIONS;
+    const OUT: u32 = crate::sandbox::outgoing::DEFAULT_MAX_CONNECTIONS;
     const FIXED_SHARED: u64 = EVICTION_BACKLOG as u64 + ADMIN_RESERVE_CONNECTIONS as u64 + OUT as u64 + OTHER_DESCRIPTORS;
 
     #[test]

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use facegate::throwaway_pg::ThrowawayPostgres;
+use facegate_throwaway_pg::ThrowawayPostgres;
 use reqwest::Method;
 use serde_json::{Value, json};
 

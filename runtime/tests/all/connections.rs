@@ -70,7 +70,7 @@ fn quick() -> &'static Gateway {
         Gateway::start("conn-quick", |c| {
             c.request_head_timeout_ms = HEAD_TIMEOUT.as_millis() as u64;
             c.idle_timeout_ms = IDLE_TIMEOUT.as_millis() as u64;
-            c.request_timeout_ms = 5_000;
+            c.limits.timeout_ms = 5_000;
             c.max_connections = 64;
         })
     })
@@ -541,7 +541,7 @@ fn connections_over_the_per_address_cap_are_closed() {
 fn shutdown_finishes_requests_in_flight_and_closes_idle_connections() {
     let data_dir = fresh_dir("conn-drain");
     let mut config = config(data_dir.clone(), Some(seed_dir()));
-    config.request_timeout_ms = 3_000;
+    config.limits.timeout_ms = 3_000;
     config.idle_timeout_ms = 60_000;
     let (signal, signalled) = tokio::sync::oneshot::channel::<()>();
     let (addr, returned) = start_until(config, async move {
@@ -730,7 +730,7 @@ fn the_open_file_limit_is_raised_to_fit_the_connection_caps() {
     let hard = open_files_limits(std::process::id()).1;
     let needed = facegate::http::open_files::descriptors_needed(
         facegate::config::DEFAULT_MAX_CONNECTIONS,
-        facegate::outgoing::DEFAULT_MAX_CONNECTIONS,
+        facegate::sandbox::outgoing::DEFAULT_MAX_CONNECTIONS,
         facegate::http::open_files::Listeners::Shared,
     );
     // Started with the common default soft limit, far below what is needed.
@@ -771,7 +771,7 @@ fn one_slot(name: &str) -> Gateway {
     let mut config = config(data_dir.clone(), Some(seed_dir()));
     config.request_head_timeout_ms = HEAD_TIMEOUT.as_millis() as u64;
     config.idle_timeout_ms = IDLE_TIMEOUT.as_millis() as u64;
-    config.request_timeout_ms = 5_000;
+    config.limits.timeout_ms = 5_000;
     config.max_connections = 1;
     config.admin_listen = Some("127.0.0.1:0".parse().unwrap());
     let (addr, admin) = start_split(config);
@@ -871,7 +871,7 @@ fn the_drain_does_not_wait_for_a_client_that_takes_no_answer() {
     config.idle_timeout_ms = IDLE_TIMEOUT.as_millis() as u64;
     // Its closing limit (the request deadline and the idle timeout) is
     // longer than the grace period: only its stall ends it sooner.
-    config.request_timeout_ms = facegate::http::SHUTDOWN_GRACE.as_millis() as u64;
+    config.limits.timeout_ms = facegate::http::SHUTDOWN_GRACE.as_millis() as u64;
     let (signal, signalled) = tokio::sync::oneshot::channel::<()>();
     let (addr, returned) = start_until(config, async move {
         let _ = signalled.await;

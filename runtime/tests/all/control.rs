@@ -4,7 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -42,11 +42,11 @@ fn the_admin_api_needs_the_admin_token() {
     // A wrong token waits for its refusal: guessing is slow (the right one does not wait).
     let guessed = std::time::Instant::now();
     assert_eq!(anonymous().get(&path).bearer_auth("wrong-token-wrong-token").send().unwrap().status(), 401);
-    assert!(guessed.elapsed() >= facegate::http::admin::TOKEN_FAILURE_DELAY, "refused after {:?}", guessed.elapsed());
+    assert!(guessed.elapsed() >= facegate::http::TOKEN_FAILURE_DELAY, "refused after {:?}", guessed.elapsed());
     let scrape = anonymous().get(url("/metrics")).bearer_auth("wrong-token-wrong-token");
     let guessed = std::time::Instant::now();
     assert_eq!(scrape.send().unwrap().status(), 401);
-    assert!(guessed.elapsed() >= facegate::http::admin::TOKEN_FAILURE_DELAY, "a metrics scrape too: {:?}", guessed.elapsed());
+    assert!(guessed.elapsed() >= facegate::http::TOKEN_FAILURE_DELAY, "a metrics scrape too: {:?}", guessed.elapsed());
     assert_eq!(anonymous().get(&path).bearer_auth(key("demo")).send().unwrap().status(), 401, "a tenant key is not the admin token");
     let (status, body) = admin_json(anonymous().get(&path).bearer_auth(ADMIN_TOKEN));
     assert_eq!(status, 200, "{body}");
@@ -341,22 +341,18 @@ fn an_upload_past_the_compile_bound_gets_503_busy() {
     let head = format!(
         "PUT /admin/v1/tenants/t/handlers/probe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: 1000000\r\nConnection: close\r\n\r\n"
     );
-    let finished = AtomicUsize::new(0);
     let (refusal, stored) = std::thread::scope(|s| {
         // Three different components (the same bytes again might not be compiled again).
         let uploads: Vec<_> = ["detect", "blur", "crop"]
             .into_iter()
             .map(|name| {
-                let (admin_at, finished) = (&admin_at, &finished);
-                s.spawn(move || {
-                    let answer = admin_json(admin_at(Method::PUT, &format!("tenants/t/handlers/{name}")).body(component(name)));
-                    finished.fetch_add(1, Ordering::SeqCst);
-                    answer
-                })
+                let admin_at = &admin_at;
+                s.spawn(move || admin_json(admin_at(Method::PUT, &format!("tenants/t/handlers/{name}")).body(component(name))))
             })
             .collect();
         let mut refusal = None;
-        while refusal.is_none() && finished.load(Ordering::SeqCst) < 3 {
+        // Until a refusal, or every upload is done (answered or failed).
+        while refusal.is_none() && !uploads.iter().all(|upload| upload.is_finished()) {
             let answer = raw_exchange(addr, &head, &[], Duration::from_millis(150));
             refusal = (!answer.is_empty()).then_some(answer);
         }
@@ -526,5 +522,5 @@ fn metrics() -> String {
 /// The shared gateway's default per-tenant concurrency.
 fn gateway_default_concurrency() -> u64 {
     let config = crate::harness::config(std::path::PathBuf::from("/nonexistent"), None);
-    u64::from(config.tenant_max_concurrency)
+    u64::from(config.limits.max_concurrency)
 }

@@ -99,7 +99,7 @@ fn egress_gateway() -> &'static EgressGateway {
         let mut config = harness::config(data.clone(), Some(seed));
         config.outgoing_allow_private = true;
         config.outgoing_ports = vec![open.addr.port(), denied.addr.port(), slow.addr.port()];
-        config.outgoing_deny = vec![facegate::outgoing::parse_cidr("127.0.0.2/32").unwrap()];
+        config.outgoing_deny = vec![facegate::sandbox::outgoing::parse_cidr("127.0.0.2/32").unwrap()];
         config.outgoing_max_connections_per_tenant = TENANT_CONNECTIONS as u32;
         let addr = harness::start(config);
         for tenant in EGRESS_TENANTS {

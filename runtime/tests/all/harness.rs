@@ -82,11 +82,11 @@ pub fn config(data_dir: PathBuf, seed: Option<PathBuf>) -> ServeConfig {
     config.tls_key = None;
     config.seed_dir = seed;
     config.admin_token = Some(ADMIN_TOKEN.to_owned());
-    config.request_timeout_ms = REQUEST_TIMEOUT_MS;
-    config.max_body_bytes = MAX_BODY_BYTES;
-    config.memory_limit_mib = 256;
+    config.limits.timeout_ms = REQUEST_TIMEOUT_MS;
+    config.limits.max_body_bytes = MAX_BODY_BYTES;
+    config.limits.memory_mib = 256;
     config.max_instances = 64;
-    config.max_infer_calls = MAX_INFER_CALLS;
+    config.limits.max_infer_calls = MAX_INFER_CALLS;
     // Every test connects from 127.0.0.1, many at once (some with hundreds
     // of sockets): a per-address cap would set them against each other. The
     // `connections` tests give their gateways one.
@@ -98,20 +98,11 @@ pub fn config(data_dir: PathBuf, seed: Option<PathBuf>) -> ServeConfig {
 
 /// The real model on ONNX Runtime, as deploy/setup.sh installed it.
 pub fn engine_config(home: &Path) -> EngineConfig {
+    let onnxruntime = std::env::var_os("ORT_DYLIB_PATH").map(PathBuf::from).unwrap_or_else(|| home.join("lib/libonnxruntime.so"));
     EngineConfig {
-        model: home.join("models/centerface.onnx"),
-        onnxruntime: std::env::var_os("ORT_DYLIB_PATH").map(PathBuf::from).unwrap_or_else(|| home.join("lib/libonnxruntime.so")),
-        devices: vec![facegate::config::DeviceSpec::Cpu],
-        cpu_workers: 1,
-        cpu_threads: 0,
-        inference_cores: 0,
-        inference_cpus: Vec::new(),
-        max_batch: 4,
-        batch_sizing: facegate_host_gpu::Sizing::Adaptive,
-        batch_delay_us: 0,
         queue_capacity: 256,
         tenant_queue_capacity: 128,
-        tenant_weights: Vec::new(),
+        ..EngineConfig::single_cpu(home.join("models/centerface.onnx"), onnxruntime)
     }
 }
 

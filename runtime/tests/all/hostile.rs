@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::harness::{MAX_INFER_CALLS, REQUEST_TIMEOUT_MS, client_with_key};
-use crate::isolation::{Attacked, one_instance_bound};
+use crate::isolation::{Attacked, limit_hits, one_instance_bound};
 
 /// Runs `attack` once on a gateway of its own (named `name`) while a
 /// well-behaved tenant's request is in flight; asserts every one of that
@@ -190,4 +190,24 @@ fn handlers_never_see_the_authorization_header() {
     let names: Vec<&String> = seen.as_object().unwrap().keys().collect();
     assert!(!names.iter().any(|n| n.eq_ignore_ascii_case("authorization")), "the handler saw {names:?}");
     assert!(!text.contains(&key), "the key reached the handler: {text}");
+}
+
+/// A tenant's `max_response_bytes` holds its handler's answers: one that
+/// declares a longer body gets 502 `response_too_large`, counted; a short
+/// one is answered whole.
+#[test]
+fn a_response_past_the_tenants_limit_gets_502() {
+    let gateway = Attacked::start("hostile-response-size");
+    let patched = gateway.admin(reqwest::Method::PATCH, "tenants/evil").json(&json!({ "max_response_bytes": 64 })).send().unwrap();
+    assert_eq!(patched.status(), 200);
+    let before = limit_hits(&gateway, "evil", "response_size");
+    // The handler echoes the request's headers: a long one makes its answer long.
+    let echoed = client_with_key(&gateway.key("evil")).get(gateway.url("/v1/evil/attack?attack=headers")).header("x-pad", "x".repeat(100));
+    let response = echoed.send().unwrap();
+    let status = response.status().as_u16();
+    let body: Value = response.json().unwrap();
+    assert_eq!((status, body["error"]["code"].as_str()), (502, Some("response_too_large")), "{body}");
+    assert_eq!(limit_hits(&gateway, "evil", "response_size"), before + 1);
+    let (status, body) = gateway.attack("attack=count");
+    assert_eq!((status, body["served"].as_u64()), (200, Some(1)), "{body}");
 }

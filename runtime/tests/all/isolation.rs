@@ -39,7 +39,7 @@ pub(crate) fn rss_mib(pid: u32) -> u64 {
 /// request's limits — its tenant's memory and the host resources it may
 /// hold — and the neighbour's share.
 pub(crate) fn one_instance_bound() -> u64 {
-    let host = facegate::state::host_memory_bound(facegate::state::DEFAULT_MAX_HOST_RESOURCES) as u64 >> 20;
+    let host = facegate::sandbox::state::host_memory_bound(facegate::sandbox::state::DEFAULT_MAX_HOST_RESOURCES) as u64 >> 20;
     TENANT_MEMORY_MIB + host + NEIGHBOUR_AND_SLACK_MIB
 }
 
@@ -315,7 +315,8 @@ fn a_memory_bomb_peaks_within_the_tenant_limit() {
     observed.assert_isolated(one_instance_bound());
 }
 
-fn limit_hits(gateway: &Attacked, tenant: &str, limit: &str) -> u64 {
+/// How often `tenant` hit `limit` on `gateway`, by its `/metrics`.
+pub(crate) fn limit_hits(gateway: &Attacked, tenant: &str, limit: &str) -> u64 {
     let text = gateway.metrics();
     let series = format!("facegate_limit_hits_total{{tenant=\"{tenant}\",limit=\"{limit}\"}} ");
     text.lines().find_map(|l| l.strip_prefix(&series)).map_or(0, |v| v.trim().parse().unwrap())
@@ -338,7 +339,7 @@ fn a_stderr_flood_is_cut_and_counted_not_fatal() {
 #[test]
 fn two_memories_share_one_limit() {
     use facegate::admission::memory::MemoryBudget;
-    use facegate::limiter::{InstanceLimiter, MemoryLimitExceeded};
+    use facegate::sandbox::instance_memory::{InstanceLimiter, MemoryLimitExceeded};
     use wasmtime::component::{Component, Linker};
     // Each core module's memory starts at 320 pages (20 MiB); the limit is 32 MiB.
     let wat = r#"(component
@@ -363,8 +364,8 @@ fn small_pool_gateway(name: &str) -> (std::net::SocketAddr, String, String) {
     let data = harness::fresh_dir(name);
     let mut config = harness::config(data.clone(), Some(harness::seed_dir()));
     config.max_instances = 8;
-    config.tenant_max_concurrency = 8;
-    config.request_timeout_ms = 3_000;
+    config.limits.max_concurrency = 8;
+    config.limits.timeout_ms = 3_000;
     let addr = harness::start(config);
     let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
     (addr, key("evil"), key("demo"))
@@ -442,8 +443,8 @@ fn busy_tenants_share_device_time_whatever_their_image_sizes() {
     }
     let data = harness::fresh_dir("fair-data");
     let mut config = harness::config(data.clone(), Some(seed));
-    config.request_timeout_ms = 30_000;
-    config.tenant_max_concurrency = 16;
+    config.limits.timeout_ms = 30_000;
+    config.limits.max_concurrency = 16;
     let addr = harness::start(config);
     let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
     let stop = AtomicBool::new(false);

@@ -4,7 +4,6 @@
 //! they wait and falls back to 0; `facegate_queue_wait_seconds` counts each
 //! call's wait once.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -16,6 +15,8 @@ const CLIENTS: usize = 16;
 /// `infer` calls in each request (`big-tensor&n=2`): 32 calls for one
 /// device that takes at most 4 a batch, so calls wait.
 const CALLS_PER_REQUEST: usize = 2;
+/// The deadline of this test's requests, ms.
+const QUEUED_DEADLINE_MS: u64 = 60_000;
 /// The queue-depth series the HPA selects (its metric name and label).
 const DEPTH: &str = "facegate_queue_depth{model=\"centerface\"}";
 /// How many calls' waits have been counted.
@@ -34,26 +35,32 @@ fn queue_depth_and_wait_follow_the_calls_waiting_for_a_device() {
     let seed = harness::fresh_dir("queue-seed");
     harness::install(&seed, "busy", "attack", &harness::guest("hostile"));
     let data = harness::fresh_dir("queue-data");
-    let addr = harness::start(harness::config(data.clone(), Some(seed)));
+    let mut config = harness::config(data.clone(), Some(seed));
+    // 32 calls queue for one CPU device: on a machine busy with other tests
+    // the last may wait far longer than the tests' usual deadline.
+    config.limits.timeout_ms = QUEUED_DEADLINE_MS;
+    let addr = harness::start(config);
     let key = std::fs::read_to_string(data.join("busy.key")).unwrap().trim().to_owned();
     let metrics = || anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
     let value = |text: &str, series: &str| metric(text, series).unwrap_or_else(|| panic!("no {series} in\n{text}"));
     let before = metrics();
     assert_eq!(value(&before, DEPTH), 0.0, "nothing waits on an idle gateway");
 
-    let answered = AtomicUsize::new(0);
     let deepest = std::thread::scope(|s| {
-        for _ in 0..CLIENTS {
-            let (client, answered) = (client_with_key(&key), &answered);
-            s.spawn(move || {
-                let url = format!("http://{addr}/v1/busy/attack?attack=big-tensor&side=640&n={CALLS_PER_REQUEST}");
-                let body: Value = client.get(url).send().unwrap().json().unwrap();
-                assert_eq!(body["outcomes"], json!(vec!["ok"; CALLS_PER_REQUEST]), "{body}");
-                answered.fetch_add(1, Ordering::SeqCst);
-            });
-        }
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                let client = client_with_key(&key);
+                s.spawn(move || {
+                    let url = format!("http://{addr}/v1/busy/attack?attack=big-tensor&side=640&n={CALLS_PER_REQUEST}");
+                    let body: Value = client.get(url).send().unwrap().json().unwrap();
+                    assert_eq!(body["outcomes"], json!(vec!["ok"; CALLS_PER_REQUEST]), "{body}");
+                })
+            })
+            .collect();
         let mut deepest: f64 = 0.0;
-        while answered.load(Ordering::SeqCst) < CLIENTS {
+        // Until every client is done, answered or failed (a failed one
+        // fails the test when the scope joins it).
+        while !clients.iter().all(|client| client.is_finished()) {
             deepest = deepest.max(value(&metrics(), DEPTH));
             std::thread::sleep(Duration::from_millis(10));
         }

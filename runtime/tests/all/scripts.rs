@@ -312,7 +312,7 @@ fn python_and_javascript_handlers_get_no_network() {
 fn warm_python_and_javascript_instances_answer_as_fresh_ones() {
     let data = crate::harness::fresh_dir("scripts-warm");
     let mut config = crate::harness::config(data, None);
-    config.instance_reuse = 100;
+    config.limits.instance_reuse = 100;
     let addr = crate::harness::start(config);
     let admin_call = |method: Method, path: &str| {
         crate::harness::anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(crate::harness::ADMIN_TOKEN)

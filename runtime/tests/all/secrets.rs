@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use facegate::control::ArtifactKey;
 use facegate::control::store::SharedArtifact;
-use facegate::throwaway_pg::ThrowawayPostgres;
+use facegate_throwaway_pg::ThrowawayPostgres;
 use hmac::{Hmac, Mac};
 use reqwest::Method;
 use serde_json::{Value, json};

@@ -5,7 +5,7 @@
 //! (`control::store::tests`) check each operation on both; this checks
 //! what a client of the gateway sees.
 
-use facegate::throwaway_pg::ThrowawayPostgres;
+use facegate_throwaway_pg::ThrowawayPostgres;
 use reqwest::Method;
 use serde_json::{Value, json};
 

@@ -134,7 +134,7 @@ fn idle_instances_go_when_limits_change_and_when_they_wait_too_long() {
     harness::install(&seed, "idler", "attack", &guest("hostile"));
     let data = harness::fresh_dir("warm-expiry-data");
     let mut config = harness::config(data.clone(), Some(seed));
-    config.instance_reuse = 100;
+    config.limits.instance_reuse = 100;
     config.warm_idle_secs = 2;
     let addr = harness::start(config);
     let key = std::fs::read_to_string(data.join("idler.key")).unwrap().trim().to_owned();
@@ -190,10 +190,10 @@ fn idle_warm_instances_never_keep_another_tenants_requests_from_running() {
     let data = harness::fresh_dir("warm-data");
     let mut config = harness::config(data.clone(), Some(seed));
     config.max_instances = 3;
-    config.tenant_max_concurrency = 3;
+    config.limits.max_concurrency = 3;
     config.warm_instances = 2;
-    config.instance_reuse = 100;
-    config.request_timeout_ms = 1000;
+    config.limits.instance_reuse = 100;
+    config.limits.timeout_ms = 1000;
     let addr = harness::start(config);
     let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
     let get = |tenant: &str, query: &str| {

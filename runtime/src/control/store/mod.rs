@@ -20,7 +20,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-use super::limits::LimitOverrides;
+use crate::admission::limits::LimitOverrides;
+pub use crate::control::seal::SharedArtifact;
 
 /// File name of the SQLite database inside the data directory.
 pub const DB_FILE: &str = "facegate.db";
@@ -121,21 +122,6 @@ pub struct NewVersion<'a> {
     /// The component precompiled by the uploading node, for the other
     /// nodes of a cluster (stores that serve one node keep none).
     pub artifact: Option<&'a SharedArtifact>,
-}
-
-/// A component precompiled by one node, stored for the other nodes whose
-/// engine has the same settings, so that a deploy reaches every node
-/// without each compiling it again. Native code: a node loads it only when
-/// `mac` proves that a node holding the cluster's secret made it (see
-/// `components::ArtifactKey`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct SharedArtifact {
-    /// The engine's identity (`components::engine_id`): nodes with another engine compile for themselves.
-    pub engine: String,
-    /// `Component::serialize`'s output.
-    pub bytes: Vec<u8>,
-    /// HMAC-SHA256 (hex) over the engine, the component's SHA-256 and `bytes`.
-    pub mac: String,
 }
 
 /// A gateway node as it last reported itself.

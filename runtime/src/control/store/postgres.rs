@@ -23,8 +23,8 @@ use super::{
     ActiveHandler, ActiveKeyRow, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError, StoreResult,
     TenantRow, VersionRow, new_incarnation, now,
 };
+use crate::admission::limits::LimitOverrides;
 use crate::control::keys::sha256_hex;
-use crate::control::limits::LimitOverrides;
 
 /// The channel changes are announced on.
 const CHANNEL: &str = "facegate_changes";

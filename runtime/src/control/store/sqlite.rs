@@ -11,8 +11,8 @@ use super::{
     ActiveHandler, ActiveKeyRow, DB_FILE, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow,
     VersionRow, new_incarnation, now,
 };
+use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
-use crate::control::limits::LimitOverrides;
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
 const MIGRATIONS: &[&str] = &[V1, V2, V3];

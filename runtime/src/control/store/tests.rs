@@ -1,13 +1,13 @@
 //! One behaviour, two stores: every test here runs against SQLite and
 //! against a real PostgreSQL server (a throw-away one, see
-//! [`crate::throwaway_pg`]).
+//! [`facegate_throwaway_pg`]).
 
 use std::sync::OnceLock;
 
 use super::pg_connect;
 use super::*;
 use crate::control::keys::sha256_hex;
-use crate::throwaway_pg::ThrowawayPostgres;
+use facegate_throwaway_pg::ThrowawayPostgres;
 
 /// One server for the whole test binary; each test gets a database of its own.
 fn postgres_server() -> &'static ThrowawayPostgres {

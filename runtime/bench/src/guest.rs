@@ -14,7 +14,7 @@ use wasmtime::{Engine, Store};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
-use crate::engine::EngineLimits;
+use facegate::sandbox::engine::EngineLimits;
 
 /// Where `deploy/scripts/build-guests.sh` leaves the bench guest, from the repository root.
 pub const BENCH_GUEST: &str = "guests/target/wasm32-wasip2/release/bench.wasm";
@@ -59,7 +59,7 @@ impl GuestBench {
     /// Compiles `wasm` with an engine configured as the gateway's; `images`
     /// is the folder [`GuestBench::time`] names its files in.
     pub fn new(wasm: &Path, images: &Path, limits: EngineLimits) -> anyhow::Result<Self> {
-        let engine = crate::engine::build(limits)?;
+        let engine = facegate::sandbox::engine::build(limits)?;
         let component = Component::from_file(&engine, wasm).map_err(|e| anyhow::anyhow!("compiling {}: {e:#}", wasm.display()))?;
         Ok(Self { engine, component, images: images.to_owned() })
     }
@@ -125,7 +125,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_bench_guest_times_the_sdk_inside_wasm() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let wasm = root.join(BENCH_GUEST);
         assert!(wasm.exists(), "{} is missing: deploy/scripts/build-guests.sh builds it (deploy/test.sh does)", wasm.display());
         let images = root.join("runtime/tests/fixtures/images");
@@ -159,7 +159,7 @@ mod tests {
     #[tokio::test]
     async fn wasm_and_native_letterbox_the_same_pixels() {
         use facegate_guest_sdk::image::{ImageLimits, decode_for_letterbox, letterbox};
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let wasm = root.join(BENCH_GUEST);
         assert!(wasm.exists(), "{} is missing: deploy/scripts/build-guests.sh builds it (deploy/test.sh does)", wasm.display());
         let images = std::env::temp_dir().join(format!("facegate-letterbox-test-{}", std::process::id()));

@@ -191,7 +191,7 @@ enum Refusal {
 }
 
 /// The refusals of one request's outgoing requests, shared by the request
-/// (its [`crate::state::GatewayHooks`]) and its requests in flight.
+/// (its [`crate::sandbox::state::GatewayHooks`]) and its requests in flight.
 #[derive(Debug, Default)]
 pub struct Refusals {
     /// Per [`Refusal`], in its order.

@@ -10,7 +10,7 @@
 //! included. A warm instance skips all of it.
 //!
 //! What keeps it safe:
-//! - The idle instances live in their [`crate::handlers::Handler`], one
+//! - The idle instances live in their [`crate::sandbox::handler::Handler`], one
 //!   tenant's one handler version (its component's digest, not only its
 //!   number): they never serve another tenant or another version, nor a
 //!   tenant created again under a deleted one's name (the control plane
@@ -60,7 +60,7 @@ use wasmtime::Store;
 use wasmtime_wasi_http::p2::bindings::Proxy;
 
 use crate::admission::memory::Reclaim;
-use crate::state::RequestState;
+use crate::sandbox::state::RequestState;
 
 /// Largest memory (all linear memories and tables) an instance may hold to
 /// be kept warm: bounds what idle instances keep resident.

@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use crate::engine::EngineLimits;
+use crate::sandbox::engine::EngineLimits;
 
 /// The least budget a node runs with, whatever the arithmetic says: one
 /// request of a small handler.

@@ -114,28 +114,19 @@ mod tests {
     use std::path::{Path, PathBuf};
 
     use super::*;
-    use crate::config::{DeviceSpec, EngineConfig};
+    use facegate::config::EngineConfig;
 
     /// The real model, as deploy/setup.sh installs it.
     fn models() -> Models {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let home = std::env::var_os("FACEGATE_HOME").map(PathBuf::from).unwrap_or_else(|| root.join(".facegate"));
+        let onnxruntime = std::env::var_os("ORT_DYLIB_PATH").map(PathBuf::from).unwrap_or_else(|| home.join("lib/libonnxruntime.so"));
         let config = EngineConfig {
-            model: home.join("models/centerface.onnx"),
-            onnxruntime: std::env::var_os("ORT_DYLIB_PATH").map(PathBuf::from).unwrap_or_else(|| home.join("lib/libonnxruntime.so")),
-            devices: vec![DeviceSpec::Cpu],
-            cpu_workers: 1,
-            cpu_threads: 0,
-            inference_cores: 0,
-            inference_cpus: Vec::new(),
-            max_batch: 4,
-            batch_sizing: facegate_host_gpu::Sizing::Adaptive,
-            batch_delay_us: 0,
             queue_capacity: 64,
             tenant_queue_capacity: 64,
-            tenant_weights: Vec::new(),
+            ..EngineConfig::single_cpu(home.join("models/centerface.onnx"), onnxruntime)
         };
-        crate::load_models(&config).expect("load the model (run deploy/setup.sh)")
+        facegate::load_models(&config).expect("load the model (run deploy/setup.sh)")
     }
 
     async fn post(addr: SocketAddr, body: Vec<u8>) -> (StatusCode, serde_json::Value) {
@@ -151,7 +142,7 @@ mod tests {
     /// does (the accuracy tests check where), and refuses a non-image.
     #[tokio::test]
     async fn the_native_pipeline_answers_like_demo_detect() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let (addr, server) = start(models(), 160).await.expect("starts");
         let image = std::fs::read(root.join("runtime/tests/fixtures/images/grace_hopper.jpg")).unwrap();
         let (status, json) = post(addr, image).await;

@@ -1,7 +1,7 @@
 //! A deployed handler version, ready to instantiate: compiled once (at
 //! upload, or loaded from its precompiled artifact) and pre-instantiated
 //! once; each request instantiates from the pre-instance in its own store,
-//! or takes a warm instance of the same version (see [`crate::warm`]).
+//! or takes a warm instance of the same version (see [`crate::sandbox::warm`]).
 
 use std::sync::Arc;
 
@@ -9,8 +9,8 @@ use anyhow::bail;
 use wasmtime::component::{Component, Linker};
 use wasmtime_wasi_http::p2::bindings::ProxyPre;
 
-use crate::state::RequestState;
-use crate::warm::WarmInstances;
+use crate::sandbox::state::RequestState;
+use crate::sandbox::warm::WarmInstances;
 
 /// One active handler version.
 pub struct Handler {

@@ -108,10 +108,14 @@ impl StdoutStream for CappedCapture {
     }
 }
 
+/// Bytes of a guest's stdout and stderr kept for the logs, per request;
+/// the rest is dropped and counted, the guest is not stopped.
+pub const STDIO_CAPTURE_BYTES: usize = 16 * 1024;
+
 /// Longest line [`escape_for_log`] makes: twice the capture, so text
 /// whose quotes and backslashes escaping doubles is logged whole, while a
 /// capture of control bytes (five or six characters each, `\u{1}`) is cut.
-pub const LOG_LINE_MAX: usize = 2 * crate::state::STDIO_CAPTURE_BYTES;
+pub const LOG_LINE_MAX: usize = 2 * STDIO_CAPTURE_BYTES;
 
 /// `bytes` as one log-safe line: UTF-8 lossily, control characters
 /// (newlines included) escaped, so a guest cannot forge log lines; cut at
@@ -145,11 +149,11 @@ mod tests {
 
     #[test]
     fn escaping_cannot_make_a_line_longer_than_its_cap() {
-        let line = escape_for_log(&[1u8; crate::state::STDIO_CAPTURE_BYTES]);
+        let line = escape_for_log(&[1u8; STDIO_CAPTURE_BYTES]);
         assert!(line.len() <= LOG_LINE_MAX + '…'.len_utf8() && line.ends_with('…'), "{} bytes", line.len());
         assert!(line.starts_with("\\u{1}\\u{1}"), "{}", &line[..20]);
         assert_eq!(escape_for_log(b"short\n"), "short", "short lines are whole");
-        let quotes = escape_for_log(&[b'"'; crate::state::STDIO_CAPTURE_BYTES]);
+        let quotes = escape_for_log(&[b'"'; STDIO_CAPTURE_BYTES]);
         assert!(!quotes.ends_with('…'), "a full capture of quotes is whole");
     }
 

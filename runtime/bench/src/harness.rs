@@ -18,7 +18,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use crate::config::{EngineConfig, ServeConfig};
+use facegate::config::{EngineConfig, ServeConfig};
 
 /// Settings of `facegate bench`.
 #[derive(Debug, Clone, Args)]
@@ -139,36 +139,8 @@ fn parse_seconds(text: &str) -> Result<f64, String> {
     }
 }
 
-/// Runs the suites asked for and prints their tables.
-pub async fn run(config: BenchConfig) -> anyhow::Result<()> {
-    let images = config
-        .images
-        .iter()
-        .map(|p| std::fs::read(p).with_context(|| format!("reading {}", p.display())).map(Bytes::from))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let tensors = images.iter().map(|b| preprocess(b, config.side)).collect::<anyhow::Result<Vec<_>>>()?;
-    let duration = Duration::from_secs_f64(config.seconds);
-    let suite = config.suite.as_str();
-    if matches!(suite, "issue2" | "batching" | "all") {
-        gateway_vs_engine(&config, &images, &tensors, duration).await?;
-    }
-    if matches!(suite, "fake" | "all") {
-        fake_device(&config, duration).await;
-    }
-    if matches!(suite, "pipeline" | "all") {
-        crate::bench_pipeline::run(&config, config.iterations.max(1)).await?;
-    }
-    if matches!(suite, "languages" | "all") {
-        crate::bench_languages::run(&config, config.iterations.max(1)).await?;
-    }
-    if suite == "isolation" {
-        crate::bench_isolation::run(&config, &images, duration).await?;
-    }
-    Ok(())
-}
-
 /// How the bench's threads share the cores, for its header.
-fn core_layout(engine: &crate::config::EngineConfig) -> String {
+fn core_layout(engine: &facegate::config::EngineConfig) -> String {
     match engine.inference_cpus.as_slice() {
         [] => " (all threads share all cores)".into(),
         cores => format!(" on cores {cores:?} of their own (--inference-cores; handlers, HTTP and clients on the others)"),
@@ -176,20 +148,25 @@ fn core_layout(engine: &crate::config::EngineConfig) -> String {
 }
 
 /// Decodes and letterboxes natively with the same SDK code the handlers run in wasm.
-fn preprocess(bytes: &[u8], side: u32) -> anyhow::Result<Tensor> {
+pub(crate) fn preprocess(bytes: &[u8], side: u32) -> anyhow::Result<Tensor> {
     use facegate_guest_sdk::image::{ImageLimits, decode, letterbox};
     let boxed = letterbox(&decode(bytes, &ImageLimits::default())?, side)?;
     let side = boxed.side as usize;
     Ok(Tensor::new(vec![side, side, 3], facegate_host_gpu::ElementType::U8, boxed.pixels)?)
 }
 
-async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Tensor], duration: Duration) -> anyhow::Result<()> {
+pub(crate) async fn gateway_vs_engine(
+    config: &BenchConfig,
+    images: &[Bytes],
+    tensors: &[Tensor],
+    duration: Duration,
+) -> anyhow::Result<()> {
     let batch_sizes: Vec<usize> = if config.suite == "issue2" { vec![config.serve.engine.max_batch] } else { vec![1, config.batch_on] };
     let mut setups = Vec::new();
     for &max_batch in &batch_sizes {
         let mut engine = config.serve.engine.clone();
         engine.max_batch = max_batch;
-        let models = crate::load_models(&engine)?;
+        let models = facegate::load_models(&engine)?;
         let (addr, key, server) = start_gateway(&config.serve, &engine, models.clone(), max_batch, 1).await?;
         // issue2 also runs a gateway whose tenant reuses instances, and the
         // pipeline natively, on the same engine (see bench_native).
@@ -197,7 +174,7 @@ async fn gateway_vs_engine(config: &BenchConfig, images: &[Bytes], tensors: &[Te
             "issue2" => {
                 let label = WARM_LABEL + max_batch;
                 let (addr, key, task) = start_gateway(&config.serve, &engine, models.clone(), label, BENCH_INSTANCE_REUSE).await?;
-                (Some(((addr, key), task)), Some(crate::bench_native::start(models.clone(), config.side).await?.0))
+                (Some(((addr, key), task)), Some(crate::native::start(models.clone(), config.side).await?.0))
             }
             _ => (None, None),
         };
@@ -360,7 +337,7 @@ async fn start_gateway(
     label: usize,
     instance_reuse: u32,
 ) -> anyhow::Result<(SocketAddr, String, tokio::task::JoinHandle<()>)> {
-    let (addr, mut keys, task) = start_seeded(&serve.seed_dir, engine, models, label, |c| c.instance_reuse = instance_reuse).await?;
+    let (addr, mut keys, task) = start_seeded(&serve.seed_dir, engine, models, label, |c| c.limits.instance_reuse = instance_reuse).await?;
     let key = keys.remove("demo").context("the seed has no tenant demo")?;
     Ok((addr, key, task))
 }
@@ -381,13 +358,13 @@ pub(crate) async fn start_seeded(
     config.listen = "127.0.0.1:0".parse()?;
     let seed_copy = rust_handlers_only(seed_dir, &data_dir)?;
     config.seed_dir = Some(seed_copy.clone());
-    config.request_timeout_ms = 60_000;
+    config.limits.timeout_ms = 60_000;
     config.max_instances = 256;
-    config.tenant_max_concurrency = 256;
-    config.tenant_rps = 0.0;
+    config.limits.max_concurrency = 256;
+    config.limits.rps = 0.0;
     config.engine = engine.clone();
     adjust(&mut config);
-    let gateway = crate::Gateway::new(&config, models)?;
+    let gateway = facegate::Gateway::new(&config, models)?;
     let _ = std::fs::remove_dir_all(&seed_copy);
     let keys = gateway.seeded_keys.iter().map(|k| (k.tenant.clone(), k.key.clone())).collect();
     // Everything is loaded: without an admin API nothing changes the store,
@@ -395,7 +372,7 @@ pub(crate) async fn start_seeded(
     if config.admin_token.is_none() {
         let _ = std::fs::remove_dir_all(&data_dir);
     }
-    let (listener, addr) = crate::bind(config.listen).await?;
+    let (listener, addr) = facegate::bind(config.listen).await?;
     let task = tokio::spawn(async move {
         let _ = gateway.serve(listener, std::future::pending()).await;
     });
@@ -658,7 +635,7 @@ fn fake_plan(config: &BenchConfig) -> (Vec<usize>, [Duration; 2]) {
 /// The batcher alone, on a fake device costing `a + b·n` per batch of n,
 /// without and with a hold-back delay (`--batch-delay-us` in `serve`), and
 /// the ratio of the two at each level.
-async fn fake_device(config: &BenchConfig, duration: Duration) {
+pub(crate) async fn fake_device(config: &BenchConfig, duration: Duration) {
     const MAX_BATCH: usize = 16;
     let (a, b) = (Duration::from_millis(8), Duration::from_micros(500));
     let ideal = MAX_BATCH as f64 / (a + b * MAX_BATCH as u32).as_secs_f64();
@@ -731,9 +708,7 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     fn bench_config(args: &[&str]) -> BenchConfig {
-        let cli = crate::cli::Cli::try_parse_from(["facegate", "bench"].iter().chain(args)).unwrap();
-        let crate::cli::Command::Bench(config) = cli.command else { panic!("not bench") };
-        config
+        crate::Cli::try_parse_from(["facegate-bench"].iter().chain(args)).unwrap().config
     }
 
     #[test]

@@ -9,14 +9,11 @@ use wasmtime_wasi::p2::{DynInputStream, DynOutputStream};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
-use crate::face_detect::{FaceDetectCtx, FaceDetectView};
-use crate::limiter::InstanceLimiter;
-use crate::outgoing::{Caller, Egress, Refusals, Sent};
-use crate::stdio::CappedCapture;
+use crate::sandbox::face_detect::{FaceDetectCtx, FaceDetectView};
+use crate::sandbox::instance_memory::InstanceLimiter;
+use crate::sandbox::outgoing::{Caller, Egress, Refusals, Sent};
+use crate::sandbox::stdio::{CappedCapture, STDIO_CAPTURE_BYTES};
 
-/// Bytes of a guest's stdout and stderr kept for the logs, per request;
-/// the rest is dropped and counted, the guest is not stopped.
-pub const STDIO_CAPTURE_BYTES: usize = 16 * 1024;
 /// Default most host resources (wasi:http fields, bodies, streams,
 /// pollables, ...) one request may hold at once. Rust handlers use about 15.
 pub const DEFAULT_MAX_HOST_RESOURCES: usize = 256;
@@ -99,7 +96,7 @@ type SendFuture = Box<dyn std::future::Future<Output = Result<Sent, HttpError>> 
 impl WasiHttpHooks for GatewayHooks {
     /// Without the grant, every outgoing request fails with
     /// `HTTP-request-denied` (JavaScript components import the interface
-    /// whether or not they use it); with it, [`crate::outgoing`] sends it
+    /// whether or not they use it); with it, [`crate::sandbox::outgoing`] sends it
     /// where `egress` allows (`HTTP-request-denied` to a port it does not
     /// list, `destination-IP-prohibited` to an address it refuses,
     /// `connection-limit-reached` past the connection caps).
@@ -114,7 +111,7 @@ impl WasiHttpHooks for GatewayHooks {
             return Box::new(async { Err(HttpError::HttpRequestDenied) });
         }
         let caller = Caller { tenant: Arc::clone(&self.tenant), refusals: Arc::clone(&self.refusals) };
-        Box::new(crate::outgoing::send(request, options, self.egress.clone(), caller, self.deadline))
+        Box::new(crate::sandbox::outgoing::send(request, options, self.egress.clone(), caller, self.deadline))
     }
 
     fn p2_outgoing_body_buffer_chunks(&mut self) -> usize {
@@ -213,7 +210,7 @@ impl WasiHttpView for RequestState {
     }
 }
 
-/// Projects the face-detect view (for [`crate::face_detect::add_to_linker`]).
+/// Projects the face-detect view (for [`crate::sandbox::face_detect::add_to_linker`]).
 pub fn face_detect_view(state: &mut RequestState) -> FaceDetectView<'_> {
     FaceDetectView::new(&mut state.face_detect)
 }
@@ -221,7 +218,7 @@ pub fn face_detect_view(state: &mut RequestState) -> FaceDetectView<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::outgoing::EgressRules;
+    use crate::sandbox::outgoing::EgressRules;
 
     #[test]
     fn standard_streams_are_charged_the_capture_they_share_not_a_body_each() {

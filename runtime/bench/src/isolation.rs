@@ -16,7 +16,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::io::AsyncWriteExt;
 
-use crate::bench::{BenchConfig, LoopStats, Measurement, measure_gateway, print_failed_clients, start_seeded};
+use crate::harness::{BenchConfig, LoopStats, Measurement, measure_gateway, print_failed_clients, start_seeded};
 
 /// The attacks, each a query of the hostile handler, or a connection-level attack.
 const ATTACKS: &[(&str, Attack)] = &[
@@ -72,12 +72,12 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
     let seed = seed_with_attacker(&config.serve.seed_dir, &config.hostile)?;
     let upload = config.upload_component.clone().unwrap_or_else(|| seed.join("demo/detect.wasm"));
     let component = Bytes::from(std::fs::read(&upload).with_context(|| format!("reading {}", upload.display()))?);
-    let models = crate::load_models(&config.serve.engine)?;
+    let models = facegate::load_models(&config.serve.engine)?;
     // The defaults a production gateway runs with, not the bench's wide-open ones.
     let (addr, keys, _server) = start_seeded(&seed, &config.serve.engine, models.clone(), STORE_LABEL, |c| {
-        c.request_timeout_ms = 5_000;
-        c.max_instances = crate::config::DEFAULT_MAX_INSTANCES;
-        c.tenant_max_concurrency = crate::config::DEFAULT_TENANT_MAX_CONCURRENCY;
+        c.limits.timeout_ms = 5_000;
+        c.max_instances = facegate::config::DEFAULT_MAX_INSTANCES;
+        c.limits.max_concurrency = facegate::config::DEFAULT_TENANT_MAX_CONCURRENCY;
         c.memory_budget_mib = Some(MEMORY_BUDGET_MIB);
         c.admin_token = Some(ADMIN_TOKEN.to_owned());
     })
@@ -112,7 +112,7 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
     if config.only.as_deref().is_none_or(|only| HOARDING.contains(only)) {
         connection_hoarding(&demo, &models, images, config, round).await?;
     }
-    let _ = std::fs::remove_dir_all(crate::bench::bench_data_dir(STORE_LABEL));
+    let _ = std::fs::remove_dir_all(crate::harness::bench_data_dir(STORE_LABEL));
     Ok(())
 }
 
@@ -298,13 +298,13 @@ async fn connection_hoarding(
 ) -> anyhow::Result<()> {
     let addr = demo.0;
     // Both ends of every connection are in this process.
-    let gateway = crate::http::open_files::descriptors_needed(
-        crate::config::DEFAULT_MAX_CONNECTIONS,
-        crate::outgoing::DEFAULT_MAX_CONNECTIONS,
-        crate::http::open_files::Listeners::Shared,
+    let gateway = facegate::http::open_files::descriptors_needed(
+        facegate::config::DEFAULT_MAX_CONNECTIONS,
+        facegate::sandbox::outgoing::DEFAULT_MAX_CONNECTIONS,
+        facegate::http::open_files::Listeners::Shared,
     );
     let needed = gateway + (HOARD_BUSY + HOARD_IDLE) as u64;
-    let soft = crate::http::open_files::raise_soft_limit(needed)?;
+    let soft = facegate::http::open_files::raise_soft_limit(needed)?;
     if soft.is_some_and(|soft| soft < needed) {
         println!("{HOARDING:<24} skipped: the open-file limit is {soft:?}, {needed} needed (raise ulimit -Hn)");
         return Ok(());
@@ -346,7 +346,7 @@ async fn connection_hoarding(
 fn start_hoard(addr: SocketAddr, idle: &Arc<std::sync::atomic::AtomicUsize>) -> Vec<tokio::task::JoinHandle<()>> {
     let busy = (0..HOARD_BUSY).map(|_| tokio::spawn(hoard_busy(addr)));
     // Each address its cap's worth (the bench gateway runs the defaults).
-    let per_address = match crate::config::DEFAULT_MAX_CONNECTIONS_PER_IP as usize {
+    let per_address = match facegate::config::DEFAULT_MAX_CONNECTIONS_PER_IP as usize {
         0 => HOARD_IDLE,
         cap => cap,
     };
@@ -360,7 +360,7 @@ fn start_hoard(addr: SocketAddr, idle: &Arc<std::sync::atomic::AtomicUsize>) -> 
 /// Waits (at most 30 s) until the idle hoard holds every slot the busy
 /// address's cap leaves; how many it held at most.
 async fn wait_until_filled(idle: &std::sync::atomic::AtomicUsize) -> usize {
-    let full = (crate::config::DEFAULT_MAX_CONNECTIONS - crate::config::DEFAULT_MAX_CONNECTIONS_PER_IP) as usize;
+    let full = (facegate::config::DEFAULT_MAX_CONNECTIONS - facegate::config::DEFAULT_MAX_CONNECTIONS_PER_IP) as usize;
     let mut most = 0;
     for _ in 0..120 {
         most = most.max(idle.load(Ordering::SeqCst));

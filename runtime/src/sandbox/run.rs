@@ -1,5 +1,5 @@
 //! Runs one HTTP request through one handler in a fresh store (or a warm
-//! instance of the same handler version, see [`crate::warm`]): memory
+//! instance of the same handler version, see [`crate::sandbox::warm`]): memory
 //! limit, epoch deadline with async yield, and a call budget for
 //! face-detect. A trap or a timeout ends that request only.
 
@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use wasmtime::component::Linker;
 use wasmtime::component::ResourceTableError;
 use wasmtime::{Engine, Store, Trap, UpdateDeadline};
@@ -18,32 +18,39 @@ use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 
+use crate::admission::limits::TenantLimits;
 use crate::admission::memory::{MemoryBudget, NodeMemoryExhausted, Refusal};
-use crate::face_detect::{self, FaceDetectCtx};
-use crate::handlers::Handler;
-use crate::limiter::{InstanceLimiter, MemoryLimitExceeded};
 use crate::metrics::{Limit, LimitHits};
-use crate::outgoing::Egress;
-use crate::state::{self, GatewayHooks, RequestState};
-use crate::stdio::escape_for_log;
-use crate::warm::{WARM_MAX_MEMORY, Warm, WarmBudget};
+use crate::sandbox::face_detect::{self, FaceDetectCtx};
+use crate::sandbox::handler::Handler;
+use crate::sandbox::instance_memory::{InstanceLimiter, MemoryLimitExceeded};
+use crate::sandbox::outgoing::Egress;
+use crate::sandbox::state::{self, GatewayHooks, RequestState};
+use crate::sandbox::stdio::escape_for_log;
+use crate::sandbox::warm::{WARM_MAX_MEMORY, Warm, WarmBudget};
 use facegate_host_gpu::Models;
 
-/// Per-request limits of the sandbox.
+/// Per-request limits of the sandbox: the tenant's, and the node's own.
 #[derive(Debug, Clone, Copy)]
 pub struct SandboxLimits {
-    /// All linear memories and tables of one instance together, bytes.
-    pub memory_limit: usize,
-    /// Most `face-detect.infer` calls per request.
-    pub max_infer_calls: u32,
+    /// The tenant's limits (`admission::limits`), whole: a new limit needs
+    /// no new field here.
+    pub tenant: TenantLimits,
     /// Most host resources (resource-table entries) the request may hold at once.
     pub max_host_resources: usize,
-    /// Requests one instance may serve (the tenant's `instance_reuse`; 1:
-    /// a fresh instance for every request).
-    pub instance_reuse: u32,
+}
+
+impl SandboxLimits {
+    /// All linear memories and tables of one instance together, bytes.
+    fn memory_limit(&self) -> usize {
+        self.tenant.memory_mib << 20
+    }
+
     /// Most idle instances the tenant keeps, all its handlers together (its
     /// concurrency limit: more could never be busy at once).
-    pub max_idle: usize,
+    fn max_idle(&self) -> usize {
+        self.tenant.max_concurrency as usize
+    }
 }
 
 /// Why a request produced no response from its handler.
@@ -73,9 +80,92 @@ pub enum SandboxError {
     /// (described briefly, see [`guest_text`]).
     #[error("handler failed: {0}")]
     Guest(String),
+    /// The handler declared a response body longer than the tenant's
+    /// `max_response_bytes`; the guest was stopped.
+    #[error("handler response exceeds {0} bytes")]
+    ResponseTooLarge(usize),
     /// The host failed to set up the request.
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+/// Holds a handler's answer to `max` body bytes: a declared length past it
+/// is refused before the head is sent ([`SandboxError::ResponseTooLarge`]);
+/// a body streamed past it is cut there, its head gone (the client sees
+/// the body end in error), and counted as a `response_size` hit.
+fn cap_response(
+    response: hyper::Response<HyperOutgoingBody>,
+    max: usize,
+    hits: &Arc<LimitHits>,
+    tenant: &Arc<str>,
+) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
+    let declared = response.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > max as u64) {
+        return Err(SandboxError::ResponseTooLarge(max));
+    }
+    let (hits, tenant) = (Arc::clone(hits), Arc::clone(tenant));
+    Ok(response.map(|body| {
+        http_body_util::Limited::new(body, max)
+            .map_err(move |e| match e.downcast::<wasmtime_wasi_http::Error>() {
+                Ok(inner) => *inner,
+                Err(_) => {
+                    hits.hit(&tenant, Limit::ResponseSize);
+                    wasmtime_wasi_http::Error::HttpResponseBodySize(Some(max as u64))
+                }
+            })
+            .boxed_unsync()
+    }))
+}
+
+/// What a client is told of a [`SandboxError`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// The HTTP status.
+    pub status: hyper::StatusCode,
+    /// The stable error code of the JSON body.
+    pub code: &'static str,
+    /// The message of the JSON body.
+    pub message: String,
+    /// Seconds for `Retry-After`, when retrying may help.
+    pub retry_after: Option<u32>,
+}
+
+impl SandboxError {
+    /// The limit this failure is counted under, if a limit ended the request.
+    pub fn limit(&self) -> Option<Limit> {
+        match self {
+            Self::Timeout(_) => Some(Limit::Deadline),
+            Self::MemoryLimit(_) => Some(Limit::Memory),
+            Self::ResourceLimit(_) => Some(Limit::HostResources),
+            Self::NodeMemory(_) => Some(Limit::NodeMemory),
+            Self::ResponseTooLarge(_) => Some(Limit::ResponseSize),
+            _ => None,
+        }
+    }
+
+    /// The client's view of this failure.
+    pub fn answer(&self) -> Answer {
+        use hyper::StatusCode;
+        let (status, code, retry_after) = match self {
+            Self::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "handler_timeout", None),
+            Self::Trap(_) | Self::MemoryLimit(_) => (StatusCode::INTERNAL_SERVER_ERROR, "handler_trapped", None),
+            Self::ResourceLimit(_) => (StatusCode::INTERNAL_SERVER_ERROR, "resource_limit", None),
+            // The node ran out, not the handler: the client may retry.
+            Self::NodeMemory(_) => (StatusCode::SERVICE_UNAVAILABLE, "overloaded", Some(1)),
+            Self::NoResponse | Self::Guest(_) => (StatusCode::INTERNAL_SERVER_ERROR, "handler_failed", None),
+            Self::ResponseTooLarge(_) => (StatusCode::BAD_GATEWAY, "response_too_large", None),
+            // The host's own details stay in its log.
+            Self::Internal(_) => {
+                return Answer {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    code: "internal",
+                    message: "internal error".into(),
+                    retry_after: None,
+                };
+            }
+        };
+        Answer { status, code, message: self.to_string(), retry_after }
+    }
 }
 
 /// The engine, linker and inference models every request runs against.
@@ -225,6 +315,8 @@ impl Sandbox {
         let timeout = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout_at(deadline.into(), rx).await {
             Ok(Ok(Ok(response))) => {
+                // Refused: dropping the task's guard stops the guest.
+                let response = cap_response(response, limits.tenant.max_response_bytes, &self.hits, &handler.tenant)?;
                 // The guest may still be streaming the body: let it run.
                 task.detach();
                 Ok(response)
@@ -239,7 +331,7 @@ impl Sandbox {
     /// store (the instance is then made in the guest's task); with how many
     /// requests the instance served before.
     fn store_for(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> (Store<RequestState>, Option<Proxy>, u32) {
-        if limits.instance_reuse <= 1 {
+        if limits.tenant.instance_reuse <= 1 {
             // The tenant turned reuse off: nothing of earlier requests stays.
             handler.warm.clear();
             return (self.new_store(handler, deadline, limits), None, 0);
@@ -249,7 +341,7 @@ impl Sandbox {
             // lowered reuse it has reached (it went back under the old
             // limits, while they changed): start afresh.
             Some(Warm { mut store, proxy, served, .. })
-                if store.data().limiter.used() <= limits.memory_limit && served < limits.instance_reuse =>
+                if store.data().limiter.used() <= limits.memory_limit() && served < limits.tenant.instance_reuse =>
             {
                 self.renew(&mut store, handler, deadline, limits);
                 self.reused.fetch_add(1, Ordering::Relaxed);
@@ -266,7 +358,7 @@ impl Sandbox {
         let state = store.data_mut();
         state.face_detect = face;
         state.deadline = deadline;
-        state.limiter.set_limit(limits.memory_limit);
+        state.limiter.set_limit(limits.memory_limit());
         state.table.set_max_capacity(limits.max_host_resources);
         state.hooks.outgoing_http = handler.outgoing_http;
         state.hooks.deadline = deadline;
@@ -278,14 +370,14 @@ impl Sandbox {
     /// its inputs charged to the node's memory budget.
     fn face_detect(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> FaceDetectCtx {
         let memory = self.memory.empty(&handler.tenant);
-        FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), (deadline, limits.max_infer_calls), memory)
+        FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), (deadline, limits.tenant.max_infer_calls), memory)
     }
 
     fn new_store(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> Store<RequestState> {
         let face = self.face_detect(handler, deadline, limits);
         // One budget for all memories and tables; a growth past it traps with
         // a clear reason instead of letting the guest's allocator abort.
-        let limiter = InstanceLimiter::new(limits.memory_limit, self.memory.empty(&handler.tenant));
+        let limiter = InstanceLimiter::new(limits.memory_limit(), self.memory.empty(&handler.tenant));
         let mut store = Store::new(
             &self.engine,
             RequestState::new(
@@ -315,7 +407,7 @@ impl Sandbox {
 /// Keeps an instance whose request returned cleanly for the next request to
 /// its handler version, if the tenant allows another request on it, it
 /// holds no host resources but its standard streams, its memory is small
-/// enough (see [`crate::warm`]) and the node's memory budget is not into
+/// enough (see [`crate::sandbox::warm`]) and the node's memory budget is not into
 /// its reserve (an idle instance keeps its charge, its host resources
 /// re-counted now rather than at the last epoch tick); otherwise drops it.
 fn keep_warm(
@@ -327,13 +419,13 @@ fn keep_warm(
     limits: SandboxLimits,
 ) {
     let state = store.data_mut();
-    let keep = served < limits.instance_reuse
+    let keep = served < limits.tenant.instance_reuse
         && state.holds_only_stdio()
         && state.limiter.used() <= WARM_MAX_MEMORY
         && state.charge_host_resources().is_ok()
         && memory.has_room_beyond_reserve(0);
     if keep {
-        handler.warm.put(budget, &handler.tenant, limits.max_idle, store, proxy, served);
+        handler.warm.put(budget, &handler.tenant, limits.max_idle(), store, proxy, served);
     }
 }
 
@@ -531,6 +623,32 @@ mod tests {
     use wasmtime_wasi_http::p2::bindings::http::types::ErrorCode;
 
     use super::*;
+
+    /// A handler's answer of `body`, declaring its length or streaming it.
+    fn answer(body: &'static [u8], declared: bool) -> hyper::Response<HyperOutgoingBody> {
+        let length = body.len();
+        let mut response = hyper::Response::new(Full::new(Bytes::from_static(body)).map_err(|never| match never {}).boxed_unsync());
+        if declared {
+            response.headers_mut().insert(hyper::header::CONTENT_LENGTH, length.into());
+        }
+        response
+    }
+
+    #[tokio::test]
+    async fn a_response_past_its_limit_is_refused_or_cut_and_counted() {
+        let (hits, tenant): (Arc<LimitHits>, Arc<str>) = (Arc::default(), "t".into());
+        let refused = cap_response(answer(&[7; 100], true), 64, &hits, &tenant).unwrap_err();
+        assert!(matches!(refused, SandboxError::ResponseTooLarge(64)), "{refused}");
+        assert_eq!(refused.answer().status, hyper::StatusCode::BAD_GATEWAY);
+        // Streamed without a length: cut at the limit, once counted.
+        let streamed = cap_response(answer(&[7; 100], false), 64, &hits, &tenant).unwrap();
+        let err = streamed.into_body().collect().await.unwrap_err();
+        assert!(matches!(err, wasmtime_wasi_http::Error::HttpResponseBodySize(Some(64))), "{err}");
+        assert_eq!(hits.count("t", Limit::ResponseSize), 1);
+        // Within the limit: whole.
+        let whole = cap_response(answer(&[7; 64], true), 64, &hits, &tenant).unwrap();
+        assert_eq!(whole.into_body().collect().await.unwrap().to_bytes().len(), 64);
+    }
 
     #[test]
     fn a_guests_long_error_message_is_cut() {

@@ -15,7 +15,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use crate::bench::{BenchConfig, bench_data_dir, start_seeded};
+use crate::harness::{BenchConfig, bench_data_dir, start_seeded};
 
 const ADMIN_TOKEN: &str = "bench-admin-token-languages";
 /// The bench gateway's label (its throw-away store).
@@ -38,7 +38,7 @@ const REUSE: u32 = 1000;
 /// Runs the suite and prints its table.
 pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> {
     let image = Bytes::from(std::fs::read(config.images.first().context("no --image")?)?);
-    let models = crate::load_models(&config.serve.engine)?;
+    let models = facegate::load_models(&config.serve.engine)?;
     let (addr, keys, _server) = start_seeded(&config.serve.seed_dir, &config.serve.engine, models, LABEL, |c| {
         c.admin_token = Some(ADMIN_TOKEN.to_owned());
     })

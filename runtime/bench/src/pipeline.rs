@@ -27,9 +27,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use image::imageops::FilterType;
 
-use crate::bench::{BenchConfig, process_cpu, start_seeded};
-use crate::bench_guest::{BENCH_GUEST, GuestBench};
-use crate::engine::EngineLimits;
+use crate::guest::{BENCH_GUEST, GuestBench};
+use crate::harness::{BenchConfig, process_cpu, start_seeded};
+use facegate::sandbox::engine::EngineLimits;
 
 /// One test image: what it stands for, and its bytes.
 struct Sample {
@@ -51,7 +51,7 @@ struct GatewaySteps {
 /// Runs the suite and prints its table.
 pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> {
     let samples = samples(&config.images)?;
-    let models = crate::load_models(&config.serve.engine)?;
+    let models = facegate::load_models(&config.serve.engine)?;
     let (addr, keys, _server) = start_seeded(&config.serve.seed_dir, &config.serve.engine, models.clone(), 98, |_| {}).await?;
     let key = keys.get("demo").context("the seed has no demo tenant")?.clone();
     // The same gateway, but memory slots hand every page back between requests.
@@ -93,7 +93,7 @@ pub async fn run(config: &BenchConfig, iterations: usize) -> anyhow::Result<()> 
     like_for_like(config, &samples, iterations).await?;
     println!(
         "\n== memory slots: the first {} KiB kept resident between requests vs every page handed back (--memory-keep-resident-kib 0); ms outside inference per request, medians of {ROUNDS} interleaved rounds ==",
-        crate::config::DEFAULT_MEMORY_KEEP_RESIDENT_KIB
+        facegate::config::DEFAULT_MEMORY_KEEP_RESIDENT_KIB
     );
     println!("{:<28} {:>9} {:>9} {:>9} {:>9} {:>8}", "image", "pre kept", "pre back", "all kept", "all back", "back/kept");
     for sample in &samples {
@@ -132,7 +132,7 @@ async fn like_for_like(config: &BenchConfig, samples: &[Sample], iterations: usi
         println!("(skipped: {BENCH_GUEST} is missing; deploy/scripts/build-guests.sh builds it)");
         return Ok(());
     }
-    let images = crate::bench::bench_data_dir(96).join("images");
+    let images = crate::harness::bench_data_dir(96).join("images");
     let _ = std::fs::remove_dir_all(&images);
     std::fs::create_dir_all(&images)?;
     for (i, sample) in samples.iter().enumerate() {
@@ -141,8 +141,8 @@ async fn like_for_like(config: &BenchConfig, samples: &[Sample], iterations: usi
     // As the gateway's engine with its default limits.
     let limits = EngineLimits {
         max_instances: 1,
-        memory_limit: crate::config::DEFAULT_MEMORY_LIMIT_MIB << 20,
-        keep_resident: crate::config::DEFAULT_MEMORY_KEEP_RESIDENT_KIB << 10,
+        memory_limit: facegate::config::DEFAULT_MEMORY_LIMIT_MIB << 20,
+        keep_resident: facegate::config::DEFAULT_MEMORY_KEEP_RESIDENT_KIB << 10,
     };
     let guest = GuestBench::new(wasm, &images, limits)?;
     println!("{:<28} {:>9} {:>9} {:>9} {:>9} {:>8}", "image", "decode", "letterb.", "wasm", "native", "wasm/nat");

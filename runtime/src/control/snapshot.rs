@@ -1,0 +1,264 @@
+//! Building the live snapshot ([`Live`]) from the store and keeping it in
+//! step: [`ControlPlane::sync`] (a change made through another node),
+//! rebuilds after this node's own changes, this node's share of tenants'
+//! limits among the live nodes, and what a rebuild forgets (tenants gone
+//! or recreated, idle instances past their time).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::components::Compile;
+use super::keys;
+use super::live::{ActiveKey, Live, TenantEntry};
+use super::store::{self, NodeRow, Store, StoreResult, now_ms};
+use super::{ControlPlane, sync};
+use crate::admission::gate::new_gate;
+use crate::admission::limits::LimitOverrides;
+use crate::sandbox::handler::Handler;
+
+impl ControlPlane {
+    /// Rebuilds the snapshot if the store changed since it was built (a
+    /// change made through another node) or a component it waited for was
+    /// compiled since. A component this node has neither cached nor found
+    /// compiled by another node is not compiled here: its handler keeps the
+    /// version it served (a new handler waits), and the component is listed
+    /// in [`Synced::to_compile`] for [`Self::precompile`]. So a compile
+    /// never holds back the rest of a change, a revoked key least of all.
+    pub fn sync(&self) -> StoreResult<Synced> {
+        let mut db = self.db();
+        let generation = db.generation()?;
+        let recheck = self.recheck.swap(false, Ordering::AcqRel);
+        if generation == self.generation.load(Ordering::Acquire) && !recheck {
+            self.synced_at_ms.store(now_ms(), Ordering::Release);
+            return Ok(Synced::default());
+        }
+        let to_compile = self.refresh(&mut **db, Vec::new(), Compile::Later).inspect_err(|_| {
+            if recheck {
+                // Not rebuilt: the compiled version is still to be swapped in.
+                self.recheck_soon();
+            }
+        })?;
+        Ok(Synced { changed: true, to_compile })
+    }
+
+    /// How long since the snapshot was last known to match the store.
+    pub fn snapshot_age(&self) -> Duration {
+        Duration::from_millis(u64::try_from(now_ms() - self.synced_at_ms.load(Ordering::Acquire)).unwrap_or(0))
+    }
+
+    /// Store generation of the current snapshot.
+    pub fn generation(&self) -> i64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Counts the nodes alive (a heartbeat that advanced within
+    /// [`sync::ALIVE_WITHIN`] by this node's clock, whatever the others'
+    /// clocks say, see [`live::NodeWatch`]; at least this one) and gives
+    /// every tenant's gate this node's share of its rate and concurrency
+    /// among them. A node that stops cleanly deregisters at once; one that
+    /// dies keeps its share until it is seen silent that long (the others
+    /// enforce less meanwhile, never more).
+    pub fn share_tenant_limits(&self, nodes: &[NodeRow]) {
+        let mut watch = self.node_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let live = watch.count_alive(nodes, Instant::now(), sync::ALIVE_WITHIN);
+        drop(watch);
+        if self.nodes.swap(live, Ordering::AcqRel) != live {
+            tracing::info!(nodes = live, "live nodes changed: each enforces its share of the tenants' rate and concurrency");
+        }
+        // Every time, not only on a change: a snapshot built meanwhile may
+        // have made gates with the old count.
+        self.live().share_among(live);
+    }
+
+    /// Live nodes of the cluster as last counted (at least 1).
+    pub fn live_nodes(&self) -> usize {
+        self.nodes.load(Ordering::Acquire).max(1)
+    }
+
+    /// The current snapshot.
+    pub fn live(&self) -> Arc<Live> {
+        Arc::clone(&self.live.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    /// Forgets the tenants of `old` that are gone from the store, or were
+    /// deleted and created again under their name (another incarnation):
+    /// the new one starts afresh, and none of the old one's handlers is
+    /// served to it.
+    fn forget_gone(&self, old: &Live, incarnations: &HashMap<&str, &str>) {
+        for (name, entry) in &old.tenants {
+            if incarnations.get(name.as_str()) != Some(&entry.incarnation.as_str()) {
+                self.forget_tenant(name, entry);
+            }
+        }
+    }
+
+    /// The snapshot entry for a tenant row (handlers added later): the gate
+    /// of the same incarnation is kept while its limits are unchanged.
+    fn tenant_entry(&self, old: &Live, row: store::TenantRow) -> (String, TenantEntry) {
+        let limits = self.defaults.with(&row.overrides);
+        let previous = old.tenants.get(&row.name).filter(|e| e.incarnation == row.incarnation);
+        let gate = match previous {
+            Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
+            previous => {
+                // Idle instances were made under the old limits (reuse,
+                // memory, concurrency): none of those waiting now outlives the change.
+                previous.into_iter().flat_map(|e| e.handlers.values()).for_each(|h| h.warm.clear());
+                Arc::new(new_gate(limits, previous.map(|e| &*e.gate), self.live_nodes()))
+            }
+        };
+        let weight = self.weight(&row.name, &row.overrides);
+        for model in self.models.iter() {
+            model.set_tenant_weight(&row.name, weight);
+        }
+        (row.name, TenantEntry { incarnation: row.incarnation, gate, handlers: HashMap::new() })
+    }
+
+    /// The store is read in several statements: a tenant deleted (and
+    /// perhaps created again) between the first and the last would mix two
+    /// incarnations in one snapshot (the old one's handlers, the new one's
+    /// keys). Such a tenant is left out of this snapshot and forgotten; the
+    /// change bumped the generation, so the next sync brings it in whole.
+    fn drop_recreated_meanwhile(&self, db: &mut dyn Store, live: &mut Live) -> StoreResult<()> {
+        let rows = db.tenants()?;
+        let now = incarnations(rows.iter());
+        let changed: Vec<String> = live
+            .tenants
+            .iter()
+            .filter(|(name, entry)| now.get(name.as_str()) != Some(&entry.incarnation.as_str()))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in changed {
+            if let Some(entry) = live.tenants.remove(&name) {
+                tracing::info!(tenant = %name, "tenant deleted or created again while the snapshot was read; it follows at the next sync");
+                self.forget_tenant(&name, &entry);
+            }
+            live.keys.retain(|_, key| key.tenant != name);
+        }
+        Ok(())
+    }
+
+    /// Drops what the server keeps of a tenant that is gone (deleted, or
+    /// deleted and created again): its batcher queues' state, its counters
+    /// and its handlers' idle instances.
+    fn forget_tenant(&self, name: &str, entry: &TenantEntry) {
+        for model in self.models.iter() {
+            model.remove_tenant(name);
+        }
+        for counters in &self.counters {
+            counters.forget_tenant(name);
+        }
+        for handler in entry.handlers.values() {
+            handler.warm.clear();
+        }
+    }
+
+    /// Drops the idle instances of the handlers served now that waited
+    /// longer than `--warm-idle-secs` (the sync thread calls this).
+    pub fn expire_idle_instances(&self) {
+        let idle_for = self.sandbox.warm_idle();
+        for entry in self.live().tenants.values() {
+            for handler in entry.handlers.values() {
+                handler.warm.expire(idle_for);
+            }
+        }
+    }
+
+    /// A tenant's weight, from one rule: its override, else `--tenant-weight`, else the default.
+    pub(super) fn weight(&self, tenant: &str, overrides: &LimitOverrides) -> u32 {
+        overrides.weight.or_else(|| self.weights.get(tenant).copied()).unwrap_or(self.defaults.weight)
+    }
+
+    /// After a change is committed: the change stands whatever happens next,
+    /// so a snapshot that cannot be rebuilt now (the store went away) is
+    /// logged, not reported as the change failing; the sync thread retries
+    /// (the generation it holds is still the old one).
+    pub(super) fn refresh_after_commit(&self, db: &mut dyn Store, preloaded: Vec<Arc<Handler>>) {
+        if let Err(e) = self.refresh(db, preloaded, Compile::Now) {
+            tracing::warn!(error = %e, "change stored; the snapshot follows when the store answers again");
+        }
+    }
+
+    /// Builds a new snapshot from the database and swaps it in. Handlers
+    /// already loaded at the same version are reused, as are tenant gates
+    /// whose limits did not change. Returns the components left to compile
+    /// (under [`Compile::Later`]).
+    pub(super) fn refresh(&self, db: &mut dyn Store, preloaded: Vec<Arc<Handler>>, compile: Compile) -> StoreResult<Vec<String>> {
+        // Read first: a change committed while this runs bumps it again, and the next sync catches it.
+        let generation = db.generation()?;
+        let old = self.live();
+        let mut live = Live::default();
+        let rows = db.tenants()?;
+        self.forget_gone(&old, &incarnations(rows.iter()));
+        for row in rows {
+            let (name, entry) = self.tenant_entry(&old, row);
+            live.tenants.insert(name, entry);
+        }
+        let mut to_compile = Vec::new();
+        for active in db.active_handlers()? {
+            let Some(entry) = live.tenants.get_mut(&active.tenant) else { continue };
+            let outgoing_http = entry.gate.limits.outgoing_http;
+            let same = |h: &&Arc<Handler>| h.version == active.version && h.sha256 == active.sha256 && h.outgoing_http == outgoing_http;
+            // What this tenant (this incarnation of it) served before.
+            let served = old
+                .tenants
+                .get(&active.tenant)
+                .filter(|e| e.incarnation == entry.incarnation)
+                .and_then(|e| e.handlers.get(&active.handler));
+            let reused = preloaded
+                .iter()
+                .find(|h| *h.tenant == *active.tenant && h.name == active.handler && same(h))
+                .or_else(|| served.filter(same))
+                .cloned();
+            let loaded = match reused {
+                Some(handler) => Ok(Some(handler)),
+                None => self.load_handler_if(db, &active, outgoing_http, compile).map(|h| h.map(Arc::new)),
+            };
+            // The version being served stays (if its grant did not change)
+            // while the new one compiles, or when it cannot be loaded: a
+            // change made elsewhere must not take the handler away.
+            let kept = || served.filter(|h| h.outgoing_http == outgoing_http).cloned();
+            let handler = match loaded {
+                Ok(Some(handler)) => Some(handler),
+                Ok(None) => {
+                    tracing::info!(tenant = %active.tenant, handler = %active.handler, version = active.version, "compiling a version deployed elsewhere; serving the previous one meanwhile");
+                    to_compile.push(active.sha256.clone());
+                    kept()
+                }
+                Err(e) => {
+                    let kept = kept();
+                    tracing::error!(tenant = %active.tenant, handler = %active.handler, version = active.version, kept = ?kept.as_ref().map(|h| h.version), error = %e, "cannot load handler version");
+                    kept
+                }
+            };
+            if let Some(handler) = handler {
+                entry.handlers.insert(active.handler, handler);
+            }
+        }
+        for (id, tenant, sha) in db.active_keys()? {
+            if let Some(secret_sha256) = keys::digest_from_hex(&sha) {
+                live.keys.insert(id, ActiveKey { tenant, secret_sha256 });
+            }
+        }
+        self.drop_recreated_meanwhile(db, &mut live)?;
+        *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
+        self.generation.store(generation, Ordering::Release);
+        self.synced_at_ms.store(now_ms(), Ordering::Release);
+        Ok(to_compile)
+    }
+}
+
+/// Each tenant row's incarnation, by name.
+fn incarnations<'a>(rows: impl Iterator<Item = &'a store::TenantRow>) -> HashMap<&'a str, &'a str> {
+    rows.map(|r| (r.name.as_str(), r.incarnation.as_str())).collect()
+}
+
+/// What one [`ControlPlane::sync`] did.
+#[derive(Debug, Default)]
+pub struct Synced {
+    /// Whether the snapshot was rebuilt.
+    pub changed: bool,
+    /// Components of active versions this node must compile before it serves them.
+    pub to_compile: Vec<String>,
+}

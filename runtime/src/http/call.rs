@@ -1,0 +1,151 @@
+//! A tenant's call of its handler: authentication, admission (the
+//! tenant's rate and concurrency, instance slots, the node's memory), the
+//! body, the sandbox, and the answer its outcome gives.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+
+use super::app::{App, REQUEST_ID_HEADER, VERSION_HEADER};
+use super::auth::bearer;
+use super::body::{content_length, read_body};
+use super::response::{self, Body};
+use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
+use crate::admission::slots::Refusal;
+use crate::control::TenantGate;
+use crate::metrics::Limit;
+use crate::sandbox::handler::Handler;
+use crate::sandbox::{SandboxError, SandboxLimits};
+
+impl App {
+    /// Authenticates, admits (tenant rate and concurrency, instance slots)
+    /// and runs a tenant's handler. Authentication comes first and never
+    /// looks at the path's tenant: an unknown tenant and another tenant's
+    /// handler give the same 404 after the same work.
+    pub(super) async fn call_handler(&self, tenant: &str, name: &str, mut req: Request<Incoming>) -> Response<Body> {
+        let started = Instant::now();
+        let live = self.control.live();
+        let Some(key_tenant) = live.authenticate(bearer(&req)) else {
+            let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
+            refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+            return response::before_body(refusal);
+        };
+        let found = (key_tenant == tenant).then(|| live.handler(tenant, name)).flatten();
+        let Some((gate, handler)) = found.map(|(g, h)| (Arc::clone(g), Arc::clone(h))) else {
+            return response::before_body(response::error(
+                StatusCode::NOT_FOUND,
+                "unknown_handler",
+                format!("no handler {name:?} for tenant {tenant:?}"),
+            ));
+        };
+        drop(live);
+        // The handler never sees the tenant's key.
+        req.headers_mut().remove(hyper::header::AUTHORIZATION);
+        let id = self.request_ids.next();
+        let mut response = self.run_handler(&gate, &handler, req, &id).await;
+        self.metrics.record(tenant, name, response.status().as_u16(), started.elapsed());
+        if let Ok(value) = hyper::header::HeaderValue::from_str(&id) {
+            response.headers_mut().insert(REQUEST_ID_HEADER, value);
+        }
+        response
+    }
+
+    async fn run_handler(&self, gate: &TenantGate, handler: &Arc<Handler>, req: Request<Incoming>, id: &Arc<str>) -> Response<Body> {
+        let (limits, tenant) = (&gate.limits, &handler.tenant);
+        if let Err(wait) = gate.rate.try_take() {
+            self.hits().hit(tenant, Limit::Rate);
+            // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
+            let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
+            return response::before_body(response::retry_later(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                "the tenant's request rate is exceeded",
+                seconds,
+            ));
+        }
+        // The tenant's slot is taken before the body is read (a slow upload
+        // holds one of the tenant's own slots); the slots live as long as
+        // the guest (they move into the guest's task).
+        let Some(tenant_slot) = gate.concurrency.try_acquire() else {
+            self.hits().hit(tenant, Limit::Concurrency);
+            return response::before_body(response::retry_later(
+                StatusCode::TOO_MANY_REQUESTS,
+                "concurrency_limited",
+                "the tenant has too many requests in flight",
+                1,
+            ));
+        };
+        // Memory before the body: a refusal reads nothing and makes nothing.
+        let mut memory = match self.admit_memory(tenant, &req, limits.max_body_bytes) {
+            Ok(charge) => charge,
+            Err(refusal) => {
+                self.hits().hit(tenant, Limit::NodeMemory);
+                return response::before_body(response::retry_later(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "overloaded",
+                    &refusal.to_string(),
+                    1,
+                ));
+            }
+        };
+        let req = match read_body(req, limits.max_body_bytes, limits.timeout(), Some(&mut memory)).await {
+            Ok(req) => {
+                // The body read, its reservation shrinks to its size.
+                let body = hyper::body::Body::size_hint(req.body()).exact().unwrap_or(0) as usize;
+                let _ = memory.resize(body.saturating_add(REQUEST_BASE_BYTES));
+                req
+            }
+            Err((limit, refusal)) => {
+                if let Some(limit) = limit {
+                    self.hits().hit(tenant, limit);
+                }
+                return refusal;
+            }
+        };
+        // The shared instance slot only once the body is in: a slow upload
+        // does not pin one.
+        let instance = match self.instances.try_acquire(tenant) {
+            Ok(slot) => slot,
+            Err(refusal) => {
+                self.hits().hit(tenant, Limit::Instances);
+                let message = match refusal {
+                    Refusal::Full => "all handler instances are busy",
+                    Refusal::FairShare => "handler instances are scarce and this tenant holds its fair share of them",
+                };
+                return response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", message, 1);
+            }
+        };
+        // The deadline covers the guest, queueing and inference, not the upload.
+        let deadline = Instant::now() + limits.timeout();
+        let sandbox_limits = SandboxLimits { tenant: *limits, max_host_resources: self.config.max_host_resources };
+        match self.sandbox.handle(handler, req, deadline, sandbox_limits, Arc::clone(id), (instance, tenant_slot, memory)).await {
+            Ok(mut response) => {
+                response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));
+                response
+            }
+            Err(e) => self.sandbox_error(handler, id, &e),
+        }
+    }
+
+    /// Charges the request's base and its declared body to the node's
+    /// memory budget; a body of undeclared length (chunks) is charged as it
+    /// arrives (see [`read_body`]), so a slow upload costs only what it sent.
+    fn admit_memory(&self, tenant: &Arc<str>, req: &Request<Incoming>, max_body: usize) -> Result<Charge, memory::Refusal> {
+        let body = content_length(req).map_or(0, |n| n.min(max_body as u64) as usize);
+        self.sandbox.memory().charge(tenant, body.saturating_add(REQUEST_BASE_BYTES))
+    }
+
+    fn sandbox_error(&self, handler: &Handler, id: &str, err: &SandboxError) -> Response<Body> {
+        tracing::warn!(tenant = %handler.tenant, handler = %handler.name, request_id = id, error = %err, "handler failed");
+        if let Some(limit) = err.limit() {
+            self.hits().hit(&handler.tenant, limit);
+        }
+        let answer = err.answer();
+        match answer.retry_after {
+            Some(seconds) => response::retry_later(answer.status, answer.code, &answer.message, seconds),
+            None => response::error(answer.status, answer.code, answer.message),
+        }
+    }
+}

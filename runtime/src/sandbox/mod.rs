@@ -1,0 +1,18 @@
+//! Running tenants' code: the one wasmtime engine ([`engine`]), a deployed
+//! handler version ([`handler`]), one request ([`run`]: [`Sandbox`]), what
+//! its store holds ([`state`], [`stdio`], [`instance_memory`], [`outgoing`],
+//! [`face_detect`]), instances kept warm between requests ([`warm`]), and
+//! compiling uploads off the request path ([`compile`]).
+
+pub mod compile;
+pub mod engine;
+pub mod face_detect;
+pub mod handler;
+pub mod instance_memory;
+pub mod outgoing;
+mod run;
+pub mod state;
+pub mod stdio;
+pub mod warm;
+
+pub use run::{Answer, Sandbox, SandboxError, SandboxLimits};

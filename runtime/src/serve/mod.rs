@@ -1,0 +1,389 @@
+//! `facegate serve`: loading the models, assembling a node (engine,
+//! sandbox, control plane, HTTP app) from its config, and serving until a
+//! signal; [`cores`] sets cores apart for inference, [`sizing`] sizes the
+//! node's memory budget.
+
+pub mod cores;
+pub mod sizing;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use facegate_host_gpu::backend::onnx::{ImageModelConfig, init_onnx_runtime};
+use facegate_host_gpu::device::{self, OpenOptions};
+use facegate_host_gpu::{Batcher, BatcherConfig, Models};
+use tokio::net::TcpListener;
+
+use crate::admission::memory::MemoryBudget;
+use crate::config::{EngineConfig, ServeConfig};
+use crate::control::store::NodeLoad;
+use crate::control::sync::{NodeIdentity, SyncHandle};
+use crate::control::{ControlPlane, ControlSettings};
+use crate::http::{App, Plane};
+use crate::sandbox::compile::CompilePool;
+use crate::sandbox::engine::{EngineLimits, EpochTicker};
+use crate::sandbox::{Sandbox, engine, outgoing};
+use crate::{control, http, metrics};
+
+/// Loads ONNX Runtime and the model, and starts one batcher with one
+/// device worker per GPU and per configured CPU worker.
+pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
+    if config.inference_cores > 0 && config.inference_cpus.is_empty() {
+        anyhow::bail!("--inference-cores: the cores are not set apart yet (cores::reserve, before the async runtime starts)");
+    }
+    init_onnx_runtime(&config.onnxruntime)?;
+    let threads = config.threads_per_worker();
+    let model = ImageModelConfig::centerface(&config.model, config.max_batch);
+    let options = OpenOptions {
+        cpu_workers: config.workers(),
+        cpu_threads: threads,
+        cpu_cores: config.inference_cpus.clone(),
+        cache_dir: config.model.parent().map(|dir| dir.join("tensorrt-cache")),
+    };
+    let mut backends = Vec::new();
+    for spec in &config.devices {
+        backends.extend(device::open(*spec, &model, &options)?);
+    }
+    let batcher = Batcher::start(backends, &batcher_config(config))?;
+    for (tenant, weight) in &config.tenant_weights {
+        batcher.set_tenant_weight(tenant, *weight);
+    }
+    tracing::info!(model = %batcher.spec().name, devices = ?config.devices, cpu_workers = config.workers(), threads, inference_cores = ?config.inference_cpus, max_batch = batcher.spec().max_batch, "model loaded");
+    let mut models = Models::new();
+    models.insert(batcher);
+    Ok(models)
+}
+
+/// The batcher settings an engine config asks for.
+pub fn batcher_config(config: &EngineConfig) -> BatcherConfig {
+    BatcherConfig {
+        max_batch: config.max_batch,
+        queue_capacity: config.queue_capacity,
+        tenant_capacity: config.tenant_queue_capacity,
+        max_delay: std::time::Duration::from_micros(config.batch_delay_us),
+        sizing: config.batch_sizing,
+    }
+}
+
+/// A gateway ready to serve: the app plus the epoch thread its deadlines need.
+pub struct Gateway {
+    /// The request router and everything behind it.
+    pub app: Arc<App>,
+    /// Keys the seeding created at this start (shown once).
+    pub seeded_keys: Vec<crate::control::SeededKey>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    /// The `--admin-listen` listener's TLS (see [`ServeConfig::admin_tls_files`]).
+    admin_tls: Option<tokio_rustls::TlsAcceptor>,
+    _ticker: EpochTicker,
+}
+
+impl Gateway {
+    /// Builds the wasmtime engine and sandbox, opens the store (seeding it
+    /// when empty and `--seed-dir` is given) and loads every active handler.
+    pub fn new(config: &ServeConfig, models: Models) -> anyhow::Result<Self> {
+        preflight(config)?;
+        let memory_limit = config.limits.memory_mib << 20;
+        let (memory, engine_limits) = node_memory(
+            config,
+            EngineLimits {
+                // Warm instances hold slots of their own (see warm.rs).
+                max_instances: config.max_instances.saturating_add(config.warm_instances),
+                memory_limit,
+                keep_resident: config.memory_keep_resident_kib << 10,
+            },
+        );
+        let engine = engine::build(engine_limits)?;
+        let ticker = EpochTicker::start(&engine);
+        let warm = (config.warm_instances as usize, Duration::from_secs(config.warm_idle_secs));
+        let egress = outgoing::Egress::new(config.egress_rules());
+        outgoing::log_rules(egress.rules());
+        let sandbox = Arc::new(Sandbox::new(engine, models.clone(), warm, egress, memory)?);
+        // Per-tenant counters the control plane clears when a tenant is deleted.
+        let http_metrics = Arc::new(metrics::HttpMetrics::default());
+        let counters: Vec<Arc<dyn metrics::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone()];
+        let settings = ControlSettings {
+            defaults: config.limits,
+            max_instances: config.max_instances,
+            compile: CompilePool::new(config.compile_threads, config.compile_nice, Duration::from_millis(config.compile_timeout_ms))?,
+            weights: config.engine.tenant_weights.iter().cloned().collect(),
+            counters,
+            pipeline: read_pipeline(&config.pipeline_component),
+            artifact_key: shared_artifact_key(config),
+            cache_key: config.artifact_key.as_deref().map(|secret| crate::control::ArtifactKey::derive(secret).cache_key()),
+            // One node's store is local and answers at once: one connection does.
+            compile_store: if control::store::is_shared(config.store.as_deref()) {
+                Some(control::store::open(config.store.as_deref(), &config.data_dir)?)
+            } else {
+                None
+            },
+        };
+        let store = control::store::open(config.store.as_deref(), &config.data_dir)?;
+        let control = ControlPlane::open(store, &config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;
+        let seeded_keys = match &config.seed_dir {
+            Some(seed) => control.seed(seed)?,
+            None => Vec::new(),
+        };
+        let live = control.live();
+        tracing::info!(tenants = live.tenants.len(), handlers = live.handler_count(), store = control.store_name(), "store loaded");
+        match (&config.admin_token, &config.metrics_token) {
+            (None, None) => tracing::warn!(
+                "admin API and /metrics off (set --admin-token or FACEGATE_ADMIN_TOKEN to manage tenants and handlers, --metrics-token for Prometheus)"
+            ),
+            (None, Some(_)) => tracing::warn!(
+                "admin API off (set --admin-token or FACEGATE_ADMIN_TOKEN to manage tenants and handlers); /metrics takes the metrics token"
+            ),
+            _ => {}
+        }
+        let tls = match (&config.tls_cert, &config.tls_key) {
+            (Some(cert), Some(key)) => Some(http::tls::acceptor(cert, key)?),
+            _ => None,
+        };
+        let admin_tls = match config.admin_tls_files().filter(|_| config.admin_listen.is_some()) {
+            Some((cert, key)) => Some(http::tls::acceptor(cert, key)?),
+            None => None,
+        };
+        let app = Arc::new(App::new(Arc::new(control), sandbox, models, config.clone(), http_metrics));
+        Ok(Self { app, tls, admin_tls, seeded_keys, _ticker: ticker })
+    }
+
+    /// Serves every route on `listener` until `shutdown` resolves.
+    pub async fn serve(self, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+        let _sync = self.start_sync(&listener)?;
+        let shutdown = self.draining_after(shutdown);
+        http::serve(Arc::clone(&self.app), Plane::Both, listener, self.tls.clone(), shutdown).await
+    }
+
+    /// Keeps the snapshot in step with the store and reports this node
+    /// (see [`control::sync`]) while it serves; stops (and deregisters) on drop.
+    fn start_sync(&self, listener: &TcpListener) -> anyhow::Result<SyncHandle> {
+        let config = &self.app.config;
+        let address = match &config.advertise {
+            Some(address) => address.clone(),
+            None => listener.local_addr()?.to_string(),
+        };
+        let node = NodeIdentity {
+            id: config.node_id.clone().unwrap_or_else(host_name),
+            address,
+            devices: config.engine.devices.iter().map(ToString::to_string).collect(),
+        };
+        let app = Arc::clone(&self.app);
+        let load = Box::new(move || NodeLoad {
+            queue_depth: app.models.iter().map(|m| m.queue_depth() as u64).sum(),
+            in_flight: app.in_flight() as u64,
+            handlers: app.control.live().handler_count() as u64,
+            generation: 0,
+        });
+        SyncHandle::start(Arc::clone(&self.app.control), node, load, config.compile_nice)
+    }
+
+    /// `shutdown`, after which `/readyz` answers 503 while connections drain.
+    fn draining_after(&self, shutdown: impl std::future::Future<Output = ()>) -> impl std::future::Future<Output = ()> {
+        let app = Arc::clone(&self.app);
+        async move {
+            shutdown.await;
+            app.begin_drain();
+        }
+    }
+
+    /// Serves tenants on `public` and the admin API and metrics on `admin`
+    /// (HTTPS when the admin listener has TLS files, see
+    /// [`ServeConfig::admin_tls_files`]) until `shutdown` resolves.
+    pub async fn serve_split(
+        self,
+        public: TcpListener,
+        admin: TcpListener,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<()> {
+        let _sync = self.start_sync(&public)?;
+        let shutdown = self.draining_after(shutdown);
+        // Whichever ends first (the signal, or a listener failing) stops both,
+        // and each drains its own connections.
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+        let stop = &stop;
+        let admin = async {
+            let result = http::serve(Arc::clone(&self.app), Plane::Admin, admin, self.admin_tls.clone(), wait(stopped.clone())).await;
+            let _ = stop.send(true);
+            result
+        };
+        let public = async {
+            let result = http::serve(Arc::clone(&self.app), Plane::Data, public, self.tls.clone(), wait(stopped.clone())).await;
+            let _ = stop.send(true);
+            result
+        };
+        let signal = async {
+            tokio::select! {
+                () = shutdown => {}
+                () = wait(stopped.clone()) => {}
+            }
+            let _ = stop.send(true);
+        };
+        let ((), admin, public) = tokio::join!(signal, admin, public);
+        admin.and(public)
+    }
+}
+
+/// The node's memory budget (see [`admission::sizing`]), with the engine's
+/// limits fitted to it; logged and printed, since everything the node
+/// admits depends on it.
+fn node_memory(config: &ServeConfig, engine: EngineLimits) -> (Arc<MemoryBudget>, EngineLimits) {
+    let available = sizing::available(config.memory_total_mib.map(|mib| mib as usize));
+    let baseline = sizing::resident_set().unwrap_or(0);
+    let budget = match (config.memory_budget_mib, available) {
+        (Some(mib), _) => (mib as usize) << 20,
+        (None, Some(available)) => sizing::default_budget(available.bytes, baseline),
+        (None, None) => {
+            tracing::warn!("cannot tell how much memory this process may use: the node's memory budget is off (set --memory-budget-mib)");
+            usize::MAX
+        }
+    };
+    if let Some(available) = available.filter(|a| budget > a.bytes.saturating_sub(baseline)) {
+        tracing::warn!(
+            budget_mib = budget >> 20,
+            available_mib = available.bytes >> 20,
+            source = available.source,
+            baseline_mib = baseline >> 20,
+            "the memory budget is larger than what is left of the available memory: the kernel may kill the process before the budget refuses anything"
+        );
+    }
+    let split = sizing::split(budget, engine);
+    if split.engine.keep_resident < engine.keep_resident {
+        tracing::warn!(
+            kib = split.engine.keep_resident >> 10,
+            configured_kib = engine.keep_resident >> 10,
+            "--memory-keep-resident-kib lowered to fit a quarter of the memory budget (lower --max-instances/--warm-instances, or raise the budget)"
+        );
+    }
+    if !split.fits(budget) {
+        tracing::warn!(
+            budget_mib = budget >> 20,
+            pool_resident_mib = split.resident >> 20,
+            requests_mib = split.chargeable >> 20,
+            "the instance pool's resident table pages leave requests less than 64 MiB of the memory budget, and requests get 64 MiB beyond it: raise --memory-budget-mib or lower --max-instances/--warm-instances"
+        );
+    }
+    let of = available.map_or_else(|| "unknown".to_owned(), |a| format!("{} MiB ({})", a.bytes >> 20, a.source));
+    tracing::info!(budget_mib = split.chargeable >> 20, available = %of, held_at_start_mib = baseline >> 20, pool_resident_mib = split.resident >> 20, "node memory budget (requests and warm instances)");
+    (MemoryBudget::new(split.chargeable), split.engine)
+}
+
+/// Binds `addr` (port 0 picks a free one) and returns the listener and its address.
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<(TcpListener, SocketAddr)> {
+    let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    let local = listener.local_addr()?;
+    Ok((listener, local))
+}
+
+/// `facegate serve`: load everything, listen, serve until SIGINT/SIGTERM.
+pub async fn run(mut config: ServeConfig) -> anyhow::Result<()> {
+    // Before the model loads (minutes on a GPU): a refusal comes at once.
+    preflight(&config)?;
+    // Before anything opens files: the connection caps get their descriptors.
+    http::open_files::fit_connections(&mut config)?;
+    let models = load_models(&config.engine)?;
+    let gateway = Gateway::new(&config, models)?;
+    let shutdown = shutdown_signal()?;
+    let (listener, addr) = bind(config.listen).await?;
+    let scheme = if config.tls_cert.is_some() { "https" } else { "http" };
+    tracing::info!(%addr, scheme, "facegate listening");
+    print_demo_key(&config, &gateway.seeded_keys, scheme, addr);
+    println!("facegate listening on {scheme}://{addr}");
+    match config.admin_listen {
+        Some(admin_addr) => {
+            let (admin, admin_addr) = bind(admin_addr).await?;
+            let admin_scheme = if config.admin_tls_files().is_some() { "https" } else { "http" };
+            tracing::info!(%admin_addr, scheme = admin_scheme, "admin API and metrics listening");
+            println!(
+                "admin API and metrics on {admin_scheme}://{admin_addr} (for the CLI: export FACEGATE_URL={admin_scheme}://{admin_addr})"
+            );
+            gateway.serve_split(listener, admin, shutdown).await
+        }
+        None => gateway.serve(listener, shutdown).await,
+    }
+}
+
+/// What must hold before anything is loaded: the secrets (see
+/// [`ServeConfig::check_secrets`]) and a data directory of this user's own,
+/// closed to others ([`control::blobs::prepare_data_dir`]).
+fn preflight(config: &ServeConfig) -> anyhow::Result<()> {
+    config.check_secrets()?;
+    control::blobs::prepare_data_dir(&config.data_dir)
+}
+
+/// The key that seals the artifacts this node shares through a cluster's
+/// store (see `control::components`): from `--artifact-key` only, never the
+/// admin token. Without one, sharing is off (each node compiles each deploy
+/// itself), said once here; a single node's store shares nothing anyway.
+fn shared_artifact_key(config: &ServeConfig) -> Option<crate::control::ArtifactKey> {
+    if !config.share_artifacts || !control::store::is_shared(config.store.as_deref()) {
+        return None;
+    }
+    let key = config.artifact_key.as_deref().map(crate::control::ArtifactKey::derive);
+    if key.is_none() {
+        tracing::warn!(
+            "no --artifact-key (FACEGATE_ARTIFACT_KEY): compiled handlers are not shared with the other nodes; each node compiles every deploy itself"
+        );
+    }
+    key
+}
+
+/// A first-time user's way in: where the seeded tenants' keys are saved
+/// (never the keys themselves: stdout ends up in container logs) and a
+/// request to try.
+fn print_demo_key(config: &ServeConfig, seeded: &[crate::control::SeededKey], scheme: &str, addr: SocketAddr) {
+    for key in seeded {
+        println!("tenant {}: new API key saved in {}", key.tenant, key.path.display());
+    }
+    let path = config.data_dir.join("demo.key");
+    if path.exists() {
+        println!(
+            "try: curl -s -H \"Authorization: Bearer $(cat {})\" --data-binary @runtime/tests/fixtures/images/grace_hopper.jpg {scheme}://{addr}/v1/demo/detect",
+            path.display()
+        );
+    }
+}
+
+/// The pipeline component's bytes, if the file is there (a warning otherwise:
+/// only handlers that import the pipeline need it).
+fn read_pipeline(path: &std::path::Path) -> Option<Arc<[u8]>> {
+    match std::fs::read(path) {
+        Ok(bytes) => Some(bytes.into()),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "no pipeline component: uploads that import facegate:face-detect/pipeline are refused");
+            None
+        }
+    }
+}
+
+/// This machine's name (a pod's name on Kubernetes), the default node id.
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|name| name.trim().to_owned())
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "facegate".to_owned())
+}
+
+/// Resolves at the first SIGTERM or SIGINT (Ctrl-C). The handlers are
+/// installed here, when called, not when the future is first polled: a
+/// signal that comes as soon as the listener opens drains the gateway
+/// instead of killing it.
+fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()>> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+        let mut interrupt = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+        Ok(async move {
+            tokio::select! { _ = term.recv() => {}, _ = interrupt.recv() => {} }
+        })
+    }
+    #[cfg(not(unix))]
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+}
