@@ -155,8 +155,8 @@ pub struct ServeConfig {
 
     /// Every tenant's default limits (declared in `admission::limits`):
     /// `--memory-limit-mib`, `--request-timeout-ms`, `--max-body-bytes`,
-    /// `--max-infer-calls`, `--tenant-max-concurrency`, `--tenant-rps`,
-    /// `--tenant-burst`, `--instance-reuse`.
+    /// `--max-response-bytes`, `--max-infer-calls`, `--tenant-max-concurrency`,
+    /// `--tenant-rps`, `--tenant-burst`, `--instance-reuse`.
     #[command(flatten)]
     pub limits: TenantLimits,
 

@@ -13,9 +13,9 @@
 //! [`http`] (listeners and connections, routes, a tenant's call, bodies,
 //! tokens, the admin API, the console), [`control`] (tenants, keys, handler
 //! versions: the store, its live snapshot and the cluster's sync),
-//! [`sandbox`] (the wasmtime engine, handlers, one request's store and
-//! limits, warm instances, compiling, outgoing HTTP, the `face-detect`
-//! host side), [`config`] (flags), [`metrics`] (Prometheus), and
+//! [`config`] (flags), [`sandbox`] (the wasmtime engine, handlers, one
+//! request's store and limits, warm instances, compiling, outgoing HTTP,
+//! the `face-detect` host side), [`metrics`] (Prometheus), and
 //! [`admission`] (a tenant's limits and gate, instance slots, the node's
 //! memory budget). The benchmarks are the `facegate-bench` binary
 //! (`runtime/bench/`), which `facegate bench` runs.

@@ -169,7 +169,7 @@ pub(crate) async fn gateway_vs_engine(
         let models = facegate::load_models(&engine)?;
         let (addr, key, server) = start_gateway(&config.serve, &engine, models.clone(), max_batch, 1).await?;
         // issue2 also runs a gateway whose tenant reuses instances, and the
-        // pipeline natively, on the same engine (see bench_native).
+        // pipeline natively, on the same engine (see `native`).
         let (warm, native) = match config.suite.as_str() {
             "issue2" => {
                 let label = WARM_LABEL + max_batch;

@@ -10,7 +10,7 @@
 //! (`decode_for_letterbox` + `letterbox`), run natively in this process and
 //! timed as process CPU time (the native JPEG decoder may use threads).
 //! Then, like for like, the same calls in a loop inside wasm (the bench
-//! guest, see `bench_guest`) against the native loop, in interleaved
+//! guest, see `guest`) against the native loop, in interleaved
 //! rounds; then memory slots kept resident against handed back.
 //! Medians throughout.
 

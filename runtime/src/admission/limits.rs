@@ -1,6 +1,7 @@
 //! A tenant's limits, each declared once, in the [`tenant_limits!`] table
 //! below: its doc (the `--help` of its flags and the API reference), its
-//! name (the admin API's field and the tenant commands' `--<name>`), its
+//! name (the admin API's field and the tenant commands' `--<name>`; flags
+//! spell with hyphens what field names spell with underscores), its
 //! type, its built-in default, the `facegate serve` flag that sets every
 //! tenant's default, and its rule. A tenant stores only what it overrides;
 //! the server's defaults are, for memory and body size, also the ceilings

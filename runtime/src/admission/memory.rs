@@ -12,7 +12,7 @@
 //! inside a running request fails as its own memory limit would, answered
 //! 503 `overloaded` too: the node, not the handler, ran out.
 //!
-//! Shared fairly, as instance slots are (`instances.rs`): the last eighth
+//! Shared fairly, as instance slots are (`slots.rs`): the last eighth
 //! of the budget goes only to a tenant whose holding, with what it asks
 //! for, stays within its fair share (the budget divided among the tenants
 //! holding memory, the asker if new, and one more not yet arrived). A tenant

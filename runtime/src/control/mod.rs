@@ -122,7 +122,9 @@ impl ControlPlane {
         blobs::prepare_data_dir(data_dir)?;
         if let Err(e) = validate_defaults(&defaults, max_instances) {
             anyhow::bail!(
-                "the tenants' default limits (--tenant-*, --memory-limit-mib, --max-body-bytes, --request-timeout-ms flags) are invalid: {e}"
+                "the tenants' default limits (--memory-limit-mib, --request-timeout-ms, --tenant-max-concurrency, \
+                 --tenant-rps, --tenant-burst, --max-body-bytes, --max-response-bytes, --max-infer-calls, \
+                 --instance-reuse flags) are invalid: {e}"
             );
         }
         let cache_key = match cache_key {

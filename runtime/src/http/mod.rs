@@ -1,4 +1,10 @@
-//! The HTTP side: listener, routes, limits, and graceful shutdown.
+//! The HTTP side: the listener loop and graceful shutdown (here), and
+//! `conn` (connections: caps, eviction, stalls), `open_files` (the
+//! open-file limit), `tls` (HTTPS), `app` (the [`App`] and its [`Plane`]s),
+//! `routes` (the routing table and small routes), `call` (a tenant's call
+//! of its handler), `body` (request bodies under their limits), `auth`
+//! (tokens, client addresses), `admin` (the admin API), `console` (the web
+//! console) and `response` (host-generated responses).
 
 mod admin;
 mod app;

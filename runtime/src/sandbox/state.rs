@@ -32,7 +32,7 @@ pub const RANDOM_MAX_BYTES: u64 = 1 << 20;
 
 /// Host memory one request can make the host hold through its resources,
 /// at most: every resource at its largest. (While a host call runs, its
-/// arguments add at most the store's hostcall fuel, see `sandbox.rs`.)
+/// arguments add at most the store's hostcall fuel, see `run.rs`.)
 pub fn host_memory_bound(max_host_resources: usize) -> usize {
     max_host_resources * RESOURCE_MAX_BYTES
 }

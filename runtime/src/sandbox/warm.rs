@@ -127,7 +127,7 @@ impl WarmBudget {
     /// Room for one more idle instance of `tenant`, or `None` when the
     /// server's cap or the tenant's `tenant_cap` is reached, or when only
     /// the last eighth of the cap is left and the tenant already holds its
-    /// fair share (as for instance slots, see `instances.rs`): two busy
+    /// fair share (as for instance slots, see `admission/slots.rs`): two busy
     /// tenants cannot keep all the places, and others' handlers warm none.
     fn try_take(self: &Arc<Self>, tenant: &Arc<str>, tenant_cap: usize) -> Option<WarmToken> {
         let mut per_tenant = self.per_tenant.lock().unwrap_or_else(PoisonError::into_inner);

@@ -226,7 +226,7 @@ impl Gateway {
     }
 }
 
-/// The node's memory budget (see [`admission::sizing`]), with the engine's
+/// The node's memory budget (see [`sizing`]), with the engine's
 /// limits fitted to it; logged and printed, since everything the node
 /// admits depends on it.
 fn node_memory(config: &ServeConfig, engine: EngineLimits) -> (Arc<MemoryBudget>, EngineLimits) {

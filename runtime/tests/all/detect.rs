@@ -296,13 +296,15 @@ fn a_cuda_device_gives_the_cpus_outputs_or_is_a_clear_error() {
     }
 }
 
-/// One inference of grace_hopper.jpg letterboxed to 640, as the handlers send it.
+/// One inference of grace_hopper.jpg scaled to the model's 640 × 640 input
+/// (both engines get the same pixels, so the handlers' letterbox is not needed).
 #[cfg(feature = "cuda")]
 fn infer_once(models: &facegate_host_gpu::Models) -> Vec<facegate_host_gpu::Tensor> {
-    use facegate_guest_sdk::image::{ImageLimits, decode, letterbox};
-    let boxed = letterbox(&decode(&image("grace_hopper.jpg"), &ImageLimits::default()).unwrap(), 640).unwrap();
-    let side = boxed.side as usize;
-    let input = facegate_host_gpu::Tensor::new(vec![side, side, 3], facegate_host_gpu::ElementType::U8, boxed.pixels).unwrap();
+    const SIDE: u32 = 640;
+    let photo = image::load_from_memory(&image("grace_hopper.jpg")).unwrap().into_rgb8();
+    let pixels = image::imageops::resize(&photo, SIDE, SIDE, image::imageops::FilterType::Triangle).into_raw();
+    let side = SIDE as usize;
+    let input = facegate_host_gpu::Tensor::new(vec![side, side, 3], facegate_host_gpu::ElementType::U8, pixels).unwrap();
     let request = facegate_host_gpu::InferRequest {
         tenant: "test".into(),
         input,

@@ -1,4 +1,4 @@
-//! A throw-away PostgreSQL server for tests and benches: `initdb` in a
+//! A throw-away PostgreSQL server for tests: `initdb` in a
 //! temporary directory, `pg_ctl start` on a free port, removed on drop. Uses
 //! the server binaries Debian's `postgresql-15` installs (or any found by
 //! `pg_config --bindir`). As root, the server runs as the `postgres` user
