@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use crate::backend::{Backend, BackendError};
+use crate::backlog::{Backlog, Promise, fits};
 use crate::error::InferError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::model::ModelSpec;
@@ -68,6 +69,8 @@ struct Shared {
     wake: Condvar,
     shutdown: AtomicBool,
     metrics: Metrics,
+    /// The devices' pace and the work promised and running (see [`crate::backlog`]).
+    backlog: Arc<Backlog>,
 }
 
 impl Shared {
@@ -130,6 +133,7 @@ impl Batcher {
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
             metrics: Metrics::new(spec.max_batch, backends.len()),
+            backlog: Backlog::new(backends.len()),
         });
         let threads = spawn_workers(&shared, backends, &spec.name, spec.max_batch, config.sizing)?;
         let workers = Arc::new(Workers { shared: Arc::clone(&shared), threads });
@@ -185,12 +189,41 @@ impl Batcher {
         self.shared.metrics.snapshot(self.queue_depth())
     }
 
+    /// How long a call of `cost` units ([`sample_cost`]) from `tenant`
+    /// would take to end if queued now: the work ahead of it under fair
+    /// sharing (queued, promised to admitted requests, running) over the
+    /// devices' measured pace. `None` until a device has learned its pace.
+    pub fn estimate_wait(&self, tenant: &str, cost: u64) -> Option<Duration> {
+        let waiting = self.shared.lock().waiting();
+        self.shared.backlog.estimate(tenant, cost, &waiting)
+    }
+
+    /// Admits a request of `tenant` expected to make a call of `cost` units
+    /// within `budget`: a [`Promise`] that counts the call as the tenant's
+    /// pending work until dropped, or the estimated wait when it exceeds the
+    /// budget's [`crate::backlog::HEADROOM`] (the request could not finish;
+    /// refuse it before any work).
+    pub fn admit(&self, tenant: &Arc<str>, cost: u64, budget: Duration) -> Result<Promise, Duration> {
+        match self.estimate_wait(tenant, cost) {
+            Some(wait) if !fits(wait, budget) => Err(wait),
+            _ => Ok(self.shared.backlog.promise(Arc::clone(tenant), cost)),
+        }
+    }
+
     /// Runs one sample as part of whatever batch forms. Dropping the future
-    /// cancels the call: it is skipped before it reaches a device.
+    /// cancels the call: it is skipped before it reaches a device. A call
+    /// whose estimated wait ([`Batcher::estimate_wait`]) does not fit in
+    /// what is left of its deadline ([`crate::backlog::fits`]) is refused
+    /// at once ([`InferError::Backlog`]).
     pub async fn infer(&self, request: InferRequest) -> Reply {
         self.spec.validate_input(&request.input)?;
-        if request.deadline <= Instant::now() {
+        let left = request.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             return Err(InferError::DeadlineExceeded);
+        }
+        if let Some(wait) = self.estimate_wait(&request.tenant, sample_cost(request.input.shape())).filter(|wait| !fits(*wait, left)) {
+            self.shared.metrics.record_overloaded();
+            return Err(InferError::Backlog { wait });
         }
         let deadline = request.deadline;
         let rx = self.enqueue(request)?;
@@ -247,8 +280,11 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
         let shape = batch[0].input.shape().to_vec();
         sizer.note_waiting(&shape, waiting);
         let charged: Vec<(Arc<str>, u64)> = batch.iter().map(|e| (Arc::clone(&e.tenant), sample_cost(e.input.shape()))).collect();
+        let units = charged.iter().map(|(_, cost)| cost).fold(0u64, |a, b| a.saturating_add(*b));
+        shared.backlog.started(units);
         let cpu_before = cpu_time_before(backend.as_ref());
         let (size, elapsed, ok) = run_batch(shared, index, backend.as_mut(), batch);
+        shared.backlog.finished(index, units, elapsed, ok);
         // On a CPU, the CPU time of the batch's threads: the wall clock also
         // counts what other work on the host (a tenant's handlers) took.
         let cost = match (backend.runs_on_cpu(), cpu_before, cpu_time_after(backend.as_ref())) {

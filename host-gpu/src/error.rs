@@ -13,6 +13,13 @@ pub enum InferError {
     /// The queue is full; the caller should retry later.
     #[error("overloaded: inference queue is full")]
     Overloaded,
+    /// The work queued ahead of the call would take `wait`, past what is
+    /// left of its deadline: refused at once rather than queued to time out.
+    #[error("overloaded: the work queued ahead would take {:.1} s, past the call's deadline", wait.as_secs_f64())]
+    Backlog {
+        /// The estimated wait.
+        wait: std::time::Duration,
+    },
     /// The call's deadline passed before a device ran it.
     #[error("deadline exceeded before inference ran")]
     DeadlineExceeded,
@@ -32,6 +39,7 @@ impl InferError {
             Self::InvalidInput(_) => "invalid_input",
             Self::UnknownModel(_) => "unknown_model",
             Self::Overloaded => "overloaded",
+            Self::Backlog { .. } => "backlog",
             Self::DeadlineExceeded => "deadline_exceeded",
             Self::Backend(_) => "backend",
             Self::ShuttingDown => "shutting_down",

@@ -27,6 +27,7 @@
 
 pub mod affinity;
 pub mod backend;
+pub mod backlog;
 mod batcher;
 pub mod device;
 mod error;
@@ -38,6 +39,7 @@ mod tensor;
 
 use std::collections::BTreeMap;
 
+pub use backlog::Promise;
 pub use batcher::{Batcher, BatcherConfig, DEFAULT_QUEUE_CAPACITY, DEFAULT_TENANT_CAPACITY, InferRequest};
 pub use device::DeviceSpec;
 pub use error::InferError;

@@ -200,6 +200,16 @@ impl State {
         self.tenants.get(tenant).map_or(0, VecDeque::len)
     }
 
+    /// The cost units waiting for each tenant that has calls waiting, with
+    /// its weight: what [`crate::backlog`] estimates a new call's wait from.
+    pub fn waiting(&self) -> Vec<(Arc<str>, crate::backlog::Pending)> {
+        let cost = |queue: &VecDeque<Entry>| queue.iter().map(|e| sample_cost(e.input.shape())).fold(0u64, u64::saturating_add);
+        self.tenants
+            .iter()
+            .map(|(tenant, queue)| (Arc::clone(tenant), crate::backlog::Pending { queued: cost(queue), weight: self.weight(tenant) }))
+            .collect()
+    }
+
     /// Sets a tenant's share: with weights 3 and 1, two busy tenants get
     /// three times the device time (by [`sample_cost`]) to one. Zero is
     /// treated as 1.

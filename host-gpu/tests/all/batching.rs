@@ -234,6 +234,49 @@ async fn expired_calls_are_answered_deadline_exceeded() {
     assert_eq!(batches.load(Ordering::SeqCst), 1, "the expired call was never run");
 }
 
+/// A call whose tenant has more queued ahead of it than its deadline
+/// leaves is refused at once, with the estimated wait, instead of queueing
+/// to time out; a light tenant's call with the same deadline goes ahead of
+/// the flood and is served; admission (`admit`) says the same before any
+/// work is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_cannot_finish_in_time_is_refused_at_once() {
+    let backend = FakeBackend::new("fake", 1, 20 * MS, Duration::ZERO);
+    let config = BatcherConfig { max_batch: 1, tenant_capacity: 256, ..Default::default() };
+    let batcher = Batcher::start(vec![Box::new(backend)], &config).unwrap();
+    for i in 0..6 {
+        batcher.infer(request("flood", i)).await.unwrap();
+    }
+    let pace = batcher.estimate_wait("light", 128).expect("a pace learned from six batches");
+    assert!(pace >= 15 * MS, "one sample takes about 20 ms: {pace:?}");
+    // About 2 s of the flood's work queued.
+    let flood: Vec<_> = (0..100u8)
+        .map(|i| {
+            let b = batcher.clone();
+            tokio::spawn(async move { b.infer(request("flood", i)).await })
+        })
+        .collect();
+    while batcher.queue_depth() < 90 {
+        tokio::time::sleep(MS).await;
+    }
+    let (mut late, mut light) = (request("flood", 0), request("light", 7));
+    late.deadline = Instant::now() + Duration::from_secs(1);
+    light.deadline = late.deadline;
+    let started = Instant::now();
+    match batcher.infer(late).await {
+        Err(InferError::Backlog { wait }) => assert!(wait > Duration::from_secs(1), "estimated {wait:?}"),
+        other => panic!("a call 2 s deep with 1 s left was not refused: {other:?}"),
+    }
+    assert!(started.elapsed() < 200 * MS, "refused at once, not after {:?}", started.elapsed());
+    assert!(batcher.admit(&"flood".into(), 128, Duration::from_secs(1)).is_err(), "admission refuses the flood too");
+    let promise = batcher.admit(&"light".into(), 128, Duration::from_secs(1)).expect("the light tenant is admitted");
+    drop(promise);
+    assert_eq!(batcher.infer(light).await.unwrap()[0].to_f32_vec().unwrap(), [8.0], "the light call went ahead");
+    for call in flood {
+        call.await.unwrap().unwrap();
+    }
+}
+
 /// Invalid inputs are refused before they are queued.
 #[tokio::test]
 async fn invalid_input_is_refused_up_front() {

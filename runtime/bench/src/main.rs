@@ -1,6 +1,6 @@
 //! `facegate-bench` (also run as `facegate bench …`): the gateway against
 //! the raw engine, the batcher alone on a fake device, the pipeline's CPU,
-//! the handler languages, and the isolation suites; each prints its table
+//! the handler languages, and the isolation and overload suites; each prints its table
 //! (see docs/benchmarks.md). A binary of its own, so that the gateway
 //! library links none of what the suites need (the guest SDK, image
 //! codecs).
@@ -10,6 +10,7 @@ mod harness;
 mod isolation;
 mod languages;
 mod native;
+mod overload;
 mod pipeline;
 
 use std::time::Duration;
@@ -64,6 +65,9 @@ async fn run(config: BenchConfig) -> anyhow::Result<()> {
     }
     if suite == "isolation" {
         isolation::run(&config, &images, duration).await?;
+    }
+    if suite == "overload" {
+        overload::run(&config, &images, duration).await?;
     }
     Ok(())
 }

@@ -246,6 +246,9 @@ pub enum Limit {
     OutgoingConnections,
     /// A response body over the tenant's `max_response_bytes` (502, or the body cut).
     ResponseSize,
+    /// The inference work ahead would not end before the request's deadline:
+    /// refused at admission (503) or at its `infer` call (`overloaded` to the guest).
+    Backlog,
 }
 
 impl Limit {
@@ -266,6 +269,7 @@ impl Limit {
             Limit::Queue => "queue",
             Limit::OutgoingConnections => "outgoing_connections",
             Limit::ResponseSize => "response_size",
+            Limit::Backlog => "backlog",
         }
     }
 }

@@ -1,10 +1,11 @@
 //! A tenant's call of its handler: authentication, admission (the
-//! tenant's rate and concurrency, instance slots, the node's memory), the
-//! body, the sandbox, and the answer its outcome gives.
+//! tenant's rate and concurrency, the inference backlog, the node's memory,
+//! instance slots), the body, the sandbox, and the answer its outcome gives.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use facegate_host_gpu::Promise;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 
@@ -77,6 +78,22 @@ impl App {
                 1,
             ));
         };
+        // The backlog before the body: a request that could not finish is
+        // refused before it reads, decodes or instantiates anything.
+        let promise = match self.admit_backlog(handler, limits.timeout()) {
+            Ok(promise) => promise,
+            Err(wait) => {
+                self.hits().hit(tenant, Limit::Backlog);
+                let message = format!(
+                    "the inference work queued ahead would take {:.1} s, past this request's {:.1} s deadline",
+                    wait.as_secs_f64(),
+                    limits.timeout().as_secs_f64()
+                );
+                // By then the work now ahead is done. `as` saturates.
+                let seconds = wait.as_secs_f64().ceil().clamp(1.0, 300.0) as u32;
+                return response::before_body(response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", &message, seconds));
+            }
+        };
         // Memory before the body: a refusal reads nothing and makes nothing.
         let mut memory = match self.admit_memory(tenant, &req, limits.max_body_bytes) {
             Ok(charge) => charge,
@@ -120,13 +137,25 @@ impl App {
         // The deadline covers the guest, queueing and inference, not the upload.
         let deadline = Instant::now() + limits.timeout();
         let sandbox_limits = SandboxLimits { tenant: *limits, max_host_resources: self.config.max_host_resources };
-        match self.sandbox.handle(handler, req, deadline, sandbox_limits, Arc::clone(id), (instance, tenant_slot, memory)).await {
+        match self.sandbox.handle(handler, req, deadline, sandbox_limits, Arc::clone(id), (instance, tenant_slot, memory, promise)).await {
             Ok(mut response) => {
                 response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));
                 response
             }
             Err(e) => self.sandbox_error(handler, id, &e),
         }
+    }
+
+    /// Promises the handler's usual inference call (its last call's model
+    /// and cost) to that model's batcher, or the estimated wait when the
+    /// work ahead would outlast `deadline` less the guest's usual time of
+    /// its own. A handler that has made no call yet is admitted without a
+    /// promise; its calls are still checked as they queue.
+    fn admit_backlog(&self, handler: &Handler, deadline: Duration) -> Result<Option<Promise>, Duration> {
+        let habits = handler.profile.get();
+        let Some((model, cost)) = habits.call.as_ref() else { return Ok(None) };
+        let Some(batcher) = self.sandbox.models().get(model) else { return Ok(None) };
+        batcher.admit(&handler.tenant, *cost, deadline.saturating_sub(habits.guest_time())).map(Some)
     }
 
     /// Charges the request's base and its declared body to the node's

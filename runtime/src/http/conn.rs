@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -125,6 +125,12 @@ pub const EVICTION_BACKLOG: usize = 32;
 /// limit may be (a fraction), spread by its port: connections opened
 /// together (a restart, a client's burst) do not all close together.
 const AGE_SPREAD: f64 = 0.1;
+
+/// Refusals (429, 503) in a row after which a connection is shut down
+/// gracefully ([`CloseReason::Refusing`]): a client that ignores
+/// `Retry-After` pays a new connection (and the per-address cap) for its
+/// next tries, instead of refusals costing the node as fast as it can send.
+pub const REFUSALS_BEFORE_CLOSE: u32 = 8;
 
 /// How one kind of connection is served.
 struct Profile {
@@ -245,7 +251,7 @@ impl Listener {
         };
         let activity = Arc::clone(&slot.activity);
         // Under TLS too: a blocked write is the client's socket being full.
-        let stream = Watched { inner: stream, activity: Arc::clone(&activity) };
+        let stream = Watched { inner: stream, activity: Arc::clone(&activity), linger: None };
         let watch = Watch { profile, activity: Arc::clone(&activity), peer, metrics: &self.metrics, draining };
         match &self.tls {
             None => watch.run(&self.app, stream).await,
@@ -441,6 +447,10 @@ struct Activity {
     requested: AtomicBool,
     /// Told when a newcomer takes this connection's slot.
     eviction: Notify,
+    /// Answers in a row that refused the request (429, 503).
+    refused_in_a_row: AtomicU32,
+    /// Told when [`REFUSALS_BEFORE_CLOSE`] refusals came in a row.
+    refusing: Notify,
     /// Answers waiting for the client: hyper holds a frame of theirs (or
     /// their head) and has not asked for the next.
     waiting_answers: AtomicUsize,
@@ -464,6 +474,8 @@ impl Activity {
             in_flight: AtomicUsize::new(0),
             requested: AtomicBool::new(false),
             eviction: Notify::new(),
+            refused_in_a_row: AtomicU32::new(0),
+            refusing: Notify::new(),
             waiting_answers: AtomicUsize::new(0),
             answer_moved_ms: AtomicU64::new(0),
             write_blocked_ms: AtomicU64::new(NOT_BLOCKED),
@@ -473,6 +485,22 @@ impl Activity {
     /// Milliseconds from `epoch` to now.
     fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64 // `as` saturates
+    }
+
+    /// A request was answered `status`: counts refusals in a row, and tells
+    /// the watchdog once there were [`REFUSALS_BEFORE_CLOSE`]; returns
+    /// whether this answer is the one that closes the connection.
+    fn answered(&self, status: hyper::StatusCode) -> bool {
+        let refused = matches!(status, hyper::StatusCode::TOO_MANY_REQUESTS | hyper::StatusCode::SERVICE_UNAVAILABLE);
+        if !refused {
+            self.refused_in_a_row.store(0, Ordering::Relaxed);
+            return false;
+        }
+        let last = self.refused_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 == REFUSALS_BEFORE_CLOSE;
+        if last {
+            self.refusing.notify_one();
+        }
+        last
     }
 
     /// An answer moved, and now waits for the client until the guard drops.
@@ -627,10 +655,58 @@ impl Drop for Waiting {
     }
 }
 
-/// The client's socket, telling its [`Activity`] whether writes go through.
+/// The client's socket, telling its [`Activity`] whether writes go through,
+/// and closing it with a linger (see [`Linger`]).
 struct Watched<S> {
     inner: S,
     activity: Arc<Activity>,
+    linger: Option<Linger>,
+}
+
+/// Most bytes a closing connection reads and drops after its half-close.
+const LINGER_BYTES: usize = 1 << 20;
+/// Longest a closing connection reads and drops after its half-close.
+const LINGER_TIME: Duration = Duration::from_secs(2);
+
+/// A closing connection's linger: its answer was sent (a refusal, often,
+/// given before the request's body was read) and its write side shut; what
+/// the client still sends (the rest of that body) is read and dropped for a
+/// while. Closing with unread data would reset the connection, and the
+/// reset can reach the client before the answer does: it would see a
+/// broken connection instead of its 503 and `Retry-After`.
+struct Linger {
+    until: Pin<Box<tokio::time::Sleep>>,
+    left: usize,
+    write_shut: bool,
+}
+
+impl Linger {
+    fn new() -> Self {
+        Self { until: Box::pin(tokio::time::sleep(LINGER_TIME)), left: LINGER_BYTES, write_shut: false }
+    }
+
+    /// Shuts `io`'s write side, then drops what it reads until the client
+    /// closes, or [`LINGER_BYTES`] or [`LINGER_TIME`] are spent.
+    fn poll_close<S: AsyncRead + AsyncWrite + Unpin>(&mut self, io: &mut S, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if !self.write_shut {
+            std::task::ready!(Pin::new(&mut *io).poll_shutdown(cx))?;
+            self.write_shut = true;
+        }
+        let mut buf = [0u8; 8192];
+        loop {
+            if self.left == 0 || self.until.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Ok(()));
+            }
+            let mut read = tokio::io::ReadBuf::new(&mut buf);
+            match Pin::new(&mut *io).poll_read(cx, &mut read) {
+                Poll::Ready(Ok(())) if read.filled().is_empty() => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(())) => self.left = self.left.saturating_sub(read.filled().len()),
+                // Reset by the client, or the like: nothing left to protect.
+                Poll::Ready(Err(_)) => return Poll::Ready(Ok(())),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
 }
 
 impl<S> Watched<S> {
@@ -646,7 +722,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
@@ -668,7 +744,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        let this = self.get_mut();
+        this.linger.get_or_insert_with(Linger::new).poll_close(&mut this.inner, cx)
     }
 }
 
@@ -712,6 +789,11 @@ impl Watch<'_> {
         loop {
             let close = tokio::select! {
                 ended = conn.as_mut() => {
+                    // HTTP/1 closes on the refusal's `Connection: close`, before
+                    // the watchdog hears of it: count it here.
+                    if cut_at.is_none() && self.activity.refused_in_a_row.load(Ordering::Relaxed) >= REFUSALS_BEFORE_CLOSE {
+                        closed(self.metrics, self.peer, CloseReason::Refusing);
+                    }
                     if let Err(e) = ended {
                         tracing::debug!(peer = %self.peer, error = %e, "connection ended with an error");
                     }
@@ -727,6 +809,10 @@ impl Watch<'_> {
                 },
                 // A newcomer took this connection's slot (and counted it).
                 () = self.activity.eviction.notified(), if cut_at.is_none() => true,
+                () = self.activity.refusing.notified(), if cut_at.is_none() => {
+                    closed(self.metrics, self.peer, CloseReason::Refusing);
+                    true
+                }
                 () = drained(&mut self.draining), if cut_at.is_none() => true,
             };
             if close {
@@ -780,8 +866,13 @@ fn service(
     service_fn(move |mut req: hyper::Request<Incoming>| {
         let (app, in_flight) = (Arc::clone(&app), activity.begin());
         req.extensions_mut().insert(ClientAddr(peer));
+        let http1 = req.version() < hyper::Version::HTTP_2;
         async move {
-            let response = app.route(req, plane).await;
+            let mut response = app.route(req, plane).await;
+            // HTTP/1: the closing answer says so (HTTP/2 gets a GOAWAY).
+            if in_flight.0.answered(response.status()) && http1 {
+                response.headers_mut().insert(hyper::header::CONNECTION, hyper::header::HeaderValue::from_static("close"));
+            }
             Ok::<_, Infallible>(response.map(|body| Answer::new(body, in_flight)))
         }
     })

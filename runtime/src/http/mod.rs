@@ -27,7 +27,7 @@ use tokio_rustls::TlsAcceptor;
 
 pub use app::{App, Plane, VERSION_HEADER};
 pub use auth::TOKEN_FAILURE_DELAY;
-pub use conn::{ADMIN_RESERVE_CONNECTIONS, EVICTION_BACKLOG, MAX_HEAD_BYTES, RESERVE_TIMEOUT};
+pub use conn::{ADMIN_RESERVE_CONNECTIONS, EVICTION_BACKLOG, MAX_HEAD_BYTES, REFUSALS_BEFORE_CLOSE, RESERVE_TIMEOUT};
 
 /// How long in-flight requests get to finish after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);

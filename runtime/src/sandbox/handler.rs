@@ -9,6 +9,7 @@ use anyhow::bail;
 use wasmtime::component::{Component, Linker};
 use wasmtime_wasi_http::p2::bindings::ProxyPre;
 
+use crate::sandbox::face_detect::CallProfile;
 use crate::sandbox::state::RequestState;
 use crate::sandbox::warm::WarmInstances;
 
@@ -30,6 +31,8 @@ pub struct Handler {
     /// Instances of this version kept between requests (tenants with
     /// `instance_reuse` above 1).
     pub warm: WarmInstances,
+    /// What its requests usually do around `infer` (for admission's estimate).
+    pub profile: Arc<CallProfile>,
 }
 
 impl Handler {
@@ -55,6 +58,7 @@ impl Handler {
             outgoing_http,
             pre,
             warm: WarmInstances::default(),
+            profile: Arc::default(),
         })
     }
 }

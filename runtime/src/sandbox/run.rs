@@ -244,6 +244,11 @@ impl Sandbox {
         self.reused.load(Ordering::Relaxed)
     }
 
+    /// The inference models requests call.
+    pub fn models(&self) -> &Models {
+        &self.models
+    }
+
     /// The node's memory budget.
     pub fn memory(&self) -> &Arc<MemoryBudget> {
         &self.memory
@@ -301,6 +306,7 @@ impl Sandbox {
             log_output(&handler_ref, &request_id, &store, &hits);
             match result {
                 Ok(Ok(proxy)) => {
+                    store.data().face_detect.ended();
                     keep_warm(&handler_ref, (&budget, &memory), store, proxy, served + 1, limits);
                     Ok(Ok(()))
                 }
@@ -370,7 +376,8 @@ impl Sandbox {
     /// its inputs charged to the node's memory budget.
     fn face_detect(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> FaceDetectCtx {
         let memory = self.memory.empty(&handler.tenant);
-        FaceDetectCtx::new(self.models.clone(), Arc::clone(&handler.tenant), (deadline, limits.tenant.max_infer_calls), memory)
+        let who = (Arc::clone(&handler.tenant), Arc::clone(&handler.profile));
+        FaceDetectCtx::new(self.models.clone(), who, (deadline, limits.tenant.max_infer_calls), memory)
     }
 
     fn new_store(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> Store<RequestState> {
@@ -605,6 +612,9 @@ fn log_output(handler: &Handler, request_id: &str, store: &Store<RequestState>, 
     }
     if face.overloaded_refusals > 0 {
         hits.hit(&handler.tenant, Limit::Queue);
+    }
+    if face.backlog_refusals > 0 {
+        hits.hit(&handler.tenant, Limit::Backlog);
     }
     if face.memory_refusals > 0 {
         hits.hit(&handler.tenant, Limit::NodeMemory);

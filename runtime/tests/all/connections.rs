@@ -7,7 +7,9 @@
 //! shared listener whose slots are full of busy connections; request heads
 //! are bounded; closures are counted; the open-file limit is raised to fit;
 //! a client that takes no answer (HTTP/1: reads nothing; HTTP/2: opens no
-//! window) loses its connection after the idle timeout, even at the drain.
+//! window) loses its connection after the idle timeout, even at the drain;
+//! a connection refused again and again is closed; a refusal given before
+//! the body reaches a client still sending it (the close lingers).
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
@@ -882,4 +884,65 @@ fn the_drain_does_not_wait_for_a_client_that_takes_no_answer() {
     returned.recv_timeout(facegate::http::SHUTDOWN_GRACE + MARGIN).expect("serve returns once drained");
     // Its request in flight is not waited for to the end of the grace period.
     assert!(signalled_at.elapsed() < facegate::http::SHUTDOWN_GRACE, "drained after {:?}", signalled_at.elapsed());
+}
+
+/// A client that is refused (429 here) request after request on one
+/// connection, ignoring `Retry-After`, has the connection shut down after
+/// `REFUSALS_BEFORE_CLOSE` refusals in a row: the last refusal says
+/// `Connection: close`, the socket closes, and the closure is counted. An
+/// answer that is not a refusal starts the count again.
+#[test]
+fn a_connection_refused_again_and_again_is_closed() {
+    let gateway = Gateway::start("conn-refusing", |c| {
+        c.limits.rps = 0.01;
+        c.limits.burst = 1;
+    });
+    let key = gateway.key("demo");
+    let before = metrics(&gateway);
+    let mut stream = TcpStream::connect(gateway.addr).unwrap();
+    let refusals = facegate::http::REFUSALS_BEFORE_CLOSE as usize;
+    // The burst's one request reaches the handler (which refuses an empty body).
+    assert_eq!(exchange(&mut stream, "POST", "/v1/demo/detect", Some(&key)).0, 400);
+    // Refusals in a row, then one answer that is not: the count starts again.
+    for _ in 0..refusals - 1 {
+        assert_eq!(exchange(&mut stream, "POST", "/v1/demo/detect", Some(&key)).0, 429);
+    }
+    assert_eq!(exchange(&mut stream, "GET", "/healthz", None).0, 200);
+    for n in 1..=refusals {
+        let (status, head, _) = exchange_with_head(&mut stream, "POST", "/v1/demo/detect", Some(&key));
+        assert_eq!(status, 429);
+        let closing = head.to_ascii_lowercase().contains("connection: close");
+        assert_eq!(closing, n == refusals, "refusal {n} of {refusals}: {head}");
+    }
+    expect_tcp_closed(&mut stream, MARGIN);
+    assert_eq!(closed_total(&metrics(&gateway), "refusing") - closed_total(&before, "refusing"), 1);
+}
+
+/// A request refused before its body is read (a wrong key here) gets its
+/// answer even while the client is still sending a large body: the
+/// connection is half-closed and what follows is read and dropped (up to
+/// 1 MiB, for 2 s) before it closes, so no reset reaches the client ahead
+/// of the answer.
+#[test]
+fn a_refusal_before_the_body_reaches_a_client_still_sending_it() {
+    let gateway = quick();
+    let body = vec![b'x'; 768 << 10];
+    let mut stream = TcpStream::connect(gateway.addr).unwrap();
+    write!(
+        stream,
+        "POST /v1/demo/detect HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer wrong\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    // The answer comes at once; the client keeps sending meanwhile.
+    std::thread::sleep(Duration::from_millis(200));
+    for chunk in body.chunks(64 << 10) {
+        stream.write_all(chunk).unwrap_or_else(|e| panic!("the gateway reset the connection while the body was sent: {e}"));
+    }
+    stream.set_read_timeout(Some(MARGIN)).unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).unwrap_or_else(|e| panic!("the answer was lost: {e}"));
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.to_ascii_lowercase().contains("connection: close"), "{answer}");
 }

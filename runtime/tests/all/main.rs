@@ -15,6 +15,7 @@ mod egress;
 mod harness;
 mod hostile;
 mod isolation;
+mod overload;
 mod process;
 mod queue;
 mod restart;

@@ -7,20 +7,30 @@
 //! and [`add_to_linker`].
 
 mod bindings;
+mod profile;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use facegate_host_gpu::queue::sample_cost;
 use facegate_host_gpu::{InferError, InferRequest, ModelSpec, Models, TensorSpec};
 use wasmtime::component::{HasData, Linker};
 
 use self::bindings::facegate::face_detect::face_detect as wit;
 use crate::admission::memory::Charge;
 
+pub use self::profile::{CallProfile, Habits};
+
 /// Per-request state of the `face-detect` capability.
 pub struct FaceDetectCtx {
     models: Models,
     tenant: Arc<str>,
+    profile: Arc<CallProfile>,
+    /// When the request started, its first call was made and its last
+    /// call answered: what the handler's [`CallProfile`] learns from.
+    started: Instant,
+    first_call: Option<Instant>,
+    last_answer: Option<Instant>,
     deadline: Instant,
     calls_left: u32,
     /// Time this request spent inside `infer` (queueing + device).
@@ -29,6 +39,8 @@ pub struct FaceDetectCtx {
     pub quota_refusals: u32,
     /// `infer` calls refused because the queue (global or the tenant's) was full.
     pub overloaded_refusals: u32,
+    /// `infer` calls refused because the work ahead would outlast the deadline.
+    pub backlog_refusals: u32,
     /// `infer` calls refused because the node's memory budget could not
     /// hold their input while it waits for a batch.
     pub memory_refusals: u32,
@@ -38,21 +50,50 @@ pub struct FaceDetectCtx {
 }
 
 impl FaceDetectCtx {
-    /// A context for one request of `tenant`, allowed `max_calls` inferences
-    /// before `deadline`; each call's input is charged to `memory` (a charge
-    /// of the tenant's) while it is in flight.
-    pub fn new(models: Models, tenant: Arc<str>, (deadline, max_calls): (Instant, u32), memory: Charge) -> Self {
+    /// A context for one request of `tenant`'s handler, allowed `max_calls`
+    /// inferences before `deadline`; each call's input is charged to
+    /// `memory` (a charge of the tenant's) while it is in flight, and each
+    /// call is noted in the handler's `profile`.
+    pub fn new(
+        models: Models,
+        (tenant, profile): (Arc<str>, Arc<CallProfile>),
+        (deadline, max_calls): (Instant, u32),
+        memory: Charge,
+    ) -> Self {
         Self {
             models,
             tenant,
+            profile,
+            started: Instant::now(),
+            first_call: None,
+            last_answer: None,
             deadline,
             calls_left: max_calls,
             infer_time: Duration::ZERO,
             quota_refusals: 0,
             overloaded_refusals: 0,
+            backlog_refusals: 0,
             memory_refusals: 0,
             memory,
         }
+    }
+}
+
+impl FaceDetectCtx {
+    /// The request's guest ended: teaches the handler's profile how long
+    /// it worked before its first call and after its last.
+    pub fn ended(&self) {
+        if let (Some(first), Some(last)) = (self.first_call, self.last_answer) {
+            self.profile.timed(first.saturating_duration_since(self.started), last.elapsed());
+        }
+    }
+
+    /// Whether the work queued ahead of a call of `cost` to `model` would
+    /// end too late to leave the guest its usual time after the call.
+    fn too_late(&self, model: &str, cost: u64) -> bool {
+        let Some(batcher) = self.models.get(model) else { return false };
+        let left = self.deadline.saturating_duration_since(Instant::now()).saturating_sub(self.profile.get().after);
+        batcher.estimate_wait(&self.tenant, cost).is_some_and(|wait| !facegate_host_gpu::backlog::fits(wait, left))
     }
 }
 
@@ -98,13 +139,23 @@ impl wit::Host for FaceDetectView<'_> {
             self.ctx.memory_refusals += 1;
             return Ok(Err(wit::Error::Overloaded));
         }
+        let cost = sample_cost(input.shape());
+        self.ctx.profile.called(&model, cost);
+        self.ctx.first_call.get_or_insert_with(Instant::now);
+        if self.ctx.too_late(&model, cost) {
+            self.ctx.backlog_refusals += 1;
+            let _ = self.ctx.memory.resize(0);
+            return Ok(Err(wit::Error::Overloaded));
+        }
         let request = InferRequest { tenant: Arc::clone(&self.ctx.tenant), input, deadline: self.ctx.deadline };
         let started = Instant::now();
         let result = self.ctx.models.infer(&model, request).await;
         // Shrinking always succeeds.
         let _ = self.ctx.memory.resize(0);
         self.ctx.infer_time += started.elapsed();
+        self.ctx.last_answer = Some(Instant::now());
         self.ctx.overloaded_refusals += u32::from(matches!(result, Err(InferError::Overloaded)));
+        self.ctx.backlog_refusals += u32::from(matches!(result, Err(InferError::Backlog { .. })));
         Ok(result.map(|outputs| outputs.into_iter().map(to_wit_tensor).collect()).map_err(to_wit_error))
     }
 }
@@ -144,7 +195,7 @@ fn to_wit_error(e: InferError) -> wit::Error {
     match e {
         InferError::InvalidInput(m) => wit::Error::InvalidInput(m),
         InferError::UnknownModel(m) => wit::Error::UnknownModel(m),
-        InferError::Overloaded | InferError::ShuttingDown => wit::Error::Overloaded,
+        InferError::Overloaded | InferError::Backlog { .. } | InferError::ShuttingDown => wit::Error::Overloaded,
         InferError::DeadlineExceeded => wit::Error::DeadlineExceeded,
         InferError::Backend(m) => {
             // The engine's own message (paths, library internals) stays in the log.
@@ -196,7 +247,8 @@ mod tests {
     }
 
     fn ctx_in(max_calls: u32, budget: &Arc<crate::admission::memory::MemoryBudget>) -> FaceDetectCtx {
-        FaceDetectCtx::new(models(), "t".into(), (Instant::now() + Duration::from_secs(5), max_calls), budget.empty(&"t".into()))
+        let deadline = Instant::now() + Duration::from_secs(5);
+        FaceDetectCtx::new(models(), ("t".into(), Arc::default()), (deadline, max_calls), budget.empty(&"t".into()))
     }
 
     fn tensor(data: Vec<u8>) -> wit::Tensor {

@@ -1,4 +1,7 @@
-//! Prometheus text exposition of the gateway's and the batchers' counters.
+//! Prometheus text exposition of the gateway's and the batchers' counters,
+//! and the tenants' usage for bills ([`usage`]).
+
+pub mod usage;
 
 pub use crate::admission::limits::Limit;
 use std::collections::BTreeMap;
@@ -128,11 +131,24 @@ pub enum CloseReason {
     /// for the idle timeout, with a request in flight or answers unsent:
     /// dropped.
     Stalled,
+    /// Shut down gracefully after refusing `REFUSALS_BEFORE_CLOSE` requests
+    /// in a row (429, 503): a client ignoring `Retry-After` reconnects to
+    /// try again.
+    Refusing,
 }
 
 impl CloseReason {
-    const ALL: [Self; 8] =
-        [Self::HeadTimeout, Self::Idle, Self::OverCapacity, Self::PerIpCap, Self::TlsHandshake, Self::MaxAge, Self::Evicted, Self::Stalled];
+    const ALL: [Self; 9] = [
+        Self::HeadTimeout,
+        Self::Idle,
+        Self::OverCapacity,
+        Self::PerIpCap,
+        Self::TlsHandshake,
+        Self::MaxAge,
+        Self::Evicted,
+        Self::Stalled,
+        Self::Refusing,
+    ];
 
     /// The label value.
     pub fn label(self) -> &'static str {
@@ -145,6 +161,7 @@ impl CloseReason {
             Self::MaxAge => "max_age",
             Self::Evicted => "evicted",
             Self::Stalled => "stalled",
+            Self::Refusing => "refusing",
         }
     }
 }
@@ -189,29 +206,53 @@ impl ConnectionMetrics {
 /// How often each tenant hit each limit.
 #[derive(Default)]
 pub struct LimitHits {
-    hits: Mutex<BTreeMap<(String, Limit), u64>>,
+    hits: Mutex<BTreeMap<(String, Limit), Hits>>,
 }
 
+/// One tenant's hits of one limit.
+#[derive(Default)]
+struct Hits {
+    count: u64,
+    /// When a hit was last logged, and the hits since that were not.
+    logged_at: Option<std::time::Instant>,
+    unlogged: u64,
+}
+
+/// At most one "limit hit" log line per tenant and limit this often: a
+/// flood of refusals must not become a flood of log lines (each costs the
+/// node CPU, and the operator's log the lines that matter).
+const HIT_LOG_EVERY: Duration = Duration::from_secs(10);
+
 impl LimitHits {
-    /// Counts one hit of `limit` by `tenant`, and logs it.
+    /// Counts one hit of `limit` by `tenant`, and logs it (at most once per
+    /// [`HIT_LOG_EVERY`] per tenant and limit, saying how many went unlogged).
     pub fn hit(&self, tenant: &str, limit: Limit) {
-        tracing::info!(tenant, limit = limit.label(), "limit hit");
         let mut hits = self.hits.lock().unwrap_or_else(|p| p.into_inner());
-        *hits.entry((tenant.to_owned(), limit)).or_default() += 1;
+        let entry = hits.entry((tenant.to_owned(), limit)).or_default();
+        entry.count += 1;
+        let now = std::time::Instant::now();
+        if entry.logged_at.is_some_and(|at| now.duration_since(at) < HIT_LOG_EVERY) {
+            entry.unlogged += 1;
+            return;
+        }
+        let unlogged = std::mem::take(&mut entry.unlogged);
+        entry.logged_at = Some(now);
+        drop(hits);
+        tracing::info!(tenant, limit = limit.label(), unlogged_since_last = unlogged, "limit hit");
     }
 
     /// Hits of `limit` by `tenant` so far.
     pub fn count(&self, tenant: &str, limit: Limit) -> u64 {
         let hits = self.hits.lock().unwrap_or_else(|p| p.into_inner());
-        hits.get(&(tenant.to_owned(), limit)).copied().unwrap_or(0)
+        hits.get(&(tenant.to_owned(), limit)).map_or(0, |h| h.count)
     }
 
     fn render(&self, out: &mut String) {
         let hits = self.hits.lock().unwrap_or_else(|p| p.into_inner());
         out.push_str("# HELP facegate_limit_hits_total Requests that hit a limit, by tenant and limit.\n");
         out.push_str("# TYPE facegate_limit_hits_total counter\n");
-        for ((tenant, limit), count) in hits.iter() {
-            let _ = writeln!(out, "facegate_limit_hits_total{{tenant=\"{tenant}\",limit=\"{}\"}} {count}", limit.label());
+        for ((tenant, limit), hits) in hits.iter() {
+            let _ = writeln!(out, "facegate_limit_hits_total{{tenant=\"{tenant}\",limit=\"{}\"}} {}", limit.label(), hits.count);
         }
     }
 }

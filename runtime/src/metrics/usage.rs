@@ -1,0 +1,270 @@
+//! Usage metering: what each tenant's handler versions used, per minute,
+//! for bills. Requests add to the [`Meter`] as they end; the control
+//! plane's sync thread hands what accumulated to the store every flush
+//! interval as a numbered *delta* ([`Meter::seal`]), written once under the
+//! node's incarnation and that number, so a retried write never counts
+//! twice and a cluster's nodes simply sum. A crash loses what was not yet
+//! written: at most one flush interval (more while the store is away).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use serde::{Deserialize, Serialize};
+
+/// Length of a usage bucket, ms: requests are counted in the minute they started.
+pub const BUCKET_MS: i64 = 60_000;
+
+/// Which bucket a figure belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct UsageKey {
+    /// The tenant.
+    pub tenant: String,
+    /// The handler.
+    pub handler: String,
+    /// The handler version that answered.
+    pub version: i64,
+    /// Start of the bucket, Unix ms (a multiple of [`BUCKET_MS`]).
+    pub bucket_ms: i64,
+}
+
+impl UsageKey {
+    /// The key of a request of `tenant`'s `handler` `version` that started at `at_ms`.
+    pub fn new(tenant: &str, handler: &str, version: i64, at_ms: i64) -> Self {
+        Self { tenant: tenant.to_owned(), handler: handler.to_owned(), version, bucket_ms: at_ms.div_euclid(BUCKET_MS) * BUCKET_MS }
+    }
+}
+
+/// What was used in one bucket. Every field is a sum, but
+/// `peak_memory_bytes`, a maximum.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Answers with a 2xx status (and 1xx, none in practice).
+    pub requests_2xx: u64,
+    /// Answers with a 3xx status.
+    pub requests_3xx: u64,
+    /// Answers with a 4xx status (refusals for the tenant's own limits included).
+    pub requests_4xx: u64,
+    /// Answers with a 5xx status (the node's refusals and the handler's failures).
+    pub requests_5xx: u64,
+    /// Time the guest ran, µs: its instance's time less its waits for inference.
+    pub guest_us: u64,
+    /// Device time, µs: each call's share of its batch, as `/metrics` splits it.
+    pub device_us: u64,
+    /// `face-detect.infer` calls made.
+    pub infer_calls: u64,
+    /// Request body bytes read.
+    pub bytes_in: u64,
+    /// Response body bytes sent.
+    pub bytes_out: u64,
+    /// The largest instance memory (linear memories and tables) a request
+    /// ended with, bytes.
+    pub peak_memory_bytes: u64,
+}
+
+impl Usage {
+    /// One answer of `status`.
+    pub fn answer(status: u16) -> Self {
+        let mut usage = Self::default();
+        match status {
+            300..=399 => usage.requests_3xx = 1,
+            400..=499 => usage.requests_4xx = 1,
+            500.. => usage.requests_5xx = 1,
+            _ => usage.requests_2xx = 1,
+        }
+        usage
+    }
+
+    /// All answers.
+    pub fn requests(&self) -> u64 {
+        self.requests_2xx + self.requests_3xx + self.requests_4xx + self.requests_5xx
+    }
+
+    /// Adds `other` in (the peak is the larger).
+    pub fn add(&mut self, other: &Self) {
+        self.requests_2xx = self.requests_2xx.saturating_add(other.requests_2xx);
+        self.requests_3xx = self.requests_3xx.saturating_add(other.requests_3xx);
+        self.requests_4xx = self.requests_4xx.saturating_add(other.requests_4xx);
+        self.requests_5xx = self.requests_5xx.saturating_add(other.requests_5xx);
+        self.guest_us = self.guest_us.saturating_add(other.guest_us);
+        self.device_us = self.device_us.saturating_add(other.device_us);
+        self.infer_calls = self.infer_calls.saturating_add(other.infer_calls);
+        self.bytes_in = self.bytes_in.saturating_add(other.bytes_in);
+        self.bytes_out = self.bytes_out.saturating_add(other.bytes_out);
+        self.peak_memory_bytes = self.peak_memory_bytes.max(other.peak_memory_bytes);
+    }
+}
+
+/// A sealed delta: what accumulated between two flushes, numbered.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delta {
+    /// The meter's incarnation (random per process).
+    pub node: String,
+    /// The delta's number, from 1, in this incarnation.
+    pub seq: u64,
+    /// The figures, by bucket.
+    pub rows: Vec<(UsageKey, Usage)>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Added since the last seal.
+    open: HashMap<UsageKey, Usage>,
+    /// Sealed and not yet written.
+    sealed: Option<Delta>,
+    last_seq: u64,
+}
+
+/// The node's usage, accumulating until written (see the module docs).
+#[derive(Debug)]
+pub struct Meter {
+    node: String,
+    inner: Mutex<Inner>,
+}
+
+impl Meter {
+    /// A meter whose deltas are written as `node`'s (unique to this process:
+    /// a restarted node must not reuse its numbers).
+    pub fn new(node: String) -> Arc<Self> {
+        Arc::new(Self { node, inner: Mutex::new(Inner::default()) })
+    }
+
+    /// This meter's incarnation.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Adds `usage` to `key`'s bucket.
+    pub fn add(&self, key: &UsageKey, usage: &Usage) {
+        let mut inner = self.lock();
+        match inner.open.get_mut(key) {
+            Some(bucket) => bucket.add(usage),
+            None => {
+                inner.open.insert(key.clone(), *usage);
+            }
+        }
+    }
+
+    /// The delta to write now: the one sealed before if it was not written
+    /// (the same number: written at most once), else what accumulated
+    /// since, sealed under the next number; `None` if there is nothing.
+    pub fn seal(&self) -> Option<Delta> {
+        let mut inner = self.lock();
+        if let Some(sealed) = &inner.sealed {
+            return Some(sealed.clone());
+        }
+        if inner.open.is_empty() {
+            return None;
+        }
+        inner.last_seq += 1;
+        let mut rows: Vec<(UsageKey, Usage)> = inner.open.drain().collect();
+        rows.sort_by(|a, b| a.0.cmp(&b.0));
+        let delta = Delta { node: self.node.clone(), seq: inner.last_seq, rows };
+        inner.sealed = Some(delta.clone());
+        Some(delta)
+    }
+
+    /// The delta numbered `seq` is in the store.
+    pub fn written(&self, seq: u64) {
+        let mut inner = self.lock();
+        if inner.sealed.as_ref().is_some_and(|d| d.seq == seq) {
+            inner.sealed = None;
+        }
+    }
+
+    /// What is not yet written, summed by bucket (for tests and the console).
+    pub fn unwritten(&self) -> HashMap<UsageKey, Usage> {
+        let inner = self.lock();
+        let mut all = inner.open.clone();
+        for (key, usage) in inner.sealed.iter().flat_map(|d| &d.rows) {
+            all.entry(key.clone()).or_default().add(usage);
+        }
+        all
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Counts a response body's bytes as it is sent, and adds them to its
+/// bucket when the body ends or is dropped.
+pub struct BytesOut {
+    meter: Arc<Meter>,
+    key: UsageKey,
+    sent: AtomicU64,
+}
+
+impl BytesOut {
+    /// A counter for a response of `key`.
+    pub fn new(meter: Arc<Meter>, key: UsageKey) -> Self {
+        Self { meter, key, sent: AtomicU64::new(0) }
+    }
+
+    /// `n` more bytes went out.
+    pub fn sent(&self, n: usize) {
+        self.sent.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
+
+impl Drop for BytesOut {
+    fn drop(&mut self) {
+        let bytes_out = self.sent.load(Ordering::Relaxed);
+        if bytes_out > 0 {
+            self.meter.add(&self.key, &Usage { bytes_out, ..Usage::default() });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(minute: i64) -> UsageKey {
+        UsageKey::new("acme", "detect", 1, minute * BUCKET_MS + 59_999)
+    }
+
+    #[test]
+    fn requests_count_in_the_minute_they_started_by_status_class() {
+        assert_eq!(key(3).bucket_ms, 3 * BUCKET_MS);
+        let meter = Meter::new("n".into());
+        for status in [200, 204, 301, 404, 429, 500, 503] {
+            meter.add(&key(3), &Usage::answer(status));
+        }
+        meter.add(&key(3), &Usage { peak_memory_bytes: 10, ..Usage::default() });
+        meter.add(&key(3), &Usage { peak_memory_bytes: 4, guest_us: 7, ..Usage::default() });
+        let usage = meter.unwritten()[&key(3)];
+        assert_eq!((usage.requests_2xx, usage.requests_3xx, usage.requests_4xx, usage.requests_5xx), (2, 1, 2, 2));
+        assert_eq!((usage.peak_memory_bytes, usage.guest_us, usage.requests()), (10, 7, 7));
+    }
+
+    #[test]
+    fn a_delta_not_written_is_sealed_again_under_its_number() {
+        let meter = Meter::new("n".into());
+        assert_eq!(meter.seal(), None, "nothing to write");
+        meter.add(&key(1), &Usage::answer(200));
+        let first = meter.seal().unwrap();
+        assert_eq!(first.seq, 1);
+        // The write failed; meanwhile more came.
+        meter.add(&key(1), &Usage::answer(200));
+        assert_eq!(meter.seal().unwrap(), first, "the same delta, the same number: written once");
+        assert_eq!(meter.unwritten()[&key(1)].requests_2xx, 2);
+        meter.written(1);
+        let second = meter.seal().unwrap();
+        assert_eq!((second.seq, second.rows[0].1.requests_2xx), (2, 1), "the later request, in the next delta");
+        meter.written(2);
+        assert_eq!(meter.seal(), None);
+        assert!(meter.unwritten().is_empty());
+    }
+
+    #[test]
+    fn bytes_out_are_added_when_the_body_is_done() {
+        let meter = Meter::new("n".into());
+        let counter = BytesOut::new(Arc::clone(&meter), key(0));
+        counter.sent(100);
+        counter.sent(28);
+        assert!(meter.unwritten().is_empty());
+        drop(counter);
+        assert_eq!(meter.unwritten()[&key(0)].bytes_out, 128);
+    }
+}
