@@ -3,7 +3,7 @@
 //! it is free, so a slow device never holds up the queue.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -216,6 +216,12 @@ impl Batcher {
     /// what is left of its deadline ([`crate::backlog::fits`]) is refused
     /// at once ([`InferError::Backlog`]).
     pub async fn infer(&self, request: InferRequest) -> Reply {
+        self.infer_metered(request, None).await
+    }
+
+    /// [`Batcher::infer`], adding the call's share of its batch's device
+    /// time (µs, as `/metrics` charges its tenant) to `device_us`.
+    pub async fn infer_metered(&self, request: InferRequest, device_us: Option<Arc<AtomicU64>>) -> Reply {
         self.spec.validate_input(&request.input)?;
         let left = request.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -226,7 +232,7 @@ impl Batcher {
             return Err(InferError::Backlog { wait });
         }
         let deadline = request.deadline;
-        let rx = self.enqueue(request)?;
+        let rx = self.enqueue(request, device_us)?;
         match tokio::time::timeout_at(deadline.into(), rx).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => Err(InferError::ShuttingDown),
@@ -235,12 +241,19 @@ impl Batcher {
         }
     }
 
-    fn enqueue(&self, request: InferRequest) -> Result<oneshot::Receiver<Reply>, InferError> {
+    fn enqueue(&self, request: InferRequest, device_us: Option<Arc<AtomicU64>>) -> Result<oneshot::Receiver<Reply>, InferError> {
         if self.shared.shutdown.load(Ordering::SeqCst) {
             return Err(InferError::ShuttingDown);
         }
         let (tx, rx) = oneshot::channel();
-        let entry = Entry { tenant: request.tenant, input: request.input, deadline: request.deadline, enqueued: Instant::now(), reply: tx };
+        let entry = Entry {
+            tenant: request.tenant,
+            input: request.input,
+            deadline: request.deadline,
+            enqueued: Instant::now(),
+            reply: tx,
+            device_us,
+        };
         if let Err(refused) = self.shared.lock().push(entry) {
             self.shared.metrics.record_overloaded();
             return Err(refused.0);
@@ -449,6 +462,7 @@ fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Ve
     let (size, elapsed, ok) = (batch.len(), started.elapsed(), result.is_ok());
     shared.metrics.record_batch(index, size, elapsed, ok);
     shared.metrics.charge_tenants(elapsed, batch.iter().map(|e| (&*e.tenant, sample_cost(e.input.shape()))));
+    meter_calls(&batch, elapsed);
     match result {
         Ok(outputs) => {
             for (entry, output) in batch.into_iter().zip(outputs) {
@@ -463,6 +477,20 @@ fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Ve
         }
     }
     (size, elapsed, ok)
+}
+
+/// Adds each metered call's share of the batch's `busy` time to its meter:
+/// the same split [`Metrics::charge_tenants`] charges the tenants.
+fn meter_calls(batch: &[Entry], busy: Duration) {
+    if batch.iter().all(|e| e.device_us.is_none()) {
+        return;
+    }
+    let total: u64 = batch.iter().map(|e| sample_cost(e.input.shape())).sum();
+    for entry in batch {
+        if let Some(meter) = &entry.device_us {
+            meter.fetch_add(crate::metrics::share_us(busy, sample_cost(entry.input.shape()), total), Ordering::Relaxed);
+        }
+    }
 }
 
 fn check_len(outputs: Vec<Vec<Tensor>>, expected: usize) -> Result<Vec<Vec<Tensor>>, BackendError> {

@@ -91,7 +91,18 @@ impl Models {
 
     /// Runs one sample through the named model.
     pub async fn infer(&self, model: &str, request: InferRequest) -> Result<Vec<Tensor>, InferError> {
+        self.infer_metered(model, request, None).await
+    }
+
+    /// [`Models::infer`], adding the call's device time to `device_us`
+    /// (see [`Batcher::infer_metered`]).
+    pub async fn infer_metered(
+        &self,
+        model: &str,
+        request: InferRequest,
+        device_us: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
+    ) -> Result<Vec<Tensor>, InferError> {
         let batcher = self.get(model).ok_or_else(|| InferError::UnknownModel(model.to_owned()))?;
-        batcher.infer(request).await
+        batcher.infer_metered(request, device_us).await
     }
 }

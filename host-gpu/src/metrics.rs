@@ -128,10 +128,9 @@ impl Metrics {
         if total == 0 {
             return;
         }
-        let busy = micros(busy);
         let mut charged = self.tenant_busy_us.lock().unwrap_or_else(|p| p.into_inner());
         for (tenant, cost) in samples {
-            let share = u64::try_from(u128::from(busy) * u128::from(cost) / u128::from(total)).unwrap_or(u64::MAX);
+            let share = share_us(busy, cost, total);
             match charged.get_mut(tenant) {
                 Some(us) => *us = us.saturating_add(share),
                 None => {
@@ -190,4 +189,14 @@ impl Metrics {
 
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// A sample's share, µs, of a batch that kept its device `busy`: its cost
+/// over the batch's `total` cost (rounded down; what each tenant is
+/// charged, and each metered call).
+pub(crate) fn share_us(busy: Duration, cost: u64, total: u64) -> u64 {
+    if total == 0 {
+        return 0;
+    }
+    u64::try_from(u128::from(micros(busy)) * u128::from(cost) / u128::from(total)).unwrap_or(u64::MAX)
 }

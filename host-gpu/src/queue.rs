@@ -40,6 +40,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
@@ -95,6 +96,9 @@ pub struct Entry {
     pub enqueued: Instant,
     /// Where the answer goes; closed if the caller went away.
     pub reply: oneshot::Sender<Reply>,
+    /// Where the call's share of its batch's device time goes, µs (the
+    /// share `/metrics` charges its tenant), if the caller meters it.
+    pub device_us: Option<Arc<AtomicU64>>,
 }
 
 impl Entry {
@@ -361,7 +365,7 @@ impl State {
     /// Takes the next batch: drops expired and cancelled calls, then fills
     /// up to `limit(shape)` (at most `max_batch`) calls of one shape, each
     /// from the tenant served least that has one it may take (see
-    /// [`State::takeable`]).
+    /// `State::takeable`).
     pub fn next_batch(&mut self, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Formed {
         let mut formed = Formed::default();
         self.drop_dead(now, &mut formed);
@@ -459,7 +463,7 @@ mod tests {
         let (tx, rx) = oneshot::channel();
         let len = shape.iter().product();
         let input = Tensor::new(shape.to_vec(), ElementType::U8, vec![0; len]).unwrap();
-        let entry = Entry { tenant: tenant.into(), input, deadline: now + SECOND, enqueued: now, reply: tx };
+        let entry = Entry { tenant: tenant.into(), input, deadline: now + SECOND, enqueued: now, reply: tx, device_us: None };
         (entry, rx)
     }
 

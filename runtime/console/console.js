@@ -265,8 +265,54 @@
     for (const input of $("limits-form").elements) {
       if (input.name) input.value = info.limits[input.name] ?? "";
     }
-    await Promise.all([renderKeys(name), renderHandlers(name, info.handlers)]);
+    await Promise.all([renderKeys(name), renderHandlers(name, info.handlers), renderUsage(name)]);
   }
+
+  // ---- usage (GET /admin/v1/usage, written by the nodes every flush interval) ----
+  const HOUR = 3600 * 1000;
+  async function renderUsage(name) {
+    const report = await attempt("op-status", () => admin("GET", `usage?tenant=${seg(name)}&by=hour`));
+    if (!report) return;
+    const end = Math.floor(report.to_ms / HOUR) * HOUR;
+    const hours = Array.from({ length: 24 }, (_, i) => ({ start: end - (23 - i) * HOUR, ok: 0, failed: 0 }));
+    const sum = { requests: 0, errors: 0, guest: 0, device: 0, calls: 0, bytesIn: 0, bytesOut: 0 };
+    for (const r of report.rows) {
+      const failed = r.requests_4xx + r.requests_5xx, ok = r.requests_2xx + r.requests_3xx;
+      const slot = hours.find((h) => h.start === r.start_ms);
+      if (slot) { slot.ok += ok; slot.failed += failed; }
+      sum.requests += ok + failed; sum.errors += failed; sum.guest += r.guest_us; sum.device += r.device_us;
+      sum.calls += r.infer_calls; sum.bytesIn += r.bytes_in; sum.bytesOut += r.bytes_out;
+    }
+    usageChart(hours);
+    state.usage = sum;
+    const list = $("usage");
+    list.replaceChildren(
+      el("dt", "requests (4xx/5xx)"), el("dd", `${sum.requests} (${sum.errors})`),
+      el("dt", "guest / device time"), el("dd", `${(sum.guest / 1e6).toFixed(2)} s / ${(sum.device / 1e6).toFixed(2)} s`),
+      el("dt", "inference calls"), el("dd", sum.calls),
+      el("dt", "bytes in / out"), el("dd", `${sum.bytesIn} / ${sum.bytesOut}`));
+  }
+  function usageChart(hours) {
+    const canvas = $("usage-chart");
+    const ctx = canvas.getContext("2d");
+    ctx.clearRect(0, 0, canvas.width, canvas.height);
+    const top = Math.max(1, ...hours.map((h) => h.ok + h.failed));
+    const width = canvas.width / hours.length, room = canvas.height - 16;
+    hours.forEach((h, i) => {
+      const okHeight = (h.ok / top) * room, failedHeight = (h.failed / top) * room;
+      ctx.fillStyle = "#1f6feb"; ctx.fillRect(i * width + 1, canvas.height - okHeight, width - 2, okHeight);
+      ctx.fillStyle = "#cf222e"; ctx.fillRect(i * width + 1, canvas.height - okHeight - failedHeight, width - 2, failedHeight);
+    });
+    ctx.fillStyle = "#1b1f24"; ctx.font = "12px system-ui";
+    ctx.fillText(`${top} requests in the busiest hour`, 6, 12);
+  }
+  $("usage-csv").addEventListener("click", async () => {
+    const response = await fetch(`/admin/v1/usage?tenant=${seg(state.detail)}&by=hour&format=csv`, { headers: { authorization: `Bearer ${state.token}` } });
+    if (!response.ok) return fail("op-status", response);
+    const link = el("a", "", { href: URL.createObjectURL(await response.blob()), download: `usage-${state.detail}.csv` });
+    link.click();
+    URL.revokeObjectURL(link.href);
+  });
 
   $("limits-form").addEventListener("submit", async (e) => {
     e.preventDefault();
@@ -356,11 +402,15 @@
 
   // ---- live view ----
   let polling = null;
+  let ticks = 0;
   function poll() {
     if (polling) return;
     const tick = async () => {
       if (!$("operate").hidden && state.token) {
         try { live(await admin("GET", "stats")); } catch (_) { /* shown on the next action */ }
+        // Usage is written every flush interval (10 s by default): look again as often.
+        ticks += 1;
+        if (state.detail && ticks % 5 === 0) renderUsage(state.detail);
       }
     };
     tick();

@@ -141,6 +141,40 @@ pub struct ActivateArgs {
     pub target: HandlerArgs,
 }
 
+/// `facegate usage`
+#[derive(Debug, Clone, Args)]
+pub struct UsageArgs {
+    /// Only this tenant (default: all).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Start, Unix seconds (default: a day before `--to`).
+    #[arg(long)]
+    pub from: Option<i64>,
+    /// End, Unix seconds, excluded (default: now).
+    #[arg(long)]
+    pub to: Option<i64>,
+    /// Period of each row: minute, hour or day.
+    #[arg(long, default_value = "hour", value_parser = ["minute", "hour", "day"])]
+    pub by: String,
+    /// Print CSV (a header, then a row per tenant, handler, version and period).
+    #[arg(long)]
+    pub csv: bool,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "flattened")]
+    pub client: ClientArgs,
+}
+
+impl UsageArgs {
+    /// The admin API path with the query.
+    fn path(&self) -> String {
+        let mut query = vec![format!("by={}", self.by)];
+        query.extend(self.tenant.as_ref().map(|t| format!("tenant={t}")));
+        query.extend(self.from.map(|s| format!("from={s}")));
+        query.extend(self.to.map(|s| format!("to={s}")));
+        format!("usage?{}", query.join("&"))
+    }
+}
+
 /// `facegate check`
 #[derive(Debug, Clone, Args)]
 pub struct CheckArgs {
@@ -195,6 +229,10 @@ pub enum Command {
     Rollback(HandlerArgs),
     /// Check a store's integrity offline (database, references, component hashes).
     Check(CheckArgs),
+    /// The tenants' usage, summed over the cluster's nodes, per minute, hour
+    /// or day: requests by status class, guest and device time, inference
+    /// calls, bytes, peak memory (admin API).
+    Usage(UsageArgs),
     /// List the gateway nodes sharing the store, with their last heartbeat (admin API).
     Nodes {
         #[command(flatten)]
@@ -257,6 +295,7 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         C::Rollback(t) => {
             (&t.client, Method::POST, format!("tenants/{}/handlers/{}/rollback", t.tenant, t.handler), Bytes::new(), "application/json")
         }
+        C::Usage(args) => (&args.client, Method::GET, args.path(), Bytes::new(), "application/json"),
         C::Check(args) => return check(args),
         C::Serve(_) | C::Bench { .. } => bail!("not a client command"),
     };
@@ -343,6 +382,7 @@ where
 fn print_summary(command: &Command, v: &Value) {
     use Command as C;
     match command {
+        C::Usage(args) => print_usage(v, args.csv),
         C::Tenant(TenantCommand::List { .. }) => {
             for t in v["tenants"].as_array().into_iter().flatten() {
                 let handlers: Vec<String> = t["handlers"]
@@ -429,4 +469,60 @@ fn check(args: &CheckArgs) -> anyhow::Result<i32> {
         );
     }
     Ok(if report.ok { 0 } else { 1 })
+}
+
+/// A usage report: CSV, or a table with each period's start in UTC.
+fn print_usage(v: &Value, csv: bool) {
+    let rows: Vec<crate::control::usage::UsageRow> = serde_json::from_value(v["rows"].clone()).unwrap_or_default();
+    if csv {
+        print!("{}", crate::control::usage::to_csv(&rows));
+        return;
+    }
+    println!("start (UTC)       tenant/handler@version  2xx  3xx  4xx  5xx  guest s  device s  calls  bytes in  bytes out  peak MiB");
+    for r in &rows {
+        let u = &r.usage;
+        println!(
+            "{}  {:<22} {:>4} {:>4} {:>4} {:>4} {:>8.2} {:>9.2} {:>6} {:>9} {:>10} {:>9.1}",
+            utc(r.start_ms),
+            format!("{}/{}@{}", r.tenant, r.handler, r.version),
+            u.requests_2xx,
+            u.requests_3xx,
+            u.requests_4xx,
+            u.requests_5xx,
+            u.guest_us as f64 / 1e6,
+            u.device_us as f64 / 1e6,
+            u.infer_calls,
+            u.bytes_in,
+            u.bytes_out,
+            u.peak_memory_bytes as f64 / f64::from(1u32 << 20)
+        );
+    }
+}
+
+/// `ms` after the Unix epoch as `YYYY-MM-DD HH:MM` UTC (the civil-from-days
+/// algorithm of Howard Hinnant's date library).
+fn utc(ms: i64) -> String {
+    let (days, minutes) = (ms.div_euclid(86_400_000), ms.rem_euclid(86_400_000) / 60_000);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}", minutes / 60, minutes % 60)
+}
+
+#[cfg(test)]
+mod usage_tests {
+    use super::utc;
+
+    #[test]
+    fn periods_print_in_utc() {
+        assert_eq!(utc(0), "1970-01-01 00:00");
+        assert_eq!(utc(951_782_400_000), "2000-02-29 00:00");
+        assert_eq!(utc(1_796_356_800_000 + 3_660_000), "2026-12-04 05:01");
+    }
 }

@@ -22,6 +22,10 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_MEMORY_KEEP_RESIDENT_KIB: usize = 8192;
 /// Default most handler instances alive at once (requests in flight).
 pub const DEFAULT_MAX_INSTANCES: u32 = 128;
+/// Default of `--usage-flush-ms`.
+pub const DEFAULT_USAGE_FLUSH_MS: u64 = 10_000;
+/// Default of `--usage-retention-days`.
+pub const DEFAULT_USAGE_RETENTION_DAYS: u64 = 90;
 /// Default most idle instances kept for reuse, all tenants together.
 pub const DEFAULT_WARM_INSTANCES: u32 = 64;
 /// Default seconds a warm instance waits for a request before it is dropped.
@@ -226,6 +230,15 @@ pub struct ServeConfig {
     /// in proportion, so serving keeps its cores while an upload compiles.
     #[arg(long, env = "FACEGATE_COMPILE_NICE", default_value_t = DEFAULT_COMPILE_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
     pub compile_nice: i32,
+
+    /// How often this node writes the usage it metered to the store, ms:
+    /// what a crash may lose (see docs/operations.md, "Usage").
+    #[arg(long, env = "FACEGATE_USAGE_FLUSH_MS", default_value_t = DEFAULT_USAGE_FLUSH_MS, value_parser = clap::value_parser!(u64).range(100..=3_600_000))]
+    pub usage_flush_ms: u64,
+
+    /// Days of usage the store keeps (older minute buckets are pruned).
+    #[arg(long, env = "FACEGATE_USAGE_RETENTION_DAYS", default_value_t = DEFAULT_USAGE_RETENTION_DAYS, value_parser = clap::value_parser!(u64).range(1..=36_500))]
+    pub usage_retention_days: u64,
 
     /// Whether this node shares the components it compiles with the other
     /// nodes of a cluster, and loads theirs, through the store (native code,

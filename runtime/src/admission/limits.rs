@@ -1,4 +1,4 @@
-//! A tenant's limits, each declared once, in the [`tenant_limits!`] table
+//! A tenant's limits, each declared once, in the `tenant_limits!` table
 //! below: its doc (the `--help` of its flags and the API reference), its
 //! name (the admin API's field and the tenant commands' `--<name>`; flags
 //! spell with hyphens what field names spell with underscores), its

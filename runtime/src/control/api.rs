@@ -8,7 +8,7 @@ use serde::Serialize;
 use super::store::VersionRow;
 use crate::admission::limits::{LimitOverrides, TenantLimits};
 
-/// A key created by [`ControlPlane::seed`].
+/// A key created by `ControlPlane::seed`.
 #[derive(Debug, Clone)]
 pub struct SeededKey {
     /// Its tenant.
@@ -99,7 +99,7 @@ pub struct CreatedKey {
     pub created_at: i64,
 }
 
-/// Outcome of [`check_store`].
+/// Outcome of `check_store`.
 #[derive(Debug, Serialize)]
 pub struct CheckReport {
     /// No problem found.

@@ -20,6 +20,7 @@ mod snapshot;
 pub mod store;
 pub mod sync;
 mod upload;
+pub mod usage;
 pub mod validate;
 
 use std::collections::HashMap;
@@ -105,6 +106,8 @@ pub struct ControlPlane {
     nodes: AtomicUsize,
     /// Whose heartbeats advance (see [`live::NodeWatch`]).
     node_watch: Mutex<live::NodeWatch>,
+    /// What this node's requests used, until written (see [`usage`]).
+    meter: Arc<crate::metrics::usage::Meter>,
 }
 
 impl ControlPlane {
@@ -159,6 +162,8 @@ impl ControlPlane {
             live: RwLock::new(Arc::new(Live::default())),
             nodes: AtomicUsize::new(1),
             node_watch: Mutex::default(),
+            // A restarted node writes under a new name: its numbers start again.
+            meter: crate::metrics::usage::Meter::new(store::new_incarnation()?),
         };
         control.refresh(&mut **control.db(), Vec::new(), Compile::Now)?;
         Ok(control)
@@ -296,7 +301,7 @@ impl ControlPlane {
     }
 
     /// Validates, compiles and stores a new version of a handler; activates it if asked.
-    /// The heavy part runs on the compile pool (see [`upload`]), under its budget.
+    /// The heavy part runs on the compile pool (see `upload`), under its budget.
     /// Takes the upload's buffer as it arrived: it moves to the compile thread without a copy.
     pub fn deploy(&self, tenant: &str, handler: &str, bytes: Bytes, activate: bool) -> StoreResult<Deployed> {
         let handler = valid_name(handler).map_err(|e| StoreError::Invalid(e.to_string()))?;

@@ -55,7 +55,7 @@ impl ControlPlane {
 
     /// Counts the nodes alive (a heartbeat that advanced within
     /// [`sync::ALIVE_WITHIN`] by this node's clock, whatever the others'
-    /// clocks say, see [`live::NodeWatch`]; at least this one) and gives
+    /// clocks say, see `live::NodeWatch`; at least this one) and gives
     /// every tenant's gate this node's share of its rate and concurrency
     /// among them. A node that stops cleanly deregisters at once; one that
     /// dies keeps its share until it is seen silent that long (the others

@@ -6,7 +6,9 @@
 //! (loading what other nodes deployed: this node's cached artifact, or the
 //! one the deploying node shared). Every heartbeat interval it records the
 //! node's id, address, version, devices and load; every wake-up it drops
-//! the warm instances idle too long (see [`crate::sandbox::warm`]). When the store is
+//! the warm instances idle too long (see [`crate::sandbox::warm`]); every
+//! usage flush interval it writes what the node metered (see
+//! [`super::usage`]), and once more as it stops. When the store is
 //! unreachable it keeps trying; the snapshot it has goes on being served.
 //!
 //! A component with no usable artifact (another engine, a node without the
@@ -25,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use super::ControlPlane;
 use super::store::{Listener, NodeLoad, NodeRow, StoreError, now_ms};
+use super::usage::UsagePolicy;
 
 /// How often the generation is polled when no announcement wakes the thread.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
@@ -60,11 +63,16 @@ pub struct SyncHandle {
 
 impl SyncHandle {
     /// Starts the thread (see the module docs); `nice` as `--compile-nice`.
-    pub fn start(control: Arc<ControlPlane>, node: NodeIdentity, load: LoadProbe, nice: i32) -> anyhow::Result<Self> {
+    pub fn start(
+        control: Arc<ControlPlane>,
+        node: NodeIdentity,
+        load: LoadProbe,
+        (nice, usage): (i32, UsagePolicy),
+    ) -> anyhow::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let id = node.id.clone();
         let compiler = Compiler::start(Arc::clone(&control), nice)?;
-        let worker = Worker { control: Arc::clone(&control), node, load, stop: Arc::clone(&stop), started_at: now_ms(), compiler };
+        let worker = Worker { control: Arc::clone(&control), node, load, stop: Arc::clone(&stop), started_at: now_ms(), compiler, usage };
         // At the server's priority: the sync no longer compiles, and what it
         // does (store reads, loading artifacts) should not wait behind serving.
         let thread = std::thread::Builder::new().name("facegate-sync".into()).spawn(move || worker.run())?;
@@ -77,6 +85,10 @@ impl Drop for SyncHandle {
         self.stop.store(true, Ordering::Release);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
+        }
+        // What was metered since the last flush: a clean stop loses none of it.
+        if let Err(e) = self.control.flush_usage() {
+            tracing::warn!(error = %e, "could not write this node's last usage");
         }
         if let Err(e) = self.control.deregister(&self.id) {
             tracing::debug!(error = %e, "could not remove this node's row");
@@ -91,6 +103,7 @@ struct Worker {
     stop: Arc<AtomicBool>,
     started_at: i64,
     compiler: Compiler,
+    usage: UsagePolicy,
 }
 
 /// The thread that compiles what the sync left for later, one component at
@@ -149,6 +162,7 @@ impl Worker {
         let mut listener: Option<Box<dyn Listener>> = None;
         let mut listen_again = Instant::now();
         let mut next_heartbeat = Instant::now();
+        let (mut next_flush, mut next_prune) = (Instant::now() + self.usage.flush_every, Instant::now());
         let mut reachable = true;
         while !self.stop.load(Ordering::Acquire) {
             if listener.is_none() && Instant::now() >= listen_again {
@@ -170,6 +184,25 @@ impl Worker {
                 self.heartbeat();
                 next_heartbeat = Instant::now() + HEARTBEAT_INTERVAL;
             }
+            if reachable && Instant::now() >= next_flush {
+                self.flush_usage(&mut next_prune);
+                next_flush = Instant::now() + self.usage.flush_every;
+            }
+        }
+    }
+
+    /// Writes the node's usage (a failed write is retried at the next
+    /// flush, as the same delta); prunes old buckets when due.
+    fn flush_usage(&self, next_prune: &mut Instant) {
+        if let Err(e) = self.control.flush_usage() {
+            tracing::warn!(error = %e, "could not write usage; retrying at the next flush");
+            return;
+        }
+        if Instant::now() >= *next_prune {
+            if let Err(e) = self.control.prune_usage(self.usage.retention) {
+                tracing::debug!(error = %e, "could not prune old usage");
+            }
+            *next_prune = Instant::now() + self.usage.prune_every();
         }
     }
 

@@ -95,6 +95,9 @@ impl App {
         if req.method() == Method::GET && rest == ["stats"] {
             return self.stats();
         }
+        if req.method() == Method::GET && rest == ["usage"] {
+            return self.usage_report(&req).await;
+        }
         let method = req.method().clone();
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
@@ -192,7 +195,7 @@ fn created(value: impl serde::Serialize) -> AdminResult {
     Ok((StatusCode::CREATED, serde_json::to_value(value).map_err(anyhow::Error::from)?))
 }
 
-fn store_error(e: &StoreError) -> Response<Body> {
+pub(super) fn store_error(e: &StoreError) -> Response<Body> {
     match e {
         StoreError::NotFound(m) => response::error(StatusCode::NOT_FOUND, "not_found", m),
         StoreError::Conflict(m) => response::error(StatusCode::CONFLICT, "conflict", m),

@@ -17,8 +17,9 @@ use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::admission::slots::Refusal;
 use crate::control::TenantGate;
 use crate::metrics::Limit;
+use crate::metrics::usage::{BytesOut, Usage, UsageKey};
 use crate::sandbox::handler::Handler;
-use crate::sandbox::{SandboxError, SandboxLimits};
+use crate::sandbox::{RequestTag, SandboxError, SandboxLimits};
 
 impl App {
     /// Authenticates, admits (tenant rate and concurrency, instance slots)
@@ -45,15 +46,27 @@ impl App {
         // The handler never sees the tenant's key.
         req.headers_mut().remove(hyper::header::AUTHORIZATION);
         let id = self.request_ids.next();
-        let mut response = self.run_handler(&gate, &handler, req, &id).await;
-        self.metrics.record(tenant, name, response.status().as_u16(), started.elapsed());
+        // Metered in the minute it started (see crate::metrics::usage).
+        let key = UsageKey::new(tenant, name, handler.version, crate::control::store::now_ms());
+        let response = self.run_handler(&gate, &handler, req, (&id, &key)).await;
+        let status = response.status().as_u16();
+        self.metrics.record(tenant, name, status, started.elapsed());
+        let meter = self.control.meter();
+        meter.add(&key, &Usage::answer(status));
+        let mut response = response::counted(response, BytesOut::new(Arc::clone(meter), key));
         if let Ok(value) = hyper::header::HeaderValue::from_str(&id) {
             response.headers_mut().insert(REQUEST_ID_HEADER, value);
         }
         response
     }
 
-    async fn run_handler(&self, gate: &TenantGate, handler: &Arc<Handler>, req: Request<Incoming>, id: &Arc<str>) -> Response<Body> {
+    async fn run_handler(
+        &self,
+        gate: &TenantGate,
+        handler: &Arc<Handler>,
+        req: Request<Incoming>,
+        (id, key): (&Arc<str>, &UsageKey),
+    ) -> Response<Body> {
         let (limits, tenant) = (&gate.limits, &handler.tenant);
         if let Err(wait) = gate.rate.try_take() {
             self.hits().hit(tenant, Limit::Rate);
@@ -112,6 +125,7 @@ impl App {
                 // The body read, its reservation shrinks to its size.
                 let body = hyper::body::Body::size_hint(req.body()).exact().unwrap_or(0) as usize;
                 let _ = memory.resize(body.saturating_add(REQUEST_BASE_BYTES));
+                self.control.meter().add(key, &Usage { bytes_in: body as u64, ..Usage::default() });
                 req
             }
             Err((limit, refusal)) => {
@@ -137,7 +151,8 @@ impl App {
         // The deadline covers the guest, queueing and inference, not the upload.
         let deadline = Instant::now() + limits.timeout();
         let sandbox_limits = SandboxLimits { tenant: *limits, max_host_resources: self.config.max_host_resources };
-        match self.sandbox.handle(handler, req, deadline, sandbox_limits, Arc::clone(id), (instance, tenant_slot, memory, promise)).await {
+        let tag = RequestTag { id: Arc::clone(id), usage: Some((Arc::clone(self.control.meter()), key.clone())) };
+        match self.sandbox.handle(handler, req, deadline, sandbox_limits, tag, (instance, tenant_slot, memory, promise)).await {
             Ok(mut response) => {
                 response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));
                 response

@@ -58,7 +58,7 @@ pub const RESERVE_TIMEOUT: Duration = Duration::from_secs(2);
 /// buffer is what a client makes the gateway hold without finishing a
 /// request: 4096 connections × 32 KiB is 128 MiB at most, where hyper's
 /// default (about 400 KiB) would allow 1.6 GiB. (An HTTP/2 client can make
-/// it hold its receive window besides: see [`H2_CONNECTION_WINDOW`].) It
+/// it hold its receive window besides: see `H2_CONNECTION_WINDOW`.) It
 /// also bounds the HTTP/1 write buffer: an answer is read ahead of a slow
 /// client by at most this much. 32 KiB is what nginx allows a head by
 /// default (4 × 8 KiB), far above what browsers and bearer tokens need.
@@ -116,7 +116,7 @@ fn closing_limit(request_timeout: Duration, idle_timeout: Duration) -> Duration 
 }
 
 /// Evicted connections still closing, at most, per listener. Each holds a
-/// file descriptor past the cap until it closes (within [`CLOSE_GRACE`]
+/// file descriptor past the cap until it closes (within `CLOSE_GRACE`
 /// unless a request raced in), so they count in the open-file limit
 /// (`open_files`); past them a newcomer to a full listener is refused.
 pub const EVICTION_BACKLOG: usize = 32;

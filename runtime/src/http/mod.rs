@@ -3,8 +3,9 @@
 //! open-file limit), `tls` (HTTPS), `app` (the [`App`] and its [`Plane`]s),
 //! `routes` (the routing table and small routes), `call` (a tenant's call
 //! of its handler), `body` (request bodies under their limits), `auth`
-//! (tokens, client addresses), `admin` (the admin API), `console` (the web
-//! console) and `response` (host-generated responses).
+//! (tokens, client addresses), `admin` (the admin API), `usage` (its usage
+//! report), `console` (the web console) and `response` (host-generated
+//! responses).
 
 mod admin;
 mod app;
@@ -17,6 +18,7 @@ pub mod open_files;
 pub mod response;
 mod routes;
 pub mod tls;
+mod usage;
 
 use std::sync::Arc;
 use std::time::Duration;

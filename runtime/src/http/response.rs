@@ -52,3 +52,41 @@ pub fn text(content_type: &'static str, body: String) -> Response<Body> {
     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     response
 }
+
+/// `response` with its body's bytes counted into `counter` as they are
+/// sent (added to the usage meter when the body ends or is dropped).
+pub fn counted(response: Response<Body>, counter: crate::metrics::usage::BytesOut) -> Response<Body> {
+    response.map(|body| Counted { body, counter }.boxed_unsync())
+}
+
+/// A body counting the bytes it gives (see [`counted`]).
+struct Counted {
+    body: Body,
+    counter: crate::metrics::usage::BytesOut,
+}
+
+impl hyper::body::Body for Counted {
+    type Data = Bytes;
+    type Error = <Body as hyper::body::Body>::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
+        if let std::task::Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(data) = frame.data_ref()
+        {
+            self.counter.sent(data.len());
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}

@@ -225,7 +225,7 @@ const HIT_LOG_EVERY: Duration = Duration::from_secs(10);
 
 impl LimitHits {
     /// Counts one hit of `limit` by `tenant`, and logs it (at most once per
-    /// [`HIT_LOG_EVERY`] per tenant and limit, saying how many went unlogged).
+    /// `HIT_LOG_EVERY` per tenant and limit, saying how many went unlogged).
     pub fn hit(&self, tenant: &str, limit: Limit) {
         let mut hits = self.hits.lock().unwrap_or_else(|p| p.into_inner());
         let entry = hits.entry((tenant.to_owned(), limit)).or_default();

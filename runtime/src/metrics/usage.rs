@@ -63,6 +63,65 @@ pub struct Usage {
 }
 
 impl Usage {
+    /// The figures' names, in the order of [`Usage::figures`] (the store's
+    /// columns, the CSV's and the JSON's fields).
+    pub const FIELDS: [&'static str; 10] = [
+        "requests_2xx",
+        "requests_3xx",
+        "requests_4xx",
+        "requests_5xx",
+        "guest_us",
+        "device_us",
+        "infer_calls",
+        "bytes_in",
+        "bytes_out",
+        "peak_memory_bytes",
+    ];
+
+    /// The figures, in the order of [`Usage::FIELDS`].
+    pub fn figures(&self) -> [u64; 10] {
+        [
+            self.requests_2xx,
+            self.requests_3xx,
+            self.requests_4xx,
+            self.requests_5xx,
+            self.guest_us,
+            self.device_us,
+            self.infer_calls,
+            self.bytes_in,
+            self.bytes_out,
+            self.peak_memory_bytes,
+        ]
+    }
+
+    /// Figures in the order of [`Usage::FIELDS`].
+    pub fn from_figures(figures: [u64; 10]) -> Self {
+        let [
+            requests_2xx,
+            requests_3xx,
+            requests_4xx,
+            requests_5xx,
+            guest_us,
+            device_us,
+            infer_calls,
+            bytes_in,
+            bytes_out,
+            peak_memory_bytes,
+        ] = figures;
+        Self {
+            requests_2xx,
+            requests_3xx,
+            requests_4xx,
+            requests_5xx,
+            guest_us,
+            device_us,
+            infer_calls,
+            bytes_in,
+            bytes_out,
+            peak_memory_bytes,
+        }
+    }
+
     /// One answer of `status`.
     pub fn answer(status: u16) -> Self {
         let mut usage = Self::default();
@@ -255,6 +314,17 @@ mod tests {
         meter.written(2);
         assert_eq!(meter.seal(), None);
         assert!(meter.unwritten().is_empty());
+    }
+
+    #[test]
+    fn figures_go_out_and_come_back_in_the_order_of_their_names() {
+        let usage = Usage { requests_4xx: 4, device_us: 6, peak_memory_bytes: 10, ..Usage::default() };
+        let figures = usage.figures();
+        assert_eq!((figures[2], figures[5], figures[9]), (4, 6, 10));
+        assert_eq!((Usage::FIELDS[2], Usage::FIELDS[5], Usage::FIELDS[9]), ("requests_4xx", "device_us", "peak_memory_bytes"));
+        assert_eq!(Usage::from_figures(figures), usage);
+        let json = serde_json::to_value(usage).unwrap();
+        assert!(Usage::FIELDS.iter().zip(figures).all(|(name, n)| json[name] == n), "{json}");
     }
 
     #[test]

@@ -41,7 +41,7 @@ pub struct EngineLimits {
 impl EngineLimits {
     /// The most host memory the pool keeps resident between instances: every
     /// memory slot its kept-resident bytes and every table slot
-    /// [`TABLE_KEEP_RESIDENT`]. Nobody's request holds it, so the node's
+    /// `TABLE_KEEP_RESIDENT`. Nobody's request holds it, so the node's
     /// memory budget sets it aside.
     pub fn resident_between_instances(&self) -> usize {
         self.memory_slots().saturating_mul(self.keep_resident).saturating_add(self.table_resident())

@@ -1,5 +1,5 @@
 //! Running tenants' code: the one wasmtime engine ([`engine`]), a deployed
-//! handler version ([`handler`]), one request ([`run`]: [`Sandbox`]), what
+//! handler version ([`handler`]), one request (`run`: [`Sandbox`]), what
 //! its store holds ([`state`], [`stdio`], [`instance_memory`], [`outgoing`],
 //! [`face_detect`]), instances kept warm between requests ([`warm`]), and
 //! compiling uploads off the request path ([`compile`]).
@@ -15,4 +15,4 @@ pub mod state;
 pub mod stdio;
 pub mod warm;
 
-pub use run::{Answer, Sandbox, SandboxError, SandboxLimits};
+pub use run::{Answer, RequestTag, Sandbox, SandboxError, SandboxLimits};

@@ -77,7 +77,7 @@ pub enum SandboxError {
     #[error("handler returned without sending a response")]
     NoResponse,
     /// The guest answered with a wasi:http error code instead of a response
-    /// (described briefly, see [`guest_text`]).
+    /// (described briefly, see `guest_text`).
     #[error("handler failed: {0}")]
     Guest(String),
     /// The handler declared a response body longer than the tenant's
@@ -115,6 +115,15 @@ fn cap_response(
             })
             .boxed_unsync()
     }))
+}
+
+/// What names a request in the sandbox: its id in the logs, and where its
+/// usage is metered (see [`crate::metrics::usage`]).
+pub struct RequestTag {
+    /// The request id.
+    pub id: Arc<str>,
+    /// The meter and bucket its guest time, device time, calls and memory go to.
+    pub usage: Option<(Arc<crate::metrics::usage::Meter>, crate::metrics::usage::UsageKey)>,
 }
 
 /// What a client is told of a [`SandboxError`].
@@ -265,18 +274,23 @@ impl Sandbox {
     }
 
     /// Runs `request` through `handler` under `limits`, stopping the guest
-    /// at `deadline`; `request_id` names it in the logs. `permits` (instance and tenant slots) are held until
-    /// the guest is gone.
+    /// at `deadline`; `tag` names it in the logs and says where its usage is
+    /// metered. `permits` (instance and tenant slots) are held until the
+    /// guest is gone.
     pub async fn handle(
         &self,
         handler: &Arc<Handler>,
         request: hyper::Request<Full<Bytes>>,
         deadline: Instant,
         limits: SandboxLimits,
-        request_id: Arc<str>,
+        tag: RequestTag,
         permits: impl Send + 'static,
     ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
         let (mut store, warm_proxy, served) = self.store_for(handler, deadline, limits);
+        let RequestTag { id: request_id, usage } = tag;
+        if let Some((meter, key)) = usage {
+            store.data_mut().face_detect.meter_as(meter, key);
+        }
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (req, out) = {
             let mut http = store.data_mut().http();
@@ -304,6 +318,8 @@ impl Sandbox {
             };
             let result = tokio::time::timeout_at(deadline.into(), run).await;
             log_output(&handler_ref, &request_id, &store, &hits);
+            let used = store.data().limiter.used();
+            store.data_mut().face_detect.settle(used);
             match result {
                 Ok(Ok(proxy)) => {
                     store.data().face_detect.ended();

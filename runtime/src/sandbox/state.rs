@@ -43,7 +43,7 @@ const STREAM_BYTES: usize = 1024;
 
 /// Host memory a request holding `streams` stream resources and `others`
 /// other resources may hold: each other resource at [`RESOURCE_MAX_BYTES`];
-/// each stream at [`STREAM_BYTES`], since what a stream buffers is counted
+/// each stream at `STREAM_BYTES`, since what a stream buffers is counted
 /// with its parent (a body's stream cannot outlive its body, charged in
 /// full) or is the output capture, charged once at [`STDIO_CAPTURE_BYTES`]
 /// however many standard streams write to it.
@@ -182,7 +182,7 @@ impl RequestState {
     }
 
     /// Whether the resource table holds nothing but standard streams (at most
-    /// [`STDIO_STREAMS`]), so the instance may serve another request: any
+    /// `STDIO_STREAMS`), so the instance may serve another request: any
     /// other entry (headers, a body, a pollable, ...) is a resource of the
     /// request just served. A body's stream cannot outlive its body, which
     /// is not a stream.

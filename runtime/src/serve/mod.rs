@@ -174,7 +174,11 @@ impl Gateway {
             handlers: app.control.live().handler_count() as u64,
             generation: 0,
         });
-        SyncHandle::start(Arc::clone(&self.app.control), node, load, config.compile_nice)
+        let usage = control::usage::UsagePolicy {
+            flush_every: Duration::from_millis(config.usage_flush_ms),
+            retention: Duration::from_secs(config.usage_retention_days.saturating_mul(86_400)),
+        };
+        SyncHandle::start(Arc::clone(&self.app.control), node, load, (config.compile_nice, usage))
     }
 
     /// `shutdown`, after which `/readyz` answers 503 while connections drain.

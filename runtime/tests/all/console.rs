@@ -229,6 +229,9 @@ fn operate_creates_a_tenant_deploys_and_rolls_back() {
         assert_eq!(response.send().unwrap().status(), 200);
     }
     browser.wait_for(&format!("{shown} >= {}", before + 2));
+    // The usage section catches up with what the gateway wrote since (it
+    // looks again every 10 s): the two requests, and their device time.
+    browser.wait_for("window.facegateConsole.usage?.requests >= 2 && window.facegateConsole.usage.device > 0");
     browser.screenshot("console-operate");
 }
 

@@ -93,6 +93,8 @@ pub fn config(data_dir: PathBuf, seed: Option<PathBuf>) -> ServeConfig {
     config.max_connections_per_ip = 0;
     config.engine = engine_config(&home);
     config.pipeline_component = guest("pipeline");
+    // Usage reaches the store (and the report) within half a second.
+    config.usage_flush_ms = 500;
     config
 }
 

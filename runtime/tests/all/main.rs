@@ -23,4 +23,5 @@ mod scripts;
 mod secrets;
 mod stores;
 mod tls;
+mod usage;
 mod warm;

@@ -15,6 +15,7 @@ mod pg_connect;
 pub mod postgres;
 pub mod sqlite;
 
+use crate::metrics::usage::{Delta, Usage, UsageKey};
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -61,7 +62,7 @@ pub struct TenantRow {
     pub overrides: LimitOverrides,
     /// Unix seconds.
     pub created_at: i64,
-    /// Set anew each time a tenant of this name is created (see [`new_incarnation`]).
+    /// Set anew each time a tenant of this name is created (see `new_incarnation`).
     #[serde(skip)]
     pub incarnation: String,
 }
@@ -241,6 +242,18 @@ pub trait Store: Send {
 
     /// The database's own checks plus the store's invariants; each problem as text.
     fn check(&mut self) -> StoreResult<Vec<String>>;
+
+    /// Writes a node's usage delta, once: a delta already written (the same
+    /// node and number) is left as it is, so a retried write never counts twice.
+    fn write_usage(&mut self, delta: &Delta) -> StoreResult<()>;
+
+    /// Usage in buckets from `from_ms` (included) to `to_ms` (excluded), of
+    /// one tenant or all, summed over the nodes, by tenant, handler, version
+    /// and bucket, in bucket order.
+    fn usage(&mut self, tenant: Option<&str>, from_ms: i64, to_ms: i64) -> StoreResult<Vec<(UsageKey, Usage)>>;
+
+    /// Forgets usage in buckets before `before_ms`.
+    fn prune_usage(&mut self, before_ms: i64) -> StoreResult<()>;
 }
 
 /// The version a rollback goes to: the newest one older than the active one.
@@ -294,3 +307,18 @@ pub fn now_ms() -> i64 {
 
 #[cfg(test)]
 pub(crate) mod tests;
+
+/// The usage table's figure columns, in [`Usage::FIELDS`]' order.
+pub(crate) fn usage_columns() -> String {
+    Usage::FIELDS.join(", ")
+}
+
+/// A [`Usage`]'s figures as signed integers (SQL has no u64), saturating.
+pub(crate) fn usage_values(u: &Usage) -> [i64; 10] {
+    u.figures().map(|v| i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+/// A [`Usage`] from its figures as [`usage_values`] gives them.
+pub(crate) fn usage_from(v: [i64; 10]) -> Usage {
+    Usage::from_figures(v.map(|v| u64::try_from(v).unwrap_or(0)))
+}

@@ -23,8 +23,10 @@ use super::{
     ActiveHandler, ActiveKeyRow, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError, StoreResult,
     TenantRow, VersionRow, new_incarnation, now,
 };
+use super::{usage_columns, usage_from, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::sha256_hex;
+use crate::metrics::usage::{Delta, Usage, UsageKey};
 
 /// The channel changes are announced on.
 const CHANNEL: &str = "facegate_changes";
@@ -33,7 +35,7 @@ const CHANNEL: &str = "facegate_changes";
 const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[&str] = &[V1, V2, V3];
+pub(super) const MIGRATIONS: &[&str] = &[V1, V2, V3, V4];
 
 const V1: &str = "
 CREATE TABLE tenants (
@@ -100,6 +102,32 @@ CREATE TABLE artifacts (
 );
 ";
 
+/// Version 4: usage, one row per node, delta, tenant, handler, version and
+/// minute (see [`crate::metrics::usage`]); kept when a tenant is deleted
+/// (bills outlive tenants). Not watched: usage changes nothing served.
+const V4: &str = "
+CREATE TABLE usage (
+    node TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    tenant TEXT NOT NULL,
+    handler TEXT NOT NULL,
+    version BIGINT NOT NULL,
+    bucket_ms BIGINT NOT NULL,
+    requests_2xx BIGINT NOT NULL,
+    requests_3xx BIGINT NOT NULL,
+    requests_4xx BIGINT NOT NULL,
+    requests_5xx BIGINT NOT NULL,
+    guest_us BIGINT NOT NULL,
+    device_us BIGINT NOT NULL,
+    infer_calls BIGINT NOT NULL,
+    bytes_in BIGINT NOT NULL,
+    bytes_out BIGINT NOT NULL,
+    peak_memory_bytes BIGINT NOT NULL,
+    PRIMARY KEY (node, seq, tenant, handler, version, bucket_ms)
+);
+CREATE INDEX usage_by_bucket ON usage (bucket_ms, tenant);
+";
+
 /// Version 3: a tenant's incarnation, new each time a tenant of that name
 /// is created. The default is random too, evaluated per row: rows from
 /// before get one of their own, and so do tenants that a node still
@@ -117,7 +145,7 @@ pub struct PgStore {
 }
 
 impl PgStore {
-    /// Connects to `url` (see [`pg_connect`](super::pg_connect) for TLS) and applies missing migrations.
+    /// Connects to `url` (see `pg_connect` for TLS) and applies missing migrations.
     pub fn open(url: &str) -> anyhow::Result<Self> {
         let (mut config, tls) = super::pg_connect::connector(url)?;
         if config.get_connect_timeout().is_none() {
@@ -549,6 +577,74 @@ impl Store for PgStore {
             let rows = c.query("SELECT info FROM nodes ORDER BY id", &[]).map_err(db_error)?;
             rows.iter().map(|r| Ok(serde_json::from_str(r.get(0)).map_err(anyhow::Error::from)?)).collect()
         })
+    }
+
+    fn write_usage(&mut self, delta: &Delta) -> StoreResult<()> {
+        self.with(|c| {
+            let mut tx = c.transaction().map_err(db_error)?;
+            let insert = tx
+                .prepare(&format!(
+                    "INSERT INTO usage (node, seq, tenant, handler, version, bucket_ms, {})
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) ON CONFLICT DO NOTHING",
+                    usage_columns()
+                ))
+                .map_err(db_error)?;
+            let seq = i64::try_from(delta.seq).unwrap_or(i64::MAX);
+            for (key, usage) in &delta.rows {
+                let v = usage_values(usage);
+                tx.execute(
+                    &insert,
+                    &[
+                        &delta.node,
+                        &seq,
+                        &key.tenant,
+                        &key.handler,
+                        &key.version,
+                        &key.bucket_ms,
+                        &v[0],
+                        &v[1],
+                        &v[2],
+                        &v[3],
+                        &v[4],
+                        &v[5],
+                        &v[6],
+                        &v[7],
+                        &v[8],
+                        &v[9],
+                    ],
+                )
+                .map_err(db_error)?;
+            }
+            tx.commit().map_err(db_error)
+        })
+    }
+
+    fn usage(&mut self, tenant: Option<&str>, from_ms: i64, to_ms: i64) -> StoreResult<Vec<(UsageKey, Usage)>> {
+        let tenant = tenant.map(str::to_owned);
+        self.with(move |c| {
+            let rows = c
+                .query(
+                    "SELECT tenant, handler, version, bucket_ms, SUM(requests_2xx)::BIGINT, SUM(requests_3xx)::BIGINT,
+                            SUM(requests_4xx)::BIGINT, SUM(requests_5xx)::BIGINT, SUM(guest_us)::BIGINT, SUM(device_us)::BIGINT,
+                            SUM(infer_calls)::BIGINT, SUM(bytes_in)::BIGINT, SUM(bytes_out)::BIGINT, MAX(peak_memory_bytes)
+                     FROM usage WHERE bucket_ms >= $1 AND bucket_ms < $2 AND ($3::TEXT IS NULL OR tenant = $3)
+                     GROUP BY tenant, handler, version, bucket_ms ORDER BY bucket_ms, tenant, handler, version",
+                    &[&from_ms, &to_ms, &tenant],
+                )
+                .map_err(db_error)?;
+            Ok(rows
+                .iter()
+                .map(|r| {
+                    let key = UsageKey { tenant: r.get(0), handler: r.get(1), version: r.get(2), bucket_ms: r.get(3) };
+                    let v: [i64; 10] = std::array::from_fn(|i| r.get(4 + i));
+                    (key, usage_from(v))
+                })
+                .collect())
+        })
+    }
+
+    fn prune_usage(&mut self, before_ms: i64) -> StoreResult<()> {
+        self.with(|c| c.execute("DELETE FROM usage WHERE bucket_ms < $1", &[&before_ms]).map_err(db_error).map(drop))
     }
 
     fn check(&mut self) -> StoreResult<Vec<String>> {

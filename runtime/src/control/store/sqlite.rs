@@ -11,11 +11,13 @@ use super::{
     ActiveHandler, ActiveKeyRow, DB_FILE, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow,
     VersionRow, new_incarnation, now,
 };
+use super::{usage_columns, usage_from, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
+use crate::metrics::usage::{Delta, Usage, UsageKey};
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1, V2, V3];
+const MIGRATIONS: &[&str] = &[V1, V2, V3, V4];
 
 /// The first schema.
 const V1: &str = "
@@ -71,6 +73,32 @@ CREATE TABLE nodes (
 );
 CREATE TABLE generation (id INTEGER PRIMARY KEY CHECK (id = 1), n INTEGER NOT NULL);
 INSERT INTO generation (id, n) VALUES (1, 0);
+";
+
+/// Version 4: usage, one row per node, delta, tenant, handler, version and
+/// minute (see [`crate::metrics::usage`]); kept when a tenant is deleted
+/// (bills outlive tenants).
+const V4: &str = "
+CREATE TABLE usage (
+    node TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    tenant TEXT NOT NULL,
+    handler TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    bucket_ms INTEGER NOT NULL,
+    requests_2xx INTEGER NOT NULL,
+    requests_3xx INTEGER NOT NULL,
+    requests_4xx INTEGER NOT NULL,
+    requests_5xx INTEGER NOT NULL,
+    guest_us INTEGER NOT NULL,
+    device_us INTEGER NOT NULL,
+    infer_calls INTEGER NOT NULL,
+    bytes_in INTEGER NOT NULL,
+    bytes_out INTEGER NOT NULL,
+    peak_memory_bytes INTEGER NOT NULL,
+    PRIMARY KEY (node, seq, tenant, handler, version, bucket_ms)
+);
+CREATE INDEX usage_by_bucket ON usage (bucket_ms, tenant);
 ";
 
 /// Version 3: a tenant's incarnation, new each time a tenant of that name
@@ -351,6 +379,64 @@ impl Store for SqliteStore {
         let mut stmt = self.conn.prepare("SELECT info FROM nodes ORDER BY id")?;
         let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
         rows.map(|info| Ok(serde_json::from_str(&info?).map_err(anyhow::Error::from)?)).collect()
+    }
+
+    fn write_usage(&mut self, delta: &Delta) -> StoreResult<()> {
+        let tx = self.conn.transaction()?;
+        {
+            let mut insert = tx.prepare(&format!(
+                "INSERT INTO usage (node, seq, tenant, handler, version, bucket_ms, {})
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16) ON CONFLICT DO NOTHING",
+                usage_columns()
+            ))?;
+            let seq = i64::try_from(delta.seq).unwrap_or(i64::MAX);
+            for (key, usage) in &delta.rows {
+                let v = usage_values(usage);
+                insert.execute(params![
+                    delta.node,
+                    seq,
+                    key.tenant,
+                    key.handler,
+                    key.version,
+                    key.bucket_ms,
+                    v[0],
+                    v[1],
+                    v[2],
+                    v[3],
+                    v[4],
+                    v[5],
+                    v[6],
+                    v[7],
+                    v[8],
+                    v[9]
+                ])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn usage(&mut self, tenant: Option<&str>, from_ms: i64, to_ms: i64) -> StoreResult<Vec<(UsageKey, Usage)>> {
+        let mut stmt = self.conn.prepare(
+            "SELECT tenant, handler, version, bucket_ms, SUM(requests_2xx), SUM(requests_3xx), SUM(requests_4xx), SUM(requests_5xx),
+                    SUM(guest_us), SUM(device_us), SUM(infer_calls), SUM(bytes_in), SUM(bytes_out), MAX(peak_memory_bytes)
+             FROM usage WHERE bucket_ms >= ?1 AND bucket_ms < ?2 AND (?3 IS NULL OR tenant = ?3)
+             GROUP BY tenant, handler, version, bucket_ms ORDER BY bucket_ms, tenant, handler, version",
+        )?;
+        let rows = stmt.query_map(params![from_ms, to_ms, tenant], |r| {
+            let key = UsageKey { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, bucket_ms: r.get(3)? };
+            let mut v = [0i64; 10];
+            for (i, slot) in v.iter_mut().enumerate() {
+                *slot = r.get(4 + i)?;
+            }
+            Ok((key, usage_from(v)))
+        })?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    }
+
+    fn prune_usage(&mut self, before_ms: i64) -> StoreResult<()> {
+        self.conn.execute("DELETE FROM usage WHERE bucket_ms < ?1", params![before_ms])?;
+        Ok(())
     }
 
     fn check(&mut self) -> StoreResult<Vec<String>> {

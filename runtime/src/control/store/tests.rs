@@ -285,3 +285,34 @@ fn a_version_2_postgres_store_is_migrated_and_its_tenants_get_incarnations_of_th
     assert_eq!(incarnations.iter().map(String::len).collect::<Vec<_>>(), [16, 16], "{incarnations:?}");
     assert_ne!(incarnations[0], incarnations[1], "one each");
 }
+
+#[test]
+fn usage_deltas_are_written_once_summed_over_nodes_and_pruned() {
+    use crate::metrics::usage::{BUCKET_MS, Delta, Usage, UsageKey};
+    for mut store in stores("usage") {
+        let s = &mut *store;
+        let kind = s.describe();
+        let key = |tenant: &str, minute: i64| UsageKey::new(tenant, "detect", 1, minute * BUCKET_MS);
+        let usage = |requests: u64, peak: u64| Usage {
+            requests_2xx: requests,
+            device_us: 10 * requests,
+            peak_memory_bytes: peak,
+            ..Usage::default()
+        };
+        let first = Delta { node: "n1".into(), seq: 1, rows: vec![(key("a", 5), usage(2, 100)), (key("b", 5), usage(1, 10))] };
+        s.write_usage(&first).unwrap();
+        s.write_usage(&first).unwrap();
+        s.write_usage(&Delta { node: "n1".into(), seq: 2, rows: vec![(key("a", 5), usage(3, 50))] }).unwrap();
+        s.write_usage(&Delta { node: "n2".into(), seq: 1, rows: vec![(key("a", 5), usage(4, 400)), (key("a", 9), usage(1, 1))] }).unwrap();
+        let rows = s.usage(Some("a"), 0, 10 * BUCKET_MS).unwrap();
+        assert_eq!(
+            rows,
+            vec![(key("a", 5), usage(9, 400)), (key("a", 9), usage(1, 1))],
+            "{kind}: a retried delta counts once; nodes sum; peaks are the largest"
+        );
+        assert_eq!(s.usage(None, 0, 10 * BUCKET_MS).unwrap().len(), 3, "{kind}");
+        assert_eq!(s.usage(Some("a"), 6 * BUCKET_MS, 10 * BUCKET_MS).unwrap(), vec![(key("a", 9), usage(1, 1))], "{kind}");
+        s.prune_usage(6 * BUCKET_MS).unwrap();
+        assert_eq!(s.usage(None, 0, 10 * BUCKET_MS).unwrap(), vec![(key("a", 9), usage(1, 1))], "{kind}: older buckets pruned");
+    }
+}

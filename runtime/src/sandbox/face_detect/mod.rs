@@ -10,6 +10,7 @@ mod bindings;
 mod profile;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use facegate_host_gpu::queue::sample_cost;
@@ -18,6 +19,7 @@ use wasmtime::component::{HasData, Linker};
 
 use self::bindings::facegate::face_detect::face_detect as wit;
 use crate::admission::memory::Charge;
+use crate::metrics::usage::{Meter, Usage, UsageKey};
 
 pub use self::profile::{CallProfile, Habits};
 
@@ -31,6 +33,12 @@ pub struct FaceDetectCtx {
     started: Instant,
     first_call: Option<Instant>,
     last_answer: Option<Instant>,
+    /// This request's share of device time, µs (the batcher adds to it).
+    device_us: Arc<AtomicU64>,
+    /// `infer` calls answered with outputs.
+    calls_served: u64,
+    /// Where this request's usage goes, until [`FaceDetectCtx::settle`].
+    meter: Option<(Arc<Meter>, UsageKey)>,
     deadline: Instant,
     calls_left: u32,
     /// Time this request spent inside `infer` (queueing + device).
@@ -67,6 +75,9 @@ impl FaceDetectCtx {
             started: Instant::now(),
             first_call: None,
             last_answer: None,
+            device_us: Arc::default(),
+            calls_served: 0,
+            meter: None,
             deadline,
             calls_left: max_calls,
             infer_time: Duration::ZERO,
@@ -80,6 +91,28 @@ impl FaceDetectCtx {
 }
 
 impl FaceDetectCtx {
+    /// Meters this request as `key` in `meter` (see [`FaceDetectCtx::settle`]).
+    pub fn meter_as(&mut self, meter: Arc<Meter>, key: UsageKey) {
+        self.meter = Some((meter, key));
+    }
+
+    /// Adds this request's guest time (its instance's time less its waits
+    /// for inference), device time, calls and the instance's
+    /// `memory_bytes` to its meter, once; a request that never settles (it
+    /// was stopped) is metered when its context drops, without memory.
+    pub fn settle(&mut self, memory_bytes: usize) {
+        let Some((meter, key)) = self.meter.take() else { return };
+        let guest = self.started.elapsed().saturating_sub(self.infer_time);
+        let usage = Usage {
+            guest_us: u64::try_from(guest.as_micros()).unwrap_or(u64::MAX),
+            device_us: self.device_us.load(Ordering::Relaxed),
+            infer_calls: self.calls_served,
+            peak_memory_bytes: memory_bytes as u64,
+            ..Usage::default()
+        };
+        meter.add(&key, &usage);
+    }
+
     /// The request's guest ended: teaches the handler's profile how long
     /// it worked before its first call and after its last.
     pub fn ended(&self) {
@@ -94,6 +127,13 @@ impl FaceDetectCtx {
         let Some(batcher) = self.models.get(model) else { return false };
         let left = self.deadline.saturating_duration_since(Instant::now()).saturating_sub(self.profile.get().after);
         batcher.estimate_wait(&self.tenant, cost).is_some_and(|wait| !facegate_host_gpu::backlog::fits(wait, left))
+    }
+}
+
+impl Drop for FaceDetectCtx {
+    fn drop(&mut self) {
+        // Stopped (deadline, client gone) before it settled: its device time was spent all the same.
+        self.settle(0);
     }
 }
 
@@ -149,7 +189,8 @@ impl wit::Host for FaceDetectView<'_> {
         }
         let request = InferRequest { tenant: Arc::clone(&self.ctx.tenant), input, deadline: self.ctx.deadline };
         let started = Instant::now();
-        let result = self.ctx.models.infer(&model, request).await;
+        let result = self.ctx.models.infer_metered(&model, request, Some(Arc::clone(&self.ctx.device_us))).await;
+        self.ctx.calls_served += u64::from(result.is_ok());
         // Shrinking always succeeds.
         let _ = self.ctx.memory.resize(0);
         self.ctx.infer_time += started.elapsed();

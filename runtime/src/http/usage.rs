@@ -1,0 +1,118 @@
+//! `GET /admin/v1/usage`: the tenants' usage for bills, as JSON or CSV
+//! (see [`crate::control::usage`]).
+
+use std::sync::Arc;
+
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use serde_json::json;
+
+use super::app::App;
+use super::response::{self, Body};
+use crate::control::store::now_ms;
+use crate::control::usage::{Rollup, to_csv};
+
+/// Longest period one report may cover: a year and a bit of minute buckets.
+const MAX_SPAN_MS: i64 = 400 * 86_400_000;
+/// The period a report covers when `from` is not given.
+const DEFAULT_SPAN_MS: i64 = 86_400_000;
+
+/// What a usage request asks for.
+#[derive(Debug, PartialEq)]
+struct UsageQuery {
+    tenant: Option<String>,
+    from_ms: i64,
+    to_ms: i64,
+    by: Rollup,
+    csv: bool,
+}
+
+impl UsageQuery {
+    /// Parses `tenant`, `from` and `to` (Unix seconds; the last day to now
+    /// by default), `by` (`minute`, `hour`, `day`; `hour` by default) and
+    /// `format` (`json`, `csv`); the error says what is wrong.
+    fn parse(query: &str, now_ms: i64) -> Result<Self, String> {
+        let mut parsed = Self { tenant: None, from_ms: 0, to_ms: now_ms, by: Rollup::Hour, csv: false };
+        let mut from = None;
+        for (name, value) in query.split('&').filter(|kv| !kv.is_empty()).map(|kv| kv.split_once('=').unwrap_or((kv, ""))) {
+            match name {
+                "tenant" => parsed.tenant = Some(value.to_owned()),
+                "from" => from = Some(seconds(name, value)?),
+                "to" => parsed.to_ms = seconds(name, value)?,
+                "by" => parsed.by = Rollup::parse(value).ok_or_else(|| format!("by must be minute, hour or day, not {value:?}"))?,
+                "format" => {
+                    parsed.csv = match value {
+                        "csv" => true,
+                        "json" => false,
+                        _ => return Err(format!("format must be json or csv, not {value:?}")),
+                    }
+                }
+                _ => return Err(format!("unknown parameter {name:?} (tenant, from, to, by, format)")),
+            }
+        }
+        parsed.from_ms = from.unwrap_or(parsed.to_ms.saturating_sub(DEFAULT_SPAN_MS));
+        if parsed.from_ms >= parsed.to_ms || parsed.to_ms - parsed.from_ms > MAX_SPAN_MS {
+            return Err("from must be before to, and at most 400 days before it".into());
+        }
+        Ok(parsed)
+    }
+}
+
+/// A parameter in Unix seconds, as ms.
+fn seconds(name: &str, value: &str) -> Result<i64, String> {
+    let seconds: i64 = value.parse().map_err(|_| format!("{name} must be Unix seconds, not {value:?}"))?;
+    seconds.checked_mul(1000).ok_or_else(|| format!("{name} is out of range"))
+}
+
+impl App {
+    /// Serves `GET /admin/v1/usage` (the caller checked the admin token).
+    pub(super) async fn usage_report(&self, req: &Request<Incoming>) -> Response<Body> {
+        let wants_csv = req.headers().get(hyper::header::ACCEPT).is_some_and(|a| a.to_str().is_ok_and(|a| a.contains("text/csv")));
+        let query = match UsageQuery::parse(req.uri().query().unwrap_or(""), now_ms()) {
+            Ok(query) => query,
+            Err(message) => return response::error(StatusCode::BAD_REQUEST, "invalid_parameter", message),
+        };
+        let control = Arc::clone(&self.control);
+        let (tenant, span, by) = (query.tenant.clone(), (query.from_ms, query.to_ms), query.by);
+        let rows = tokio::task::spawn_blocking(move || control.usage(tenant.as_deref(), span, by)).await;
+        match rows {
+            Ok(Ok(rows)) if query.csv || wants_csv => response::text("text/csv; charset=utf-8", to_csv(&rows)),
+            Ok(Ok(rows)) => {
+                response::json(StatusCode::OK, &json!({ "from_ms": query.from_ms, "to_ms": query.to_ms, "by": query.by, "rows": rows }))
+            }
+            Ok(Err(e)) => super::admin::store_error(&e),
+            Err(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: i64 = 1_800_000_000_000;
+
+    #[test]
+    fn a_query_defaults_to_the_last_day_by_the_hour() {
+        let q = UsageQuery::parse("", NOW).unwrap();
+        assert_eq!(q, UsageQuery { tenant: None, from_ms: NOW - DEFAULT_SPAN_MS, to_ms: NOW, by: Rollup::Hour, csv: false });
+        let q = UsageQuery::parse("tenant=acme&from=100&to=200&by=minute&format=csv", NOW).unwrap();
+        assert_eq!(q, UsageQuery { tenant: Some("acme".into()), from_ms: 100_000, to_ms: 200_000, by: Rollup::Minute, csv: true });
+    }
+
+    #[test]
+    fn a_bad_query_says_what_is_wrong() {
+        for (query, says) in [
+            ("by=week", "by must be"),
+            ("from=yesterday", "Unix seconds"),
+            ("from=200&to=100", "before"),
+            ("from=0&to=99999999999", "400 days"),
+            ("format=xml", "format"),
+            ("color=red", "unknown parameter"),
+            ("to=99999999999999999", "out of range"),
+        ] {
+            let error = UsageQuery::parse(query, NOW).unwrap_err();
+            assert!(error.contains(says), "{query}: {error}");
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Usage metering: requests of known statuses and sizes are metered
+//! exactly, device time as `/metrics` charges it, every node's usage sums
+//! in a PostgreSQL cluster, and a node killed with SIGKILL loses at most
+//! its last flush interval and never counts a request twice.
+
+use std::time::{Duration, Instant};
+
+use facegate_throwaway_pg::ThrowawayPostgres;
+use reqwest::Method;
+use serde_json::{Value, json};
+
+use crate::harness::{self, ADMIN_TOKEN, anonymous, client_with_key, guest, image, metric};
+use crate::process::Server;
+
+/// The nodes' flush interval in these tests, ms.
+const FLUSH_MS: &str = "200";
+
+/// The usage report's rows summed (all periods, handlers and versions).
+fn total(report: &Value) -> Value {
+    let mut sum = serde_json::Map::new();
+    for row in report["rows"].as_array().unwrap() {
+        for (field, value) in row.as_object().unwrap() {
+            if let Some(n) = value.as_u64().filter(|_| !matches!(field.as_str(), "version" | "start_ms")) {
+                let entry = sum.entry(field.clone()).or_insert(json!(0));
+                *entry = json!(if field == "peak_memory_bytes" { entry.as_u64().unwrap().max(n) } else { entry.as_u64().unwrap() + n });
+            }
+        }
+    }
+    Value::Object(sum)
+}
+
+/// All of a field of [`total`] (0 when no row has it).
+fn field(total: &Value, name: &str) -> u64 {
+    total[name].as_u64().unwrap_or(0)
+}
+
+/// Polls `report` until its rows add up to `requests` answers; returns the total.
+fn until_requests(requests: u64, mut report: impl FnMut() -> Value) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let sum = total(&report());
+        let seen: u64 = ["requests_2xx", "requests_3xx", "requests_4xx", "requests_5xx"].iter().map(|f| field(&sum, f)).sum();
+        if seen >= requests || Instant::now() > deadline {
+            return sum;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn each_request_is_metered_once_with_its_status_class_bytes_and_device_time() {
+    let data = harness::fresh_dir("usage-data");
+    let mut config = harness::config(data.clone(), Some(harness::seed_dir()));
+    config.usage_flush_ms = 200;
+    let addr = harness::start(config);
+    let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
+    let (demo, evil) = (client_with_key(&key("demo")), client_with_key(&key("evil")));
+    let photo = image("grace_hopper.jpg");
+    let mut bytes_out = 0;
+    let mut post = |body: Vec<u8>, status: u16| {
+        let response = demo.post(format!("http://{addr}/v1/demo/detect")).body(body).send().unwrap();
+        assert_eq!(response.status(), status);
+        bytes_out += response.bytes().unwrap().len() as u64;
+    };
+    for _ in 0..3 {
+        post(photo.clone(), 200);
+    }
+    for _ in 0..2 {
+        post(Vec::new(), 400);
+    }
+    // Another tenant's request: in the report of all tenants only.
+    assert_eq!(evil.get(format!("http://{addr}/v1/evil/attack?attack=count")).send().unwrap().status(), 200);
+
+    let report = |query: &str| {
+        let url = format!("http://{addr}/admin/v1/usage?{query}");
+        anonymous().get(url).bearer_auth(ADMIN_TOKEN).send().unwrap().json::<Value>().unwrap()
+    };
+    let demo_usage = until_requests(5, || report("tenant=demo&by=minute"));
+    assert_eq!((field(&demo_usage, "requests_2xx"), field(&demo_usage, "requests_4xx")), (3, 2), "{demo_usage}");
+    assert_eq!(field(&demo_usage, "requests_5xx"), 0);
+    assert_eq!(field(&demo_usage, "bytes_in"), 3 * photo.len() as u64, "{demo_usage}");
+    assert_eq!(field(&demo_usage, "bytes_out"), bytes_out, "{demo_usage}");
+    assert_eq!(field(&demo_usage, "infer_calls"), 3);
+    assert!(field(&demo_usage, "guest_us") > 0 && field(&demo_usage, "peak_memory_bytes") > 0, "{demo_usage}");
+
+    let metrics = anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
+    let device = metric(&metrics, "facegate_tenant_device_seconds_total{model=\"centerface\",tenant=\"demo\"}").unwrap();
+    let metered = field(&demo_usage, "device_us") as f64 / 1e6;
+    assert!(device > 0.0 && (metered - device).abs() <= device * 0.01, "usage {metered} s of device time, /metrics {device} s");
+
+    let everyone = until_requests(6, || report("by=day"));
+    assert_eq!(field(&everyone, "requests_2xx"), 4, "the other tenant's request is in the report of all: {everyone}");
+    let csv = anonymous().get(format!("http://{addr}/admin/v1/usage?tenant=demo&format=csv")).bearer_auth(ADMIN_TOKEN).send().unwrap();
+    assert_eq!(csv.headers()["content-type"], "text/csv; charset=utf-8");
+    let csv = csv.text().unwrap();
+    assert!(csv.starts_with("tenant,handler,version,start_ms,requests_2xx,"), "{csv}");
+    assert!(csv.lines().skip(1).all(|line| line.starts_with("demo,detect,")), "{csv}");
+    let refused = anonymous().get(format!("http://{addr}/admin/v1/usage?by=week")).bearer_auth(ADMIN_TOKEN).send().unwrap();
+    assert_eq!(refused.status(), 400);
+    assert_eq!(anonymous().get(format!("http://{addr}/admin/v1/usage")).send().unwrap().status(), 401);
+}
+
+/// Creates tenant `t` with the detect handler as `h` through `node`; its key.
+fn tenant_t(node: &Server) -> String {
+    node.json(node.admin(Method::POST, "tenants").json(&json!({ "name": "t" })));
+    let key = node.json(node.admin(Method::POST, "tenants/t/keys"))["key"].as_str().unwrap().to_owned();
+    node.json(node.admin(Method::PUT, "tenants/t/handlers/h").body(std::fs::read(guest("detect")).unwrap()));
+    key
+}
+
+/// `n` requests of t/h on `node`, each answered 200 by a version.
+fn calls(node: &Server, key: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut done = 0;
+    while done < n {
+        // A node that has not yet loaded the handler answers 404.
+        match node.call(key) {
+            (200, Some(_)) => done += 1,
+            (404, _) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            other => panic!("t/h answered {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn nodes_sum_on_postgres_and_a_killed_node_never_counts_twice() {
+    let pg = ThrowawayPostgres::start().unwrap();
+    let url = pg.url();
+    let args = ["--store", url.as_str(), "--usage-flush-ms", FLUSH_MS];
+    let (a_data, b_data) = (harness::fresh_dir("usage-node-a"), harness::fresh_dir("usage-node-b"));
+    let a = Server::start_with(&a_data, &[&args[..], &["--node-id", "a"]].concat());
+    let b = Server::start_with(&b_data, &[&args[..], &["--node-id", "b"]].concat());
+    let key = tenant_t(&a);
+    calls(&a, &key, 3);
+    calls(&b, &key, 2);
+    let report = |node: &Server| node.json(node.admin(Method::GET, "usage?tenant=t&by=day"));
+    let both = until_requests(5, || report(&a));
+    assert_eq!(field(&both, "requests_2xx"), 5, "both nodes' requests, summed: {both}");
+    assert_eq!(total(&report(&b)), both, "every node reads the same sum");
+
+    // Two more on b, surely written (ten flush intervals), then one that
+    // b may not have written when it is killed.
+    calls(&b, &key, 2);
+    assert_eq!(field(&until_requests(7, || report(&a)), "requests_2xx"), 7);
+    calls(&b, &key, 1);
+    b.kill();
+    let b = Server::start_with(&b_data, &[&args[..], &["--node-id", "b"]].concat());
+    calls(&b, &key, 2);
+    std::thread::sleep(Duration::from_millis(10 * FLUSH_MS.parse::<u64>().unwrap()));
+    let after = field(&until_requests(9, || report(&a)), "requests_2xx");
+    assert!((9..=10).contains(&after), "10 requests answered, at most the last before the kill lost, none counted twice: {after}");
+}
