@@ -5,6 +5,8 @@
 //! library links none of what the suites need (the guest SDK, image
 //! codecs).
 
+mod engine;
+mod fake;
 mod guest;
 mod harness;
 mod isolation;
@@ -52,10 +54,10 @@ async fn run(config: BenchConfig) -> anyhow::Result<()> {
     let duration = Duration::from_secs_f64(config.seconds);
     let suite = config.suite.as_str();
     if matches!(suite, "issue2" | "batching" | "all") {
-        harness::gateway_vs_engine(&config, &images, &tensors, duration).await?;
+        engine::gateway_vs_engine(&config, &images, &tensors, duration).await?;
     }
     if matches!(suite, "fake" | "all") {
-        harness::fake_device(&config, duration).await;
+        fake::fake_device(&config, duration).await;
     }
     if matches!(suite, "pipeline" | "all") {
         pipeline::run(&config, config.iterations.max(1)).await?;
