@@ -63,42 +63,60 @@ pub fn work_ahead<'a>(tenant: &str, cost: u64, pending: impl IntoIterator<Item =
 /// run batches side by side).
 #[derive(Debug)]
 struct Pace {
-    devices: Vec<DevicePace>,
+    devices: Vec<RateSums>,
 }
 
+/// A device's rate of cost units per second, learned from its batches:
+/// decaying sums of their units and seconds, whose ratio weighs batches by
+/// their time (a run of quick batches does not outweigh one long one). The
+/// first [`RateSums::WARM_UP`] batches (the engine warming up) teach
+/// nothing. The pace here (wall clock) and the batcher's charge correction
+/// (device time) each keep one per device.
 #[derive(Debug, Default, Clone, Copy)]
-struct DevicePace {
-    /// Decaying sums of the units and wall seconds of its batches.
+pub(crate) struct RateSums {
     units: f64,
     seconds: f64,
-    /// Batches seen (up to [`DevicePace::WARM_UP`]).
+    /// Batches seen (up to [`RateSums::WARM_UP`]).
     seen: u32,
 }
 
-impl DevicePace {
-    /// The first batches of a device (the engine warming up) teach nothing.
-    const WARM_UP: u32 = 3;
-    /// What each batch keeps of the sums before it: the pace follows a
-    /// change of load (batch sizes) within a few dozen batches.
-    const KEEP: f64 = 0.9;
+impl RateSums {
+    /// Batches that teach nothing.
+    pub(crate) const WARM_UP: u32 = 3;
 
-    fn record(&mut self, units: u64, took: Duration) {
-        if self.seen < Self::WARM_UP {
+    /// Whether the warm-up batches have been seen.
+    pub(crate) fn warm(&self) -> bool {
+        self.seen >= Self::WARM_UP
+    }
+
+    /// A batch of `units` in `seconds`: counted towards the warm-up, or
+    /// added, each sum first keeping `keep` of what it had.
+    pub(crate) fn learn(&mut self, units: f64, seconds: f64, keep: f64) {
+        if !self.warm() {
             self.seen += 1;
             return;
         }
-        self.units = self.units * Self::KEEP + units as f64;
-        self.seconds = self.seconds * Self::KEEP + took.as_secs_f64();
+        self.units = self.units * keep + units;
+        self.seconds = self.seconds * keep + seconds;
+    }
+
+    /// The sums of units and seconds, once some batch was added.
+    pub(crate) fn sums(&self) -> Option<(f64, f64)> {
+        (self.seconds > 0.0 && self.units > 0.0).then_some((self.units, self.seconds))
     }
 
     fn per_second(&self) -> Option<f64> {
-        (self.seconds > 0.0 && self.units > 0.0).then(|| self.units / self.seconds)
+        self.sums().map(|(units, seconds)| units / seconds)
     }
 }
 
+/// What each batch keeps of a device's wall-clock sums: the pace follows a
+/// change of load (batch sizes) within a few dozen batches.
+const PACE_KEEP: f64 = 0.9;
+
 impl Pace {
     fn per_second(&self) -> Option<f64> {
-        let rates: Vec<f64> = self.devices.iter().filter_map(DevicePace::per_second).collect();
+        let rates: Vec<f64> = self.devices.iter().filter_map(RateSums::per_second).collect();
         (!rates.is_empty()).then(|| rates.iter().sum())
     }
 }
@@ -122,7 +140,7 @@ pub struct Backlog {
 impl Backlog {
     /// A book for a pool of `devices` devices that has run nothing yet.
     pub fn new(devices: usize) -> Arc<Self> {
-        let pace = Pace { devices: vec![DevicePace::default(); devices.max(1)] };
+        let pace = Pace { devices: vec![RateSums::default(); devices.max(1)] };
         Arc::new(Self { inner: Mutex::new(Inner { pace, promised: HashMap::new(), running: 0 }) })
     }
 
@@ -143,7 +161,7 @@ impl Backlog {
         let mut inner = self.lock();
         inner.running = inner.running.saturating_sub(units);
         if let Some(device) = inner.pace.devices.get_mut(index).filter(|_| ok) {
-            device.record(units, took);
+            device.learn(units as f64, took.as_secs_f64(), PACE_KEEP);
         }
     }
 
@@ -241,7 +259,7 @@ mod tests {
     fn the_estimate_waits_for_a_learned_pace() {
         let book = Backlog::new(1);
         assert_eq!(book.estimate("a", 1024, &[]), None);
-        for _ in 0..DevicePace::WARM_UP {
+        for _ in 0..RateSums::WARM_UP {
             book.finished(0, 1024, Duration::from_secs(10), true);
         }
         assert_eq!(book.estimate("a", 1024, &[]), None, "warm-up batches teach nothing");
@@ -256,7 +274,7 @@ mod tests {
     fn devices_side_by_side_add_their_paces() {
         let book = Backlog::new(2);
         for index in 0..2 {
-            for _ in 0..=DevicePace::WARM_UP {
+            for _ in 0..=RateSums::WARM_UP {
                 book.finished(index, 1000, Duration::from_secs(1), true);
             }
         }
@@ -266,7 +284,7 @@ mod tests {
     #[test]
     fn promises_and_running_batches_count_as_work_ahead() {
         let book = Backlog::new(1);
-        for _ in 0..=DevicePace::WARM_UP {
+        for _ in 0..=RateSums::WARM_UP {
             book.finished(0, 1000, Duration::from_secs(1), true);
         }
         let queued = [(Arc::<str>::from("flood"), p(2_000, 1))];

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use crate::backend::{Backend, BackendError};
-use crate::backlog::{Backlog, Promise, fits};
+use crate::backlog::{Backlog, Promise, RateSums, fits};
 use crate::error::InferError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::model::ModelSpec;
@@ -51,6 +51,17 @@ impl Default for BatcherConfig {
             sizing: Sizing::Adaptive,
         }
     }
+}
+
+/// What a caller adds to a call (see [`Batcher::infer_with`]).
+#[derive(Debug, Clone, Default)]
+pub struct CallOptions {
+    /// Where the call's share of its batch's device time goes, µs (the
+    /// share `/metrics` charges its tenant).
+    pub device_us: Option<Arc<AtomicU64>>,
+    /// Time the caller needs after the call, before its deadline: the call
+    /// is refused unless its estimated wait fits in what is left less this.
+    pub keep: Duration,
 }
 
 /// One inference call.
@@ -216,23 +227,24 @@ impl Batcher {
     /// what is left of its deadline ([`crate::backlog::fits`]) is refused
     /// at once ([`InferError::Backlog`]).
     pub async fn infer(&self, request: InferRequest) -> Reply {
-        self.infer_metered(request, None).await
+        self.infer_with(request, CallOptions::default()).await
     }
 
-    /// [`Batcher::infer`], adding the call's share of its batch's device
-    /// time (µs, as `/metrics` charges its tenant) to `device_us`.
-    pub async fn infer_metered(&self, request: InferRequest, device_us: Option<Arc<AtomicU64>>) -> Reply {
+    /// [`Batcher::infer`] with `options`: the call's device time metered,
+    /// time kept for the caller after it.
+    pub async fn infer_with(&self, request: InferRequest, options: CallOptions) -> Reply {
         self.spec.validate_input(&request.input)?;
         let left = request.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(InferError::DeadlineExceeded);
         }
-        if let Some(wait) = self.estimate_wait(&request.tenant, sample_cost(request.input.shape())).filter(|wait| !fits(*wait, left)) {
+        let budget = left.saturating_sub(options.keep);
+        if let Some(wait) = self.estimate_wait(&request.tenant, sample_cost(request.input.shape())).filter(|wait| !fits(*wait, budget)) {
             self.shared.metrics.record_overloaded();
             return Err(InferError::Backlog { wait });
         }
         let deadline = request.deadline;
-        let rx = self.enqueue(request, device_us)?;
+        let rx = self.enqueue(request, options.device_us)?;
         match tokio::time::timeout_at(deadline.into(), rx).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => Err(InferError::ShuttingDown),
@@ -320,18 +332,13 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
 /// into what each of its calls cost.
 #[derive(Debug, Default)]
 struct DeviceRate {
-    /// Decaying sums of the cost units and the seconds of the batches seen
-    /// since warm-up: their ratio is the rate, weighted by time (a run of
-    /// quick batches does not outweigh one long one).
-    units: f64,
-    seconds: f64,
-    /// Batches seen so far (up to [`DeviceRate::WARM_UP`]).
-    seen: u32,
+    sums: RateSums,
 }
 
 impl DeviceRate {
     /// First batches of a device (engine warm-up) teach and charge nothing.
-    const WARM_UP: u32 = 3;
+    #[cfg(test)]
+    const WARM_UP: u32 = RateSums::WARM_UP;
     /// What each batch keeps of the sums before it.
     const KEEP: f64 = 0.95;
     /// Most a batch may be charged over its estimate: bounds what one
@@ -350,18 +357,21 @@ impl DeviceRate {
         if estimated == 0 || seconds <= 0.0 {
             return None;
         }
-        if self.seen < Self::WARM_UP {
-            self.seen += u32::from(learn);
-            return None;
-        }
         let units = estimated as f64;
-        if self.seconds <= 0.0 && !learn {
+        if !self.sums.warm() {
+            if learn {
+                self.sums.learn(units, seconds, Self::KEEP);
+            }
             return None;
         }
-        let (rate_units, rate_seconds) = if self.seconds > 0.0 { (self.units, self.seconds) } else { (units, seconds) };
+        // The first batch after the warm-up is its own rate.
+        let (rate_units, rate_seconds) = match self.sums.sums() {
+            Some(sums) => sums,
+            None if learn => (units, seconds),
+            None => return None,
+        };
         if learn {
-            self.units = self.units * Self::KEEP + units;
-            self.seconds = self.seconds * Self::KEEP + seconds;
+            self.sums.learn(units, seconds, Self::KEEP);
         }
         let measured = seconds * rate_units / rate_seconds;
         Some((measured / units).clamp(Self::MIN_FACTOR, Self::MAX_FACTOR))

@@ -40,7 +40,7 @@ mod tensor;
 use std::collections::BTreeMap;
 
 pub use backlog::Promise;
-pub use batcher::{Batcher, BatcherConfig, DEFAULT_QUEUE_CAPACITY, DEFAULT_TENANT_CAPACITY, InferRequest};
+pub use batcher::{Batcher, BatcherConfig, CallOptions, DEFAULT_QUEUE_CAPACITY, DEFAULT_TENANT_CAPACITY, InferRequest};
 pub use device::DeviceSpec;
 pub use error::InferError;
 pub use model::{ModelSpec, TensorSpec};
@@ -91,18 +91,12 @@ impl Models {
 
     /// Runs one sample through the named model.
     pub async fn infer(&self, model: &str, request: InferRequest) -> Result<Vec<Tensor>, InferError> {
-        self.infer_metered(model, request, None).await
+        self.infer_with(model, request, CallOptions::default()).await
     }
 
-    /// [`Models::infer`], adding the call's device time to `device_us`
-    /// (see [`Batcher::infer_metered`]).
-    pub async fn infer_metered(
-        &self,
-        model: &str,
-        request: InferRequest,
-        device_us: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
-    ) -> Result<Vec<Tensor>, InferError> {
+    /// [`Models::infer`] with `options` (see [`Batcher::infer_with`]).
+    pub async fn infer_with(&self, model: &str, request: InferRequest, options: CallOptions) -> Result<Vec<Tensor>, InferError> {
         let batcher = self.get(model).ok_or_else(|| InferError::UnknownModel(model.to_owned()))?;
-        batcher.infer_metered(request, device_us).await
+        batcher.infer_with(request, options).await
     }
 }

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use facegate_host_gpu::queue::sample_cost;
-use facegate_host_gpu::{InferError, InferRequest, ModelSpec, Models, TensorSpec};
+use facegate_host_gpu::{CallOptions, InferError, InferRequest, ModelSpec, Models, TensorSpec};
 use wasmtime::component::{HasData, Linker};
 
 use self::bindings::facegate::face_detect::face_detect as wit;
@@ -120,14 +120,6 @@ impl FaceDetectCtx {
             self.profile.timed(first.saturating_duration_since(self.started), last.elapsed());
         }
     }
-
-    /// Whether the work queued ahead of a call of `cost` to `model` would
-    /// end too late to leave the guest its usual time after the call.
-    fn too_late(&self, model: &str, cost: u64) -> bool {
-        let Some(batcher) = self.models.get(model) else { return false };
-        let left = self.deadline.saturating_duration_since(Instant::now()).saturating_sub(self.profile.get().after);
-        batcher.estimate_wait(&self.tenant, cost).is_some_and(|wait| !facegate_host_gpu::backlog::fits(wait, left))
-    }
 }
 
 impl Drop for FaceDetectCtx {
@@ -182,14 +174,12 @@ impl wit::Host for FaceDetectView<'_> {
         let cost = sample_cost(input.shape());
         self.ctx.profile.called(&model, cost);
         self.ctx.first_call.get_or_insert_with(Instant::now);
-        if self.ctx.too_late(&model, cost) {
-            self.ctx.backlog_refusals += 1;
-            let _ = self.ctx.memory.resize(0);
-            return Ok(Err(wit::Error::Overloaded));
-        }
         let request = InferRequest { tenant: Arc::clone(&self.ctx.tenant), input, deadline: self.ctx.deadline };
+        // Refused at once if the work ahead would leave the guest less than
+        // its usual time after the call.
+        let options = CallOptions { device_us: Some(Arc::clone(&self.ctx.device_us)), keep: self.ctx.profile.after() };
         let started = Instant::now();
-        let result = self.ctx.models.infer_metered(&model, request, Some(Arc::clone(&self.ctx.device_us))).await;
+        let result = self.ctx.models.infer_with(&model, request, options).await;
         self.ctx.calls_served += u64::from(result.is_ok());
         // Shrinking always succeeds.
         let _ = self.ctx.memory.resize(0);

@@ -39,6 +39,11 @@ impl CallProfile {
         self.lock().clone()
     }
 
+    /// The guest's usual time after its last call (no copy of the model name).
+    pub fn after(&self) -> Duration {
+        self.lock().after
+    }
+
     /// A call of `model` with an input of `cost`.
     pub fn called(&self, model: &str, cost: u64) {
         let mut habits = self.lock();
