@@ -63,7 +63,30 @@ pub fn work_ahead<'a>(tenant: &str, cost: u64, pending: impl IntoIterator<Item =
 /// run batches side by side).
 #[derive(Debug)]
 struct Pace {
-    devices: Vec<RateSums>,
+    devices: Vec<DevicePace>,
+}
+
+/// One device's wall-clock pace, believed slow quickly and fast slowly: the
+/// lower of a steady rate (over a few dozen batches) and a recent one (over
+/// about two). A device that slows at once (a neighbour process takes the
+/// CPU) stops admitting work it can no longer finish within a batch or
+/// two; one that speeds up earns its admissions back over the steady rate.
+#[derive(Debug, Default, Clone, Copy)]
+struct DevicePace {
+    steady: RateSums,
+    recent: RateSums,
+}
+
+impl DevicePace {
+    fn learn(&mut self, units: f64, seconds: f64) {
+        self.steady.learn(units, seconds, PACE_KEEP);
+        self.recent.learn(units, seconds, RECENT_KEEP);
+    }
+
+    fn per_second(&self) -> Option<f64> {
+        let steady = self.steady.per_second()?;
+        Some(self.recent.per_second().map_or(steady, |recent| recent.min(steady)))
+    }
 }
 
 /// A device's rate of cost units per second, learned from its batches:
@@ -110,13 +133,16 @@ impl RateSums {
     }
 }
 
-/// What each batch keeps of a device's wall-clock sums: the pace follows a
-/// change of load (batch sizes) within a few dozen batches.
+/// What each batch keeps of a device's steady wall-clock sums: the pace
+/// follows a change of load (batch sizes) within a few dozen batches.
 const PACE_KEEP: f64 = 0.9;
+
+/// What each batch keeps of a device's recent sums (see [`DevicePace`]).
+const RECENT_KEEP: f64 = 0.5;
 
 impl Pace {
     fn per_second(&self) -> Option<f64> {
-        let rates: Vec<f64> = self.devices.iter().filter_map(RateSums::per_second).collect();
+        let rates: Vec<f64> = self.devices.iter().filter_map(DevicePace::per_second).collect();
         (!rates.is_empty()).then(|| rates.iter().sum())
     }
 }
@@ -140,7 +166,7 @@ pub struct Backlog {
 impl Backlog {
     /// A book for a pool of `devices` devices that has run nothing yet.
     pub fn new(devices: usize) -> Arc<Self> {
-        let pace = Pace { devices: vec![RateSums::default(); devices.max(1)] };
+        let pace = Pace { devices: vec![DevicePace::default(); devices.max(1)] };
         Arc::new(Self { inner: Mutex::new(Inner { pace, promised: HashMap::new(), running: 0 }) })
     }
 
@@ -161,7 +187,7 @@ impl Backlog {
         let mut inner = self.lock();
         inner.running = inner.running.saturating_sub(units);
         if let Some(device) = inner.pace.devices.get_mut(index).filter(|_| ok) {
-            device.learn(units as f64, took.as_secs_f64(), PACE_KEEP);
+            device.learn(units as f64, took.as_secs_f64());
         }
     }
 
@@ -268,6 +294,32 @@ mod tests {
         assert!((wait.as_secs_f64() - 0.1).abs() < 1e-6, "one sample at 10 a second: {wait:?}");
         book.finished(0, 1024, Duration::from_secs(100), false);
         assert_eq!(book.estimate("a", 1024, &[]), Some(wait), "a failed batch teaches no pace");
+    }
+
+    #[test]
+    fn a_device_that_slows_is_believed_at_once_one_that_speeds_up_slowly() {
+        let book = Backlog::new(1);
+        let second = Duration::from_secs(1);
+        for _ in 0..RateSums::WARM_UP + 30 {
+            book.finished(0, 1000, second, true);
+        }
+        assert_eq!(book.per_second(), Some(1000.0));
+        // A neighbour takes the CPU: batches take twice as long.
+        book.finished(0, 1000, 2 * second, true);
+        let slowed = book.per_second().unwrap();
+        assert!(slowed < 700.0, "one slow batch already lowers the pace: {slowed}");
+        for _ in 0..3 {
+            book.finished(0, 1000, 2 * second, true);
+        }
+        assert!(book.per_second().unwrap() < 550.0, "a few more and it is the new pace");
+        // The neighbour leaves: the pace climbs back over the steady rate.
+        book.finished(0, 1000, second, true);
+        let recovering = book.per_second().unwrap();
+        assert!(recovering < 800.0, "one fast batch does not restore the pace: {recovering}");
+        for _ in 0..60 {
+            book.finished(0, 1000, second, true);
+        }
+        assert!(book.per_second().unwrap() > 990.0, "many do");
     }
 
     #[test]

@@ -15,7 +15,6 @@ mod egress;
 mod harness;
 mod hostile;
 mod isolation;
-mod overload;
 mod process;
 mod queue;
 mod restart;

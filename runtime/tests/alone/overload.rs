@@ -92,9 +92,10 @@ fn work_that_cannot_finish_in_time_is_refused_at_once_not_left_to_time_out() {
     assert!(!refused.is_empty(), "{CLIENTS} clients never exceeded what the device does in {DEADLINE_MS} ms");
     assert!(refused.iter().all(|a| a.retry_after.is_some_and(|s| s >= 1)), "every refusal says when to retry");
     assert!(median < Duration::from_millis(DEADLINE_MS / 4), "refusals are not immediate: median {median:?}");
-    // Admitted work finishes: a few stray timeouts at most. The machine is
-    // shared with the other tests, which can starve a guest's own work
-    // after its call (10 of 150 seen once in CI); without admission by
+    // Admitted work finishes: a few stray timeouts at most. This binary
+    // runs alone, but a CI machine is shared: another process that takes
+    // the CPU mid-flood slows the work already admitted (two CPU hogs
+    // started mid-flood here: 5 and 8 of 150-170); without admission by
     // the backlog, nearly every admitted request here times out.
     assert!(timed_out <= 2 + ok / 10, "{timed_out} admitted requests timed out beside {ok} served");
     assert_eq!(other, 0, "statuses: {:?}", answers.iter().map(|a| (a.status, a.code.as_str())).collect::<Vec<_>>());
