@@ -4,7 +4,7 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -15,6 +15,7 @@ use crate::backlog::{Backlog, Promise, RateSums, fits};
 use crate::error::InferError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::model::ModelSpec;
+use crate::observe::{BatchMember, BatchObserver, BatchReport, CallTag};
 use crate::queue::{Entry, QueueConfig, Readiness, Reply, State, sample_cost};
 use crate::sizing::{BatchSizer, Sizing};
 use crate::tensor::Tensor;
@@ -62,6 +63,9 @@ pub struct CallOptions {
     /// Time the caller needs after the call, before its deadline: the call
     /// is refused unless its estimated wait fits in what is left less this.
     pub keep: Duration,
+    /// Handed to the batcher's observer with the batch the call runs in
+    /// (see [`crate::observe`]).
+    pub tag: Option<CallTag>,
 }
 
 /// One inference call.
@@ -82,6 +86,10 @@ struct Shared {
     metrics: Metrics,
     /// The devices' pace and the work promised and running (see [`crate::backlog`]).
     backlog: Arc<Backlog>,
+    /// Told of each batch that ran a tagged call (see [`Batcher::observe`]).
+    observer: OnceLock<Arc<dyn BatchObserver>>,
+    /// The model's name, for the observer.
+    model: String,
 }
 
 impl Shared {
@@ -145,6 +153,8 @@ impl Batcher {
             shutdown: AtomicBool::new(false),
             metrics: Metrics::new(spec.max_batch, backends.len()),
             backlog: Backlog::new(backends.len()),
+            observer: OnceLock::new(),
+            model: spec.name.clone(),
         });
         let threads = spawn_workers(&shared, backends, &spec.name, spec.max_batch, config.sizing)?;
         let workers = Arc::new(Workers { shared: Arc::clone(&shared), threads });
@@ -154,6 +164,13 @@ impl Batcher {
     /// The model this batcher serves (with the effective `max_batch`).
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+
+    /// Installs the observer told of each batch that runs a tagged call
+    /// (see [`crate::observe`]); the first installed stays. Returns whether
+    /// this one was installed.
+    pub fn observe(&self, observer: Arc<dyn BatchObserver>) -> bool {
+        self.shared.observer.set(observer).is_ok()
     }
 
     /// Sets a tenant's fairness weight (default 1; 0 counts as 1): busy
@@ -244,7 +261,7 @@ impl Batcher {
             return Err(InferError::Backlog { wait });
         }
         let deadline = request.deadline;
-        let rx = self.enqueue(request, options.device_us)?;
+        let rx = self.enqueue(request, options.device_us, options.tag)?;
         match tokio::time::timeout_at(deadline.into(), rx).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => Err(InferError::ShuttingDown),
@@ -253,7 +270,12 @@ impl Batcher {
         }
     }
 
-    fn enqueue(&self, request: InferRequest, device_us: Option<Arc<AtomicU64>>) -> Result<oneshot::Receiver<Reply>, InferError> {
+    fn enqueue(
+        &self,
+        request: InferRequest,
+        device_us: Option<Arc<AtomicU64>>,
+        tag: Option<CallTag>,
+    ) -> Result<oneshot::Receiver<Reply>, InferError> {
         if self.shared.shutdown.load(Ordering::SeqCst) {
             return Err(InferError::ShuttingDown);
         }
@@ -265,6 +287,7 @@ impl Batcher {
             enqueued: Instant::now(),
             reply: tx,
             device_us,
+            tag,
         };
         if let Err(refused) = self.shared.lock().push(entry) {
             self.shared.metrics.record_overloaded();
@@ -473,6 +496,7 @@ fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Ve
     shared.metrics.record_batch(index, size, elapsed, ok);
     shared.metrics.charge_tenants(elapsed, batch.iter().map(|e| (&*e.tenant, sample_cost(e.input.shape()))));
     meter_calls(&batch, elapsed);
+    let tagged = tagged_members(shared, &batch);
     match result {
         Ok(outputs) => {
             for (entry, output) in batch.into_iter().zip(outputs) {
@@ -486,7 +510,23 @@ fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Ve
             }
         }
     }
+    if let Some((observer, members)) = tagged {
+        let members = members.iter().map(|(tag, enqueued)| BatchMember { tag, enqueued: *enqueued }).collect();
+        let device_name = backend.device();
+        observer.ran(&BatchReport { model: &shared.model, device: index, device_name, size, started, took: elapsed, ok, members });
+    }
     (size, elapsed, ok)
+}
+
+/// A batch's tagged calls: each one's tag and when it was queued.
+type Tagged = Vec<(CallTag, Instant)>;
+
+/// The observer and the batch's tagged calls, if there are both; taken
+/// before the calls are answered, reported after.
+fn tagged_members(shared: &Shared, batch: &[Entry]) -> Option<(Arc<dyn BatchObserver>, Tagged)> {
+    let observer = shared.observer.get()?;
+    let members: Tagged = batch.iter().filter_map(|e| Some((e.tag.clone()?, e.enqueued))).collect();
+    (!members.is_empty()).then(|| (Arc::clone(observer), members))
 }
 
 /// Adds each metered call's share of the batch's `busy` time to its meter:

@@ -33,6 +33,7 @@ pub mod device;
 mod error;
 pub mod metrics;
 mod model;
+pub mod observe;
 pub mod queue;
 pub mod sizing;
 mod tensor;
@@ -44,6 +45,7 @@ pub use batcher::{Batcher, BatcherConfig, CallOptions, DEFAULT_QUEUE_CAPACITY, D
 pub use device::DeviceSpec;
 pub use error::InferError;
 pub use model::{ModelSpec, TensorSpec};
+pub use observe::{BatchMember, BatchObserver, BatchReport, CallTag};
 pub use sizing::Sizing;
 pub use tensor::{ElementType, ShapeMismatch, Tensor, byte_len};
 

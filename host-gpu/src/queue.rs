@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use crate::error::InferError;
+use crate::observe::CallTag;
 use crate::tensor::Tensor;
 
 /// Size of the reference sample, in input elements: a 640×640 RGB image
@@ -99,6 +100,9 @@ pub struct Entry {
     /// Where the call's share of its batch's device time goes, µs (the
     /// share `/metrics` charges its tenant), if the caller meters it.
     pub device_us: Option<Arc<AtomicU64>>,
+    /// The caller's tag, handed to the batcher's observer with the batch
+    /// the call runs in (see [`crate::observe`]).
+    pub tag: Option<CallTag>,
 }
 
 impl Entry {
@@ -463,7 +467,7 @@ mod tests {
         let (tx, rx) = oneshot::channel();
         let len = shape.iter().product();
         let input = Tensor::new(shape.to_vec(), ElementType::U8, vec![0; len]).unwrap();
-        let entry = Entry { tenant: tenant.into(), input, deadline: now + SECOND, enqueued: now, reply: tx, device_us: None };
+        let entry = Entry { tenant: tenant.into(), input, deadline: now + SECOND, enqueued: now, reply: tx, device_us: None, tag: None };
         (entry, rx)
     }
 

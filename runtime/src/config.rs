@@ -264,6 +264,10 @@ pub struct ServeConfig {
     #[command(flatten)]
     pub engine: EngineConfig,
 
+    /// OpenTelemetry traces (off unless an OTLP endpoint is set).
+    #[command(flatten)]
+    pub traces: crate::metrics::trace::TraceConfig,
+
     // ---- Connection limits (kept together, last) ----
     // A client that holds a connection without using it takes a slot from
     // everyone else: every connection gets deadlines and a share.

@@ -89,6 +89,10 @@ impl Backend for FakeBackend {
         &self.spec
     }
 
+    fn device(&self) -> &str {
+        "fake"
+    }
+
     fn run(&mut self, inputs: &[&Tensor]) -> Result<Vec<Vec<Tensor>>, BackendError> {
         let index = self.batches_run.fetch_add(1, Ordering::SeqCst);
         std::thread::sleep(self.cost(inputs));

@@ -34,6 +34,12 @@ pub trait Backend: Send + 'static {
         false
     }
 
+    /// The device, named for people (traces): `cpu`, `cuda:0`, ….
+    /// `device` by default.
+    fn device(&self) -> &str {
+        "device"
+    }
+
     /// CPU time used so far by threads that run this backend's batches
     /// besides the worker thread that calls [`Backend::run`] (ONNX Runtime's
     /// intra-op pool). On a CPU a batch costs the worker thread's CPU time

@@ -43,6 +43,17 @@ pub enum Device {
     },
 }
 
+impl Device {
+    /// The device as `--devices` names it: `cpu`, `cuda:N`, `tensorrt:N`.
+    pub fn label(&self) -> String {
+        match self {
+            Self::Cpu { .. } => "cpu".to_owned(),
+            Self::Cuda { device_id } => format!("cuda:{device_id}"),
+            Self::TensorRt { device_id, .. } => format!("tensorrt:{device_id}"),
+        }
+    }
+}
+
 /// An image model in ONNX form: one `[B,3,H,W]` f32 input, outputs `[B,C,H/s,W/s]`.
 #[derive(Debug, Clone)]
 pub struct ImageModelConfig {
@@ -138,6 +149,8 @@ pub struct OnnxBackend {
     intra_op: Option<IntraOpThreads>,
     /// Reused NCHW input buffer, so steady state allocates nothing per batch.
     scratch: Vec<f32>,
+    /// The device, as [`Backend::device`] names it.
+    label: String,
 }
 
 /// Whether to free an input buffer of `capacity` floats before a batch of
@@ -158,7 +171,7 @@ impl OnnxBackend {
         let session = build_session(&config, device, intra_op.clone())
             .map_err(|e| BackendError(format!("cannot load model {} from {}: {e}", config.name, config.path.display())))?;
         let spec = config.spec();
-        Ok(Self { config, spec, session, intra_op, scratch: Vec::new() })
+        Ok(Self { config, spec, session, intra_op, scratch: Vec::new(), label: device.label() })
     }
 
     fn fill_input(&mut self, inputs: &[&Tensor], h: usize, w: usize) {
@@ -249,6 +262,10 @@ impl Backend for OnnxBackend {
 
     fn runs_on_cpu(&self) -> bool {
         self.intra_op.is_some()
+    }
+
+    fn device(&self) -> &str {
+        &self.label
     }
 
     fn pool_cpu_time(&self) -> Duration {

@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use facegate_host_gpu::backend::fake::FakeBackend;
 use facegate_host_gpu::backend::{Backend, BackendError};
 use facegate_host_gpu::metrics::MetricsSnapshot;
-use facegate_host_gpu::{Batcher, BatcherConfig, ElementType, InferError, InferRequest, ModelSpec, Models, Sizing, Tensor};
+use facegate_host_gpu::{
+    BatchObserver, BatchReport, Batcher, BatcherConfig, CallOptions, CallTag, ElementType, InferError, InferRequest, ModelSpec, Models,
+    Sizing, Tensor,
+};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -482,4 +485,47 @@ async fn models_forward_tenant_settings_to_every_model() {
     assert!(models.iter().all(|b| b.tenant_weight("t") == 3));
     assert_eq!(models.remove_tenant("t"), 0);
     assert!(models.iter().all(|b| b.tenant_weight("t") == 1));
+}
+
+/// Records what the batcher reports: each batch's size and the tags of its tagged calls.
+#[derive(Default)]
+struct Reports(Mutex<Vec<(usize, Vec<u32>)>>);
+
+impl BatchObserver for Reports {
+    fn ran(&self, report: &BatchReport<'_>) {
+        assert_eq!(report.model, "fake");
+        assert!(report.ok && report.members.iter().all(|m| m.enqueued <= report.started));
+        let tags = report.members.iter().map(|m| *m.tag.get::<u32>().unwrap()).collect();
+        self.0.lock().unwrap().push((report.size, tags));
+    }
+}
+
+/// The observer hears of every batch that ran a tagged call, with the tags
+/// of exactly those calls, and of no batch of untagged calls only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_observer_hears_of_each_batch_with_its_tagged_calls() {
+    let batcher = fake_pool(1, 8, 5 * MS, MS);
+    let reports = Arc::new(Reports::default());
+    assert!(batcher.observe(Arc::clone(&reports) as Arc<dyn BatchObserver>));
+    assert!(!batcher.observe(Arc::new(Reports::default())), "the first observer stays");
+    for i in 0..4u8 {
+        batcher.infer(request("t", i)).await.unwrap();
+    }
+    assert!(reports.0.lock().unwrap().is_empty(), "untagged batches are not reported");
+    let calls: Vec<_> = (0..24u32)
+        .map(|i| {
+            let b = batcher.clone();
+            // Every third call is tagged with its number.
+            let tag = (i % 3 == 0).then(|| CallTag::new(i));
+            tokio::spawn(async move { b.infer_with(request("t", 1), CallOptions { tag, ..CallOptions::default() }).await })
+        })
+        .collect();
+    for call in calls {
+        call.await.unwrap().unwrap();
+    }
+    let reports = reports.0.lock().unwrap();
+    let mut tags: Vec<u32> = reports.iter().flat_map(|(_, tags)| tags.clone()).collect();
+    tags.sort_unstable();
+    assert_eq!(tags, (0..24).step_by(3).collect::<Vec<u32>>(), "each tagged call reported once");
+    assert!(reports.iter().all(|(size, tags)| !tags.is_empty() && tags.len() <= *size), "{reports:?}");
 }

@@ -40,7 +40,8 @@ pub struct BenchConfig {
     /// preprocessing), `languages` (detect in Rust, Python and JavaScript:
     /// deploy, first request, warm latency), `isolation` (a neighbour tenant
     /// while a hostile one attacks; not part of `all`), `overload` (a flood
-    /// at ten times capacity beside a neighbour; not part of `all`), or `all`.
+    /// at ten times capacity beside a neighbour; not part of `all`),
+    /// `tracing` (throughput traced against untraced; not part of `all`), or `all`.
     #[arg(long, default_value = "all")]
     pub suite: String,
 

@@ -1,6 +1,6 @@
 //! `facegate-bench` (also run as `facegate bench …`): the gateway against
 //! the raw engine, the batcher alone on a fake device, the pipeline's CPU,
-//! the handler languages, and the isolation and overload suites; each prints its table
+//! the handler languages, and the isolation, overload and tracing suites; each prints its table
 //! (see docs/benchmarks.md). A binary of its own, so that the gateway
 //! library links none of what the suites need (the guest SDK, image
 //! codecs).
@@ -14,6 +14,7 @@ mod languages;
 mod native;
 mod overload;
 mod pipeline;
+mod traces;
 
 use std::time::Duration;
 
@@ -70,6 +71,9 @@ async fn run(config: BenchConfig) -> anyhow::Result<()> {
     }
     if suite == "overload" {
         overload::run(&config, &images, duration).await?;
+    }
+    if suite == "tracing" {
+        traces::run(&config, &images, duration).await?;
     }
     Ok(())
 }

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::admission::slots::InstancePool;
 use crate::config::ServeConfig;
 use crate::control::ControlPlane;
+use crate::metrics::trace::Tracing;
 use crate::metrics::{HttpMetrics, LimitHits};
 use crate::sandbox::Sandbox;
 use facegate_host_gpu::Models;
@@ -46,6 +47,8 @@ pub struct App {
     pub(super) request_ids: RequestIds,
     pub(super) draining: AtomicBool,
     pub(super) token_failures: super::auth::TokenFailures,
+    /// Requests' traces (off unless configured).
+    pub(crate) tracing: Tracing,
 }
 
 /// Request ids: a random prefix per process and a counter, unique across restarts.
@@ -68,10 +71,17 @@ impl RequestIds {
 }
 
 impl App {
-    /// Assembles the app from loaded parts.
-    pub fn new(control: Arc<ControlPlane>, sandbox: Arc<Sandbox>, models: Models, config: ServeConfig, metrics: Arc<HttpMetrics>) -> Self {
+    /// Assembles the app from loaded parts; requests are traced by `tracing`
+    /// (whose batch observer the models' batchers should have).
+    pub fn new(
+        (control, sandbox, models): (Arc<ControlPlane>, Arc<Sandbox>, Models),
+        config: ServeConfig,
+        metrics: Arc<HttpMetrics>,
+        tracing: Tracing,
+    ) -> Self {
         let instances = Arc::new(InstancePool::new(config.max_instances as usize));
         Self {
+            tracing,
             control,
             sandbox,
             models,

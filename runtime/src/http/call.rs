@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use facegate_host_gpu::Promise;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
+use opentelemetry::KeyValue;
 
 use super::app::{App, REQUEST_ID_HEADER, VERSION_HEADER};
 use super::auth::bearer;
@@ -17,6 +18,7 @@ use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::admission::slots::Refusal;
 use crate::control::TenantGate;
 use crate::metrics::Limit;
+use crate::metrics::trace::RequestTrace;
 use crate::metrics::usage::{BytesOut, Usage, UsageKey};
 use crate::sandbox::handler::Handler;
 use crate::sandbox::{RequestTag, SandboxError, SandboxLimits};
@@ -28,14 +30,17 @@ impl App {
     /// handler give the same 404 after the same work.
     pub(super) async fn call_handler(&self, tenant: &str, name: &str, mut req: Request<Incoming>) -> Response<Body> {
         let started = Instant::now();
+        let server = self.tracing.server_span(started, req.headers(), (req.method(), "/v1/{tenant}/{handler}", req.uri().path()));
         let live = self.control.live();
         let Some(key_tenant) = live.authenticate(bearer(&req)) else {
+            server.status(401);
             let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
             refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
             return response::before_body(refusal);
         };
         let found = (key_tenant == tenant).then(|| live.handler(tenant, name)).flatten();
         let Some((gate, handler)) = found.map(|(g, h)| (Arc::clone(g), Arc::clone(h))) else {
+            server.status(404);
             return response::before_body(response::error(
                 StatusCode::NOT_FOUND,
                 "unknown_handler",
@@ -46,14 +51,18 @@ impl App {
         // The handler never sees the tenant's key.
         req.headers_mut().remove(hyper::header::AUTHORIZATION);
         let id = self.request_ids.next();
+        server.handler((tenant, name, handler.version), &id);
+        server.trace().span("authenticate", (started, Instant::now()), Vec::new);
         // Metered in the minute it started (see crate::metrics::usage).
         let key = UsageKey::new(tenant, name, handler.version, crate::control::store::now_ms());
-        let response = self.run_handler(&gate, &handler, req, (&id, &key)).await;
+        let response = self.run_handler(&gate, &handler, req, (&id, &key, server.trace())).await;
         let status = response.status().as_u16();
+        server.status(status);
         self.metrics.record(tenant, name, status, started.elapsed());
         let meter = self.control.meter();
         meter.add(&key, &Usage::answer(status));
-        let mut response = response::counted(response, BytesOut::new(Arc::clone(meter), key));
+        // The server span ends when the answer's body is sent.
+        let mut response = response::counted(response, (BytesOut::new(Arc::clone(meter), key), server));
         if let Ok(value) = hyper::header::HeaderValue::from_str(&id) {
             response.headers_mut().insert(REQUEST_ID_HEADER, value);
         }
@@ -65,8 +74,9 @@ impl App {
         gate: &TenantGate,
         handler: &Arc<Handler>,
         req: Request<Incoming>,
-        (id, key): (&Arc<str>, &UsageKey),
+        (id, key, trace): (&Arc<str>, &UsageKey, &RequestTrace),
     ) -> Response<Body> {
+        let admitting = Instant::now();
         let (limits, tenant) = (&gate.limits, &handler.tenant);
         if let Err(wait) = gate.rate.try_take() {
             self.hits().hit(tenant, Limit::Rate);
@@ -120,10 +130,13 @@ impl App {
                 ));
             }
         };
+        let reading = Instant::now();
+        trace.span("admit", (admitting, reading), Vec::new);
         let req = match read_body(req, limits.max_body_bytes, limits.timeout(), Some(&mut memory)).await {
             Ok(req) => {
                 // The body read, its reservation shrinks to its size.
                 let body = hyper::body::Body::size_hint(req.body()).exact().unwrap_or(0) as usize;
+                trace.span("read body", (reading, Instant::now()), || vec![KeyValue::new("http.request.body.size", body as i64)]);
                 let _ = memory.resize(body.saturating_add(REQUEST_BASE_BYTES));
                 self.control.meter().add(key, &Usage { bytes_in: body as u64, ..Usage::default() });
                 req
@@ -151,7 +164,7 @@ impl App {
         // The deadline covers the guest, queueing and inference, not the upload.
         let deadline = Instant::now() + limits.timeout();
         let sandbox_limits = SandboxLimits { tenant: *limits, max_host_resources: self.config.max_host_resources };
-        let tag = RequestTag { id: Arc::clone(id), usage: Some((Arc::clone(self.control.meter()), key.clone())) };
+        let tag = RequestTag { id: Arc::clone(id), usage: Some((Arc::clone(self.control.meter()), key.clone())), trace: trace.clone() };
         match self.sandbox.handle(handler, req, deadline, sandbox_limits, tag, (instance, tenant_slot, memory, promise)).await {
             Ok(mut response) => {
                 response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));

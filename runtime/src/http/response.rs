@@ -7,6 +7,9 @@ use hyper::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use hyper::{Response, StatusCode};
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 
+use crate::metrics::trace::ServerSpan;
+use crate::metrics::usage::BytesOut;
+
 /// The body type of every response: a guest's streaming body or a host buffer.
 pub type Body = HyperOutgoingBody;
 
@@ -54,15 +57,18 @@ pub fn text(content_type: &'static str, body: String) -> Response<Body> {
 }
 
 /// `response` with its body's bytes counted into `counter` as they are
-/// sent (added to the usage meter when the body ends or is dropped).
-pub fn counted(response: Response<Body>, counter: crate::metrics::usage::BytesOut) -> Response<Body> {
-    response.map(|body| Counted { body, counter }.boxed_unsync())
+/// sent (added to the usage meter when the body ends or is dropped), and
+/// the request's server span ended then.
+pub fn counted(response: Response<Body>, (counter, span): (BytesOut, ServerSpan)) -> Response<Body> {
+    response.map(|body| Counted { body, counter, _span: span }.boxed_unsync())
 }
 
 /// A body counting the bytes it gives (see [`counted`]).
 struct Counted {
     body: Body,
-    counter: crate::metrics::usage::BytesOut,
+    counter: BytesOut,
+    /// Ends when the body is done with.
+    _span: ServerSpan,
 }
 
 impl hyper::body::Body for Counted {

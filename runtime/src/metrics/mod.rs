@@ -1,6 +1,7 @@
 //! Prometheus text exposition of the gateway's and the batchers' counters,
-//! and the tenants' usage for bills ([`usage`]).
+//! the tenants' usage for bills ([`usage`]) and requests' traces ([`trace`]).
 
+pub mod trace;
 pub mod usage;
 
 pub use crate::admission::limits::Limit;

@@ -20,6 +20,7 @@ use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 
 use crate::admission::limits::TenantLimits;
 use crate::admission::memory::{MemoryBudget, NodeMemoryExhausted, Refusal};
+use crate::metrics::trace::RequestTrace;
 use crate::metrics::{Limit, LimitHits};
 use crate::sandbox::face_detect::{self, FaceDetectCtx};
 use crate::sandbox::handler::Handler;
@@ -29,6 +30,7 @@ use crate::sandbox::state::{self, GatewayHooks, RequestState};
 use crate::sandbox::stdio::escape_for_log;
 use crate::sandbox::warm::{WARM_MAX_MEMORY, Warm, WarmBudget};
 use facegate_host_gpu::Models;
+use opentelemetry::KeyValue;
 
 /// Per-request limits of the sandbox: the tenant's, and the node's own.
 #[derive(Debug, Clone, Copy)]
@@ -124,6 +126,8 @@ pub struct RequestTag {
     pub id: Arc<str>,
     /// The meter and bucket its guest time, device time, calls and memory go to.
     pub usage: Option<(Arc<crate::metrics::usage::Meter>, crate::metrics::usage::UsageKey)>,
+    /// Its trace: the instantiation and the guest are spans of it.
+    pub trace: RequestTrace,
 }
 
 /// What a client is told of a [`SandboxError`].
@@ -287,7 +291,8 @@ impl Sandbox {
         permits: impl Send + 'static,
     ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
         let (mut store, warm_proxy, served) = self.store_for(handler, deadline, limits);
-        let RequestTag { id: request_id, usage } = tag;
+        let RequestTag { id: request_id, usage, trace } = tag;
+        trace.set([KeyValue::new("faas.coldstart", warm_proxy.is_none())]);
         if let Some((meter, key)) = usage {
             store.data_mut().face_detect.meter_as(meter, key);
         }
@@ -311,9 +316,20 @@ impl Sandbox {
             let run = async {
                 let proxy = match warm_proxy {
                     Some(proxy) => proxy,
-                    None => pre.instantiate_async(&mut store).await?,
+                    None => {
+                        let started = Instant::now();
+                        let proxy = pre.instantiate_async(&mut store).await;
+                        trace.span("instantiate", (started, Instant::now()), Vec::new);
+                        proxy?
+                    }
                 };
-                proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await?;
+                let guest = trace.start("guest", Vec::new);
+                store.data_mut().traced(guest.trace());
+                let handled = proxy.wasi_http_incoming_handler().call_handle(&mut store, req, out).await;
+                if let Err(err) = &handled {
+                    guest.trace().fail(err.to_string());
+                }
+                handled?;
                 Ok(proxy)
             };
             let result = tokio::time::timeout_at(deadline.into(), run).await;

@@ -9,6 +9,7 @@ use wasmtime_wasi::p2::{DynInputStream, DynOutputStream};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
+use crate::metrics::trace::RequestTrace;
 use crate::sandbox::face_detect::{FaceDetectCtx, FaceDetectView};
 use crate::sandbox::instance_memory::InstanceLimiter;
 use crate::sandbox::outgoing::{Caller, Egress, Refusals, Sent};
@@ -73,13 +74,15 @@ pub struct GatewayHooks {
     pub deadline: Instant,
     /// What the request's outgoing requests were refused (see [`Self::take_refused_connections`]).
     refusals: Arc<Refusals>,
+    /// The guest's span: outgoing requests carry its `traceparent`.
+    pub trace: RequestTrace,
 }
 
 impl GatewayHooks {
     /// The hooks of a request of `tenant` (granted outgoing HTTP or not)
     /// ending at `deadline`, its granted requests going where `egress` allows.
     pub fn new(outgoing_http: bool, tenant: Arc<str>, egress: Egress, deadline: Instant) -> Self {
-        Self { outgoing_http, tenant, egress, deadline, refusals: Arc::default() }
+        Self { outgoing_http, tenant, egress, deadline, refusals: Arc::default(), trace: RequestTrace::default() }
     }
 
     /// At the end of a request: how many of its outgoing connections the
@@ -109,6 +112,13 @@ impl WasiHttpHooks for GatewayHooks {
         drop(fut);
         if !self.outgoing_http {
             return Box::new(async { Err(HttpError::HttpRequestDenied) });
+        }
+        let mut request = request;
+        // The host's trace context, not one the guest wrote.
+        for (name, value) in self.trace.headers() {
+            if let Ok(value) = hyper::header::HeaderValue::from_str(&value) {
+                request.headers_mut().insert(name, value);
+            }
         }
         let caller = Caller { tenant: Arc::clone(&self.tenant), refusals: Arc::clone(&self.refusals) };
         Box::new(crate::sandbox::outgoing::send(request, options, self.egress.clone(), caller, self.deadline))
@@ -162,6 +172,13 @@ impl RequestState {
         let mut http = WasiHttpCtx::new();
         http.set_field_size_limit(FIELD_SIZE_LIMIT);
         Self { table, wasi, http, deadline: hooks.deadline, hooks, face_detect, limiter, stdio }
+    }
+
+    /// The guest's span of this request: its `infer` calls are its
+    /// children, its outgoing requests carry its `traceparent`.
+    pub fn traced(&mut self, guest: &RequestTrace) {
+        self.face_detect.trace = guest.clone();
+        self.hooks.trace = guest.clone();
     }
 }
 

@@ -21,6 +21,7 @@ use crate::control::store::NodeLoad;
 use crate::control::sync::{NodeIdentity, SyncHandle};
 use crate::control::{ControlPlane, ControlSettings};
 use crate::http::{App, Plane};
+use crate::metrics::trace::Tracing;
 use crate::sandbox::compile::CompilePool;
 use crate::sandbox::engine::{EngineLimits, EpochTicker};
 use crate::sandbox::{Sandbox, engine, outgoing};
@@ -143,7 +144,8 @@ impl Gateway {
             Some((cert, key)) => Some(http::tls::acceptor(cert, key)?),
             None => None,
         };
-        let app = Arc::new(App::new(Arc::new(control), sandbox, models, config.clone(), http_metrics));
+        let tracing = trace_requests(config, &models)?;
+        let app = Arc::new(App::new((Arc::new(control), sandbox, models), config.clone(), http_metrics, tracing));
         Ok(Self { app, tls, admin_tls, seeded_keys, _ticker: ticker })
     }
 
@@ -151,7 +153,15 @@ impl Gateway {
     pub async fn serve(self, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
         let _sync = self.start_sync(&listener)?;
         let shutdown = self.draining_after(shutdown);
-        http::serve(Arc::clone(&self.app), Plane::Both, listener, self.tls.clone(), shutdown).await
+        let served = http::serve(Arc::clone(&self.app), Plane::Both, listener, self.tls.clone(), shutdown).await;
+        self.flush_traces().await;
+        served
+    }
+
+    /// Exports the spans still queued (the exporter blocks: off the runtime's threads).
+    async fn flush_traces(&self) {
+        let tracing = self.app.tracing.clone();
+        let _ = tokio::task::spawn_blocking(move || tracing.shutdown()).await;
     }
 
     /// Keeps the snapshot in step with the store and reports this node
@@ -226,6 +236,7 @@ impl Gateway {
             let _ = stop.send(true);
         };
         let ((), admin, public) = tokio::join!(signal, admin, public);
+        self.flush_traces().await;
         admin.and(public)
     }
 }
@@ -363,6 +374,18 @@ fn read_pipeline(path: &std::path::Path) -> Option<Arc<[u8]>> {
 }
 
 /// This machine's name (a pod's name on Kubernetes), the default node id.
+/// Traces as `config.traces` says, each model's batches among them.
+fn trace_requests(config: &ServeConfig, models: &Models) -> anyhow::Result<Tracing> {
+    let node = config.node_id.clone().unwrap_or_else(host_name);
+    let tracing = Tracing::new(&config.traces, &node)?;
+    if let Some(observer) = tracing.batch_observer() {
+        for batcher in models.iter() {
+            batcher.observe(Arc::clone(&observer));
+        }
+    }
+    Ok(tracing)
+}
+
 fn host_name() -> String {
     std::env::var("HOSTNAME")
         .ok()

@@ -22,5 +22,6 @@ mod scripts;
 mod secrets;
 mod stores;
 mod tls;
+mod traces;
 mod usage;
 mod warm;

@@ -15,10 +15,12 @@ use std::time::{Duration, Instant};
 
 use facegate_host_gpu::queue::sample_cost;
 use facegate_host_gpu::{CallOptions, InferError, InferRequest, ModelSpec, Models, TensorSpec};
+use opentelemetry::{Array, KeyValue, Value};
 use wasmtime::component::{HasData, Linker};
 
 use self::bindings::facegate::face_detect::face_detect as wit;
 use crate::admission::memory::Charge;
+use crate::metrics::trace::RequestTrace;
 use crate::metrics::usage::{Meter, Usage, UsageKey};
 
 pub use self::profile::{CallProfile, Habits};
@@ -55,6 +57,8 @@ pub struct FaceDetectCtx {
     /// The input of the call in flight, in the node's memory budget: the
     /// host's copy waits in the batcher's queue, outside the guest's memory.
     memory: Charge,
+    /// The guest's span: each call is an `infer` span of it.
+    pub trace: RequestTrace,
 }
 
 impl FaceDetectCtx {
@@ -86,6 +90,7 @@ impl FaceDetectCtx {
             backlog_refusals: 0,
             memory_refusals: 0,
             memory,
+            trace: RequestTrace::default(),
         }
     }
 }
@@ -177,9 +182,16 @@ impl wit::Host for FaceDetectView<'_> {
         let request = InferRequest { tenant: Arc::clone(&self.ctx.tenant), input, deadline: self.ctx.deadline };
         // Refused at once if the work ahead would leave the guest less than
         // its usual time after the call.
-        let options = CallOptions { device_us: Some(Arc::clone(&self.ctx.device_us)), keep: self.ctx.profile.after() };
+        let span = self.ctx.trace.start("infer", || infer_attributes(&model, &request));
+        let options =
+            CallOptions { device_us: Some(Arc::clone(&self.ctx.device_us)), keep: self.ctx.profile.after(), tag: span.call_tag() };
         let started = Instant::now();
         let result = self.ctx.models.infer_with(&model, request, options).await;
+        if let Err(err) = &result {
+            span.trace().set([KeyValue::new("error.type", err.kind())]);
+            span.trace().fail(err.to_string());
+        }
+        drop(span);
         self.ctx.calls_served += u64::from(result.is_ok());
         // Shrinking always succeeds.
         let _ = self.ctx.memory.resize(0);
@@ -189,6 +201,12 @@ impl wit::Host for FaceDetectView<'_> {
         self.ctx.backlog_refusals += u32::from(matches!(result, Err(InferError::Backlog { .. })));
         Ok(result.map(|outputs| outputs.into_iter().map(to_wit_tensor).collect()).map_err(to_wit_error))
     }
+}
+
+/// What an `infer` span records of its call (when traced).
+fn infer_attributes(model: &str, request: &InferRequest) -> Vec<KeyValue> {
+    let shape: Vec<i64> = request.input.shape().iter().map(|&d| i64::try_from(d).unwrap_or(i64::MAX)).collect();
+    vec![KeyValue::new("facegate.model", model.to_owned()), KeyValue::new("facegate.input.shape", Value::Array(Array::I64(shape)))]
 }
 
 /// Most dimensions an input tensor may have. A longer shape is refused
