@@ -512,8 +512,12 @@ fn run_batch(shared: &Shared, index: usize, backend: &mut dyn Backend, batch: Ve
     }
     if let Some((observer, members)) = tagged {
         let members = members.iter().map(|(tag, enqueued)| BatchMember { tag, enqueued: *enqueued }).collect();
-        let device_name = backend.device();
-        observer.ran(&BatchReport { model: &shared.model, device: index, device_name, size, started, took: elapsed, ok, members });
+        let report =
+            BatchReport { model: &shared.model, device: index, device_name: backend.device(), size, started, took: elapsed, ok, members };
+        // A panicking observer must not take the device's worker with it.
+        if std::panic::catch_unwind(AssertUnwindSafe(|| observer.ran(&report))).is_err() {
+            tracing::warn!(model = %shared.model, "the batch observer panicked");
+        }
     }
     (size, elapsed, ok)
 }

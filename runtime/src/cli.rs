@@ -35,6 +35,20 @@ pub struct ClientArgs {
     /// Print the API's JSON answer instead of a summary.
     #[arg(long)]
     pub json: bool,
+
+    /// A tenant's API key with the `deploy` or `read` scope: the command
+    /// goes to that tenant's own API (`/tenant/v1/`) instead of the admin
+    /// API, and needs no `--tenant` (default: the admin token in
+    /// `FACEGATE_ADMIN_TOKEN`).
+    #[arg(long, env = "FACEGATE_KEY", hide_env_values = true)]
+    pub key: Option<String>,
+}
+
+impl ClientArgs {
+    /// The admin path, or the tenant API's when a key is given.
+    fn route(&self, admin: String, tenant: impl FnOnce() -> String) -> String {
+        if self.key.is_some() { tenant() } else { admin }
+    }
 }
 
 /// `facegate tenant ...`
@@ -77,25 +91,34 @@ pub struct TenantLimitsArgs {
 #[derive(Debug, Subcommand)]
 pub enum KeyCommand {
     /// Create an API key; it is printed once (with --json, in field `key`).
+    /// With `--key` (a deploy key), an `invoke` key of that key's tenant.
     Create {
-        /// Tenant name.
-        tenant: String,
+        /// Tenant name (not with `--key`).
+        #[arg(required_unless_present = "key")]
+        tenant: Option<String>,
+        /// What the key may do, comma-separated: `invoke` (call the
+        /// tenant's handlers), `deploy` (manage its handlers and invoke
+        /// keys), `read` (its versions and usage).
+        #[arg(long, default_value = "invoke")]
+        scope: String,
         #[command(flatten)]
         #[allow(missing_docs, reason = "flattened")]
         client: ClientArgs,
     },
-    /// List a tenant's keys (ids only).
+    /// List a tenant's keys (ids and scopes).
     List {
-        /// Tenant name.
-        tenant: String,
+        /// Tenant name (not with `--key`).
+        #[arg(required_unless_present = "key")]
+        tenant: Option<String>,
         #[command(flatten)]
         #[allow(missing_docs, reason = "flattened")]
         client: ClientArgs,
     },
     /// Revoke a key by id.
     Revoke {
-        /// Tenant name.
-        tenant: String,
+        /// Tenant name (not with `--key`).
+        #[arg(required_unless_present = "key")]
+        tenant: Option<String>,
         /// Key id (the part after `fg_`, before the next `_`).
         key_id: String,
         #[command(flatten)]
@@ -107,9 +130,9 @@ pub enum KeyCommand {
 /// A tenant's handler.
 #[derive(Debug, Clone, Args)]
 pub struct HandlerArgs {
-    /// Tenant name.
-    #[arg(long)]
-    pub tenant: String,
+    /// Tenant name (not with `--key`).
+    #[arg(long, required_unless_present = "key")]
+    pub tenant: Option<String>,
     /// Handler name.
     #[arg(long)]
     pub handler: String,
@@ -162,6 +185,20 @@ pub struct UsageArgs {
     #[command(flatten)]
     #[allow(missing_docs, reason = "flattened")]
     pub client: ClientArgs,
+}
+
+impl HandlerArgs {
+    /// The handler's path (then `rest`) in the admin API, or in the tenant
+    /// API with a key.
+    fn path(&self, rest: &str) -> String {
+        let admin = || format!("tenants/{}/handlers/{}{rest}", named(&self.tenant), self.handler);
+        self.client.route(admin(), || format!("handlers/{}{rest}", self.handler))
+    }
+}
+
+/// A tenant clap made sure is there (it is required without `--key`).
+fn named(tenant: &Option<String>) -> &str {
+    tenant.as_deref().unwrap_or_default()
 }
 
 impl UsageArgs {
@@ -270,36 +307,40 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         C::Tenant(TenantCommand::Delete { name, client }) => {
             (client, Method::DELETE, format!("tenants/{name}"), Bytes::new(), "application/json")
         }
-        C::Key(KeyCommand::Create { tenant, client }) => {
-            (client, Method::POST, format!("tenants/{tenant}/keys"), Bytes::new(), "application/json")
+        C::Key(KeyCommand::Create { tenant, scope, client }) => {
+            let scopes: Vec<&str> = scope.split(',').map(str::trim).collect();
+            let body = json!({ "scopes": scopes }).to_string();
+            let path = client.route(format!("tenants/{}/keys", named(tenant)), || "keys".to_owned());
+            (client, Method::POST, path, body.into(), "application/json")
         }
         C::Key(KeyCommand::List { tenant, client }) => {
-            (client, Method::GET, format!("tenants/{tenant}/keys"), Bytes::new(), "application/json")
+            let path = client.route(format!("tenants/{}/keys", named(tenant)), || "keys".to_owned());
+            (client, Method::GET, path, Bytes::new(), "application/json")
         }
         C::Key(KeyCommand::Revoke { tenant, key_id, client }) => {
-            (client, Method::DELETE, format!("tenants/{tenant}/keys/{key_id}"), Bytes::new(), "application/json")
+            let path = client.route(format!("tenants/{}/keys/{key_id}", named(tenant)), || format!("keys/{key_id}"));
+            (client, Method::DELETE, path, Bytes::new(), "application/json")
         }
         C::Deploy(DeployArgs { file, no_activate, target }) => {
             let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
             let query = if *no_activate { "?activate=false" } else { "" };
-            let path = format!("tenants/{}/handlers/{}{query}", target.tenant, target.handler);
-            (&target.client, Method::PUT, path, bytes.into(), "application/wasm")
+            (&target.client, Method::PUT, target.path(query), bytes.into(), "application/wasm")
         }
-        C::Versions(t) => {
-            (&t.client, Method::GET, format!("tenants/{}/handlers/{}/versions", t.tenant, t.handler), Bytes::new(), "application/json")
-        }
+        C::Versions(t) => (&t.client, Method::GET, t.path("/versions"), Bytes::new(), "application/json"),
         C::Activate(ActivateArgs { version, target: t }) => {
             let body = json!({ "version": version }).to_string();
-            (&t.client, Method::POST, format!("tenants/{}/handlers/{}/activate", t.tenant, t.handler), body.into(), "application/json")
+            (&t.client, Method::POST, t.path("/activate"), body.into(), "application/json")
         }
-        C::Rollback(t) => {
-            (&t.client, Method::POST, format!("tenants/{}/handlers/{}/rollback", t.tenant, t.handler), Bytes::new(), "application/json")
-        }
+        C::Rollback(t) => (&t.client, Method::POST, t.path("/rollback"), Bytes::new(), "application/json"),
         C::Usage(args) => (&args.client, Method::GET, args.path(), Bytes::new(), "application/json"),
         C::Check(args) => return check(args),
         C::Serve(_) | C::Bench { .. } => bail!("not a client command"),
     };
-    let token = std::env::var("FACEGATE_ADMIN_TOKEN").context("set FACEGATE_ADMIN_TOKEN to the gateway's admin token")?;
+    let token = match &client.key {
+        Some(key) => key.clone(),
+        None => std::env::var("FACEGATE_ADMIN_TOKEN")
+            .context("set FACEGATE_ADMIN_TOKEN to the gateway's admin token, or give a tenant's key (--key)")?,
+    };
     let (status, value) = call(client, &token, method, &path, body, content_type).await?;
     if !status.is_success() {
         let message = value["error"]["message"].as_str().map_or_else(|| value.to_string(), str::to_owned);
@@ -326,7 +367,8 @@ async fn call(
     body: Bytes,
     content_type: &str,
 ) -> anyhow::Result<(StatusCode, Value)> {
-    let url = format!("{}/admin/v1/{path}", client.url.trim_end_matches('/'));
+    let api = if client.key.is_some() { "tenant" } else { "admin" };
+    let url = format!("{}/{api}/v1/{path}", client.url.trim_end_matches('/'));
     let uri: Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
     let authority = uri.authority().with_context(|| format!("bad URL {url}: no host"))?.as_str().to_owned();
     let request = Request::builder()
@@ -405,7 +447,8 @@ fn print_summary(command: &Command, v: &Value) {
         C::Key(KeyCommand::List { .. }) => {
             for k in v["keys"].as_array().into_iter().flatten() {
                 let state = if k["revoked_at"].is_null() { "active" } else { "revoked" };
-                println!("{}\t{state}", k["id"].as_str().unwrap_or("?"));
+                let scopes: Vec<&str> = k["scopes"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+                println!("{}\t{state}\t{}", k["id"].as_str().unwrap_or("?"), scopes.join(","));
             }
         }
         C::Key(KeyCommand::Revoke { key_id, .. }) => println!("revoked key {key_id}"),

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+use super::keys::Scopes;
 use super::store::VersionRow;
 use crate::admission::limits::{LimitOverrides, TenantLimits};
 
@@ -97,6 +98,8 @@ pub struct CreatedKey {
     pub key: String,
     /// Unix seconds.
     pub created_at: i64,
+    /// What it may do.
+    pub scopes: Scopes,
 }
 
 /// Outcome of `check_store`.

@@ -22,6 +22,85 @@ pub struct NewKey {
     pub secret_sha256: String,
 }
 
+/// What a key may do: `invoke` its tenant's handlers (every key before
+/// scopes existed, and the default), `deploy` them (upload, list, activate,
+/// roll back; create and revoke the tenant's `invoke` keys) and `read` its
+/// tenant's versions and usage. Stored as the names, comma-separated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Scopes(u8);
+
+impl Scopes {
+    /// Calls the tenant's handlers.
+    pub const INVOKE: Self = Self(1);
+    /// Manages the tenant's handlers and its `invoke` keys.
+    pub const DEPLOY: Self = Self(2);
+    /// Reads the tenant's handlers, versions and usage.
+    pub const READ: Self = Self(4);
+    const NAMES: [(Self, &'static str); 3] = [(Self::INVOKE, "invoke"), (Self::DEPLOY, "deploy"), (Self::READ, "read")];
+
+    /// Whether every scope of `other` is in these.
+    pub fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Whether any scope of `other` is in these.
+    pub fn any(self, other: Self) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    /// Both sets.
+    pub fn with(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+
+    /// Parses `invoke,deploy,read` (any of them, any order, at least one);
+    /// an unknown name is an error naming it.
+    pub fn parse(names: &str) -> Result<Self, String> {
+        let mut scopes = Self(0);
+        for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let Some((scope, _)) = Self::NAMES.iter().find(|(_, n)| *n == name) else {
+                return Err(format!("unknown scope {name:?}: the scopes are invoke, deploy and read"));
+            };
+            scopes = scopes.with(*scope);
+        }
+        if scopes.0 == 0 {
+            return Err("a key needs at least one scope (invoke, deploy, read)".into());
+        }
+        Ok(scopes)
+    }
+
+    /// The scopes a stored value names; names this build does not know
+    /// grant nothing.
+    pub fn from_stored(names: &str) -> Self {
+        let known = names.split(',').filter_map(|n| Self::NAMES.iter().find(|(_, name)| *name == n.trim()).map(|(s, _)| *s));
+        known.fold(Self(0), Self::with)
+    }
+
+    /// The names, in a fixed order.
+    pub fn names(self) -> Vec<&'static str> {
+        Self::NAMES.iter().filter(|(s, _)| self.contains(*s)).map(|(_, n)| *n).collect()
+    }
+}
+
+impl Default for Scopes {
+    /// `invoke`, what every key could do before scopes.
+    fn default() -> Self {
+        Self::INVOKE
+    }
+}
+
+impl std::fmt::Display for Scopes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.names().join(","))
+    }
+}
+
+impl serde::Serialize for Scopes {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.names())
+    }
+}
+
 /// Generates a new key from the operating system's randomness.
 pub fn generate() -> anyhow::Result<NewKey> {
     let id = hex(&random::<{ ID_HEX / 2 }>()?);
@@ -78,6 +157,19 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scopes_parse_print_and_store() {
+        let both = Scopes::parse("read, deploy").unwrap();
+        assert!(both.contains(Scopes::DEPLOY) && both.contains(Scopes::READ) && !both.contains(Scopes::INVOKE));
+        assert_eq!(both.to_string(), "deploy,read");
+        assert_eq!(Scopes::from_stored(&both.to_string()), both);
+        assert_eq!(Scopes::default().to_string(), "invoke", "old keys invoke");
+        assert!(Scopes::parse("admin").unwrap_err().contains("\"admin\""));
+        assert!(Scopes::parse(" , ").is_err());
+        assert_eq!(Scopes::from_stored("invoke,future"), Scopes::INVOKE, "an unknown stored scope grants nothing");
+        assert!(both.any(Scopes::READ.with(Scopes::INVOKE)) && !both.any(Scopes::INVOKE));
+    }
 
     #[test]
     fn generated_keys_parse_and_only_their_secret_matches() {

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::keys;
+use super::keys::{self, Scopes};
 use super::store::NodeRow;
 use crate::admission::gate::TenantGate;
 use crate::sandbox::handler::Handler;
@@ -24,6 +24,7 @@ pub struct TenantEntry {
 pub(super) struct ActiveKey {
     pub(super) tenant: String,
     pub(super) secret_sha256: [u8; 32],
+    pub(super) scopes: Scopes,
 }
 
 /// What the data plane serves: an immutable snapshot, swapped on change.
@@ -38,18 +39,24 @@ pub struct Live {
 const DUMMY_SECRET: [u8; 32] = [0; 32];
 
 impl Live {
-    /// The tenant a bearer key belongs to; `None` if missing, malformed,
-    /// unknown or revoked. Never looks at the tenant in the request path,
-    /// so its timing says nothing about which tenants exist.
-    pub fn authenticate(&self, bearer: Option<&str>) -> Option<&str> {
+    /// The tenant a bearer key belongs to and what the key may do; `None`
+    /// if missing, malformed, unknown or revoked. Never looks at the tenant
+    /// in the request path, so its timing says nothing about which tenants
+    /// exist.
+    pub fn authenticate(&self, bearer: Option<&str>) -> Option<(&str, Scopes)> {
         let (id, secret) = bearer.and_then(keys::parse).unwrap_or(("", ""));
         match self.keys.get(id) {
-            Some(key) => keys::secret_matches(secret, &key.secret_sha256).then_some(key.tenant.as_str()),
+            Some(key) => keys::secret_matches(secret, &key.secret_sha256).then_some((key.tenant.as_str(), key.scopes)),
             None => {
                 let _ = keys::secret_matches(secret, &DUMMY_SECRET);
                 None
             }
         }
+    }
+
+    /// The scopes of `tenant`'s active key `id`.
+    pub fn key_scopes(&self, tenant: &str, id: &str) -> Option<Scopes> {
+        self.keys.get(id).filter(|k| k.tenant == tenant).map(|k| k.scopes)
     }
 
     /// A tenant's active handler with the tenant's gate.

@@ -32,7 +32,7 @@ use self::blobs::{ArtifactCache, Blobs};
 use self::components::Compile;
 use bytes::Bytes;
 
-use self::keys::NewKey;
+use self::keys::{NewKey, Scopes};
 use self::store::{ActiveHandler, KeyRow, NewVersion, NodeRow, Store, StoreError, StoreResult};
 use self::upload::Upload;
 use crate::admission::limits::{LimitOverrides, TenantLimits};
@@ -273,13 +273,13 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// Creates an API key for `tenant`.
-    pub fn create_key(&self, tenant: &str) -> StoreResult<CreatedKey> {
+    /// Creates an API key of `scopes` for `tenant`.
+    pub fn create_key(&self, tenant: &str, scopes: Scopes) -> StoreResult<CreatedKey> {
         let NewKey { id, key, secret_sha256 } = keys::generate()?;
         let mut db = self.db();
-        let created_at = db.insert_key(tenant, &id, &secret_sha256)?;
+        let created_at = db.insert_key(tenant, &id, &secret_sha256, scopes)?;
         self.refresh_after_commit(&mut **db, Vec::new());
-        Ok(CreatedKey { tenant: tenant.to_owned(), id, key, created_at })
+        Ok(CreatedKey { tenant: tenant.to_owned(), id, key, created_at, scopes })
     }
 
     /// A tenant's keys (ids and dates only).

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use anyhow::Context;
 
+use super::keys::Scopes;
 use super::{ControlPlane, SeededKey};
 use crate::admission::limits::LimitOverrides;
 use crate::sandbox::handler::valid_name;
@@ -69,14 +70,14 @@ impl ControlPlane {
         }
         let path = self.data_dir.join(format!("{tenant}.key"));
         let saved = std::fs::read_to_string(&path).unwrap_or_default();
-        if self.live().authenticate(Some(saved.trim())) == Some(tenant) {
+        if self.live().authenticate(Some(saved.trim())).is_some_and(|(owner, _)| owner == tenant) {
             return Ok(None);
         }
         // A key whose file was never written (a crash in between) is useless: revoke it.
         for stale in self.keys(tenant)?.into_iter().filter(|k| k.revoked_at.is_none()) {
             self.revoke_key(tenant, &stale.id)?;
         }
-        let key = self.create_key(tenant)?;
+        let key = self.create_key(tenant, Scopes::default())?;
         write_secret(&path, &key.key)?;
         tracing::info!(tenant, key_id = %key.id, path = %path.display(), "seeded tenant; API key written");
         Ok(Some(SeededKey { tenant: tenant.to_owned(), key: key.key, path }))

@@ -236,9 +236,9 @@ impl ControlPlane {
                 entry.handlers.insert(active.handler, handler);
             }
         }
-        for (id, tenant, sha) in db.active_keys()? {
+        for (id, tenant, sha, scopes) in db.active_keys()? {
             if let Some(secret_sha256) = keys::digest_from_hex(&sha) {
-                live.keys.insert(id, ActiveKey { tenant, secret_sha256 });
+                live.keys.insert(id, ActiveKey { tenant, secret_sha256, scopes });
             }
         }
         self.drop_recreated_meanwhile(db, &mut live)?;

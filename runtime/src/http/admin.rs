@@ -21,7 +21,7 @@ use super::body::buffer_body;
 use super::response::{self, Body};
 use crate::admission::limits::LimitOverrides;
 use crate::control::ControlPlane;
-use crate::control::keys;
+use crate::control::keys::{self, Scopes};
 use crate::control::store::{StoreError, now_ms};
 use crate::control::sync::ALIVE_WITHIN;
 use crate::sandbox::compile::CompileError;
@@ -39,11 +39,12 @@ struct CreateTenant {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Activate {
-    version: i64,
+pub(super) struct Activate {
+    pub(super) version: i64,
 }
 
-type AdminResult = Result<(StatusCode, Value), StoreError>;
+/// An admin operation's answer: a status and a JSON body.
+pub(super) type AdminResult = Result<(StatusCode, Value), StoreError>;
 
 impl App {
     /// The refusal of a request that lacks the admin token (`None`: let it
@@ -96,13 +97,25 @@ impl App {
             return self.stats();
         }
         if req.method() == Method::GET && rest == ["usage"] {
-            return self.usage_report(&req).await;
+            return self.usage_report(&req, None).await;
         }
         let method = req.method().clone();
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
-        // Refused before its body is read: a client retrying at once costs little.
-        if method == Method::PUT && matches!(rest, ["tenants", _, "handlers", _]) && self.control.uploads_busy() {
+        let upload = method == Method::PUT && matches!(rest, ["tenants", _, "handlers", _]);
+        self.store_op(req, upload, move |control, body| admin_op(control, &method, &path, &query, body)).await
+    }
+
+    /// Reads `req`'s body (up to the largest upload) and runs `op` on it on
+    /// a blocking thread; an `upload` is refused before its body while the
+    /// compile pool is full (a client retrying at once costs little).
+    pub(super) async fn store_op(
+        &self,
+        req: Request<Incoming>,
+        upload: bool,
+        op: impl FnOnce(&ControlPlane, &Bytes) -> AdminResult + Send + 'static,
+    ) -> Response<Body> {
+        if upload && self.control.uploads_busy() {
             return response::before_body(store_error(&StoreError::Busy(CompileError::Busy.to_string())));
         }
         let body = match buffer_body(req, self.config.max_component_bytes, UPLOAD_TIMEOUT).await {
@@ -113,7 +126,7 @@ impl App {
             Err((_, refusal)) => return refusal,
         };
         let control = Arc::clone(&self.control);
-        let outcome = tokio::task::spawn_blocking(move || admin_op(&control, &method, &path, &query, &body)).await;
+        let outcome = tokio::task::spawn_blocking(move || op(&control, &body)).await;
         match outcome {
             Ok(Ok((status, value))) => response::json(status, &value),
             Ok(Err(e)) => store_error(&e),
@@ -146,16 +159,13 @@ fn admin_op(control: &ControlPlane, method: &Method, path: &[String], query: &st
             ok(json!({ "deleted": t }))
         }
         (Method::GET, ["tenants", t, "keys"]) => ok(json!({ "tenant": t, "keys": control.keys(t)? })),
-        (Method::POST, ["tenants", t, "keys"]) => created(control.create_key(t)?),
+        (Method::POST, ["tenants", t, "keys"]) => created(control.create_key(t, key_scopes(body)?)?),
         (Method::DELETE, ["tenants", t, "keys", id]) => {
             control.revoke_key(t, id)?;
             ok(json!({ "tenant": t, "revoked": id }))
         }
         (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
-        (Method::PUT, ["tenants", t, "handlers", h]) => {
-            let activate = !query.split('&').any(|kv| matches!(kv, "activate=false" | "activate=0" | "activate=no"));
-            created(control.deploy(t, h, body.clone(), activate)?)
-        }
+        (Method::PUT, ["tenants", t, "handlers", h]) => created(control.deploy(t, h, body.clone(), activates(query))?),
         (Method::GET, ["tenants", t, "handlers", h, "versions"]) => ok(control.versions(t, h)?),
         (Method::POST, ["tenants", t, "handlers", h, "activate"]) => {
             let req: Activate = parse(body)?;
@@ -164,6 +174,11 @@ fn admin_op(control: &ControlPlane, method: &Method, path: &[String], query: &st
         (Method::POST, ["tenants", t, "handlers", h, "rollback"]) => ok(control.rollback(t, h)?),
         _ => Err(StoreError::NotFound(format!("no admin route {method} /admin/v1/{}", path.join("/")))),
     }
+}
+
+/// Whether an upload's query leaves it active (not `activate=false`).
+pub(super) fn activates(query: &str) -> bool {
+    !query.split('&').any(|kv| matches!(kv, "activate=false" | "activate=0" | "activate=no"))
 }
 
 /// Every node with whether it is alive (a heartbeat within [`ALIVE_WITHIN`]).
@@ -183,15 +198,34 @@ fn nodes(control: &ControlPlane) -> Result<Vec<Value>, StoreError> {
         .collect()
 }
 
-fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, StoreError> {
+/// The scopes a key-creation body asks for: `{"scopes": ["deploy", "read"]}`;
+/// an empty body, or none named, is `invoke`.
+pub(super) fn key_scopes(body: &Bytes) -> Result<Scopes, StoreError> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct CreateKey {
+        #[serde(default)]
+        scopes: Vec<String>,
+    }
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Scopes::default());
+    }
+    let req: CreateKey = parse(body)?;
+    if req.scopes.is_empty() {
+        return Ok(Scopes::default());
+    }
+    Scopes::parse(&req.scopes.join(",")).map_err(StoreError::Invalid)
+}
+
+pub(super) fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, StoreError> {
     serde_json::from_slice(body).map_err(|e| StoreError::Invalid(format!("bad JSON body: {e}")))
 }
 
-fn ok(value: impl serde::Serialize) -> AdminResult {
+pub(super) fn ok(value: impl serde::Serialize) -> AdminResult {
     Ok((StatusCode::OK, serde_json::to_value(value).map_err(anyhow::Error::from)?))
 }
 
-fn created(value: impl serde::Serialize) -> AdminResult {
+pub(super) fn created(value: impl serde::Serialize) -> AdminResult {
     Ok((StatusCode::CREATED, serde_json::to_value(value).map_err(anyhow::Error::from)?))
 }
 
@@ -200,6 +234,7 @@ pub(super) fn store_error(e: &StoreError) -> Response<Body> {
         StoreError::NotFound(m) => response::error(StatusCode::NOT_FOUND, "not_found", m),
         StoreError::Conflict(m) => response::error(StatusCode::CONFLICT, "conflict", m),
         StoreError::Invalid(m) => response::error(StatusCode::BAD_REQUEST, "invalid", m),
+        StoreError::Forbidden(m) => response::error(StatusCode::FORBIDDEN, "forbidden", m),
         StoreError::Busy(m) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "busy", m, 5),
         StoreError::Unavailable(_) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", &e.to_string(), 5),
         StoreError::Internal(err) => {

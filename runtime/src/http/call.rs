@@ -17,6 +17,7 @@ use super::response::{self, Body};
 use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::admission::slots::Refusal;
 use crate::control::TenantGate;
+use crate::control::keys::Scopes;
 use crate::metrics::Limit;
 use crate::metrics::trace::RequestTrace;
 use crate::metrics::usage::{BytesOut, Usage, UsageKey};
@@ -32,7 +33,7 @@ impl App {
         let started = Instant::now();
         let server = self.tracing.server_span(started, req.headers(), (req.method(), "/v1/{tenant}/{handler}", req.uri().path()));
         let live = self.control.live();
-        let Some(key_tenant) = live.authenticate(bearer(&req)) else {
+        let Some((key_tenant, scopes)) = live.authenticate(bearer(&req)) else {
             server.status(401);
             let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
             refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
@@ -48,6 +49,10 @@ impl App {
             ));
         };
         drop(live);
+        if !scopes.contains(Scopes::INVOKE) {
+            server.status(403);
+            return response::before_body(response::error(StatusCode::FORBIDDEN, "forbidden", "this key lacks the invoke scope"));
+        }
         // The handler never sees the tenant's key.
         req.headers_mut().remove(hyper::header::AUTHORIZATION);
         let id = self.request_ids.next();

@@ -47,7 +47,7 @@ impl App {
     /// versions (what "Try it" offers).
     pub(super) fn me(&self, req: &Request<Incoming>) -> Response<Body> {
         let live = self.control.live();
-        let Some(tenant) = live.authenticate(bearer(req)) else {
+        let Some((tenant, scopes)) = live.authenticate(bearer(req)) else {
             let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
             refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             return refusal;
@@ -58,7 +58,7 @@ impl App {
             .map(|entry| entry.handlers.iter().map(|(name, h)| json!({ "name": name, "version": h.version })).collect())
             .unwrap_or_default();
         handlers.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
-        response::json(StatusCode::OK, &json!({ "tenant": tenant, "handlers": handlers }))
+        response::json(StatusCode::OK, &json!({ "tenant": tenant, "scopes": scopes, "handlers": handlers }))
     }
 
     /// `GET /admin/v1/stats`: per tenant, requests by status, latency

@@ -17,6 +17,7 @@ pub mod console;
 pub mod open_files;
 pub mod response;
 mod routes;
+mod tenant;
 pub mod tls;
 mod usage;
 

@@ -54,6 +54,7 @@ impl App {
             (&Method::GET, ["v1", "models"]) if data => self.list_models(),
             (_, ["v1", tenant, handler]) if data => self.call_handler(tenant, handler, req).await,
             (_, ["admin", "v1", rest @ ..]) if admin => self.admin(rest, req).await,
+            (_, ["tenant", "v1", rest @ ..]) if data => self.tenant_api(rest, req).await,
             (_, ["healthz" | "readyz"]) => method_not_allowed(),
             (_, ["metrics"]) if admin => method_not_allowed(),
             (_, ["v1", "models"]) if data => method_not_allowed(),
@@ -74,10 +75,10 @@ fn not_found_path(path: &str) -> impl FnOnce() -> Response<Body> + '_ {
 }
 
 /// Whether the answer to `path` is the operator's or a tenant's own (the
-/// admin API, `/metrics`, `/v1/me`), never to be cached; a handler's
+/// admin API, the tenant API, `/metrics`, `/v1/me`), never to be cached; a handler's
 /// answers are its own business.
 fn is_private_answer(path: &str) -> bool {
-    path.starts_with("/admin/") || path == "/metrics" || path.trim_end_matches('/') == "/v1/me"
+    path.starts_with("/admin/") || path.starts_with("/tenant/") || path == "/metrics" || path.trim_end_matches('/') == "/v1/me"
 }
 
 fn method_not_allowed() -> Response<Body> {

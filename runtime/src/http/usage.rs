@@ -65,13 +65,18 @@ fn seconds(name: &str, value: &str) -> Result<i64, String> {
 }
 
 impl App {
-    /// Serves `GET /admin/v1/usage` (the caller checked the admin token).
-    pub(super) async fn usage_report(&self, req: &Request<Incoming>) -> Response<Body> {
+    /// Serves `GET /admin/v1/usage` (the caller checked the admin token),
+    /// or, with `only`, `GET /tenant/v1/usage` of that tenant alone (the
+    /// caller checked its key's `read` scope; `tenant=` is ignored).
+    pub(super) async fn usage_report(&self, req: &Request<Incoming>, only: Option<&str>) -> Response<Body> {
         let wants_csv = req.headers().get(hyper::header::ACCEPT).is_some_and(|a| a.to_str().is_ok_and(|a| a.contains("text/csv")));
-        let query = match UsageQuery::parse(req.uri().query().unwrap_or(""), now_ms()) {
+        let mut query = match UsageQuery::parse(req.uri().query().unwrap_or(""), now_ms()) {
             Ok(query) => query,
             Err(message) => return response::error(StatusCode::BAD_REQUEST, "invalid_parameter", message),
         };
+        if let Some(tenant) = only {
+            query.tenant = Some(tenant.to_owned());
+        }
         let control = Arc::clone(&self.control);
         let (tenant, span, by) = (query.tenant.clone(), (query.from_ms, query.to_ms), query.by);
         let rows = tokio::task::spawn_blocking(move || control.usage(tenant.as_deref(), span, by)).await;

@@ -22,12 +22,15 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, bail};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator as _};
-use opentelemetry::trace::{Link, Span as _, SpanKind, Status, TraceContextExt as _, Tracer as _, TracerProvider as _};
+use opentelemetry::trace::{
+    Link, SamplingDecision, SamplingResult, Span as _, SpanKind, Status, TraceContextExt as _, TraceId, TraceState, Tracer as _,
+    TracerProvider as _,
+};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracer, SdkTracerProvider};
+use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracer, SdkTracerProvider, ShouldSample};
 
 use facegate_host_gpu::{BatchObserver, BatchReport, CallTag};
 
@@ -58,7 +61,8 @@ pub struct TraceConfig {
     pub protocol: Option<String>,
 
     /// `true`: no traces, whatever else is set.
-    #[arg(long = "otel-sdk-disabled", env = "OTEL_SDK_DISABLED", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(long = "otel-sdk-disabled", env = "OTEL_SDK_DISABLED", default_value_t = false, action = clap::ArgAction::Set,
+        value_parser = clap::builder::BoolishValueParser::new())]
     pub disabled: bool,
 
     /// Longest a finished span waits before it is exported, ms.
@@ -118,7 +122,10 @@ impl Tracing {
             .with_context(|| format!("OTLP exporter for {url}"))?;
         let batching = BatchConfigBuilder::default().with_scheduled_delay(Duration::from_millis(config.export_delay_ms)).build();
         let processor = BatchSpanProcessor::builder(exporter).with_batch_config(batching).build();
-        let provider = SdkTracerProvider::builder().with_span_processor(processor).with_resource(resource(node)).build();
+        // The sampler the standard variables configure (`Config::default` reads them).
+        let sampler = LinkedSampled(opentelemetry_sdk::trace::Config::default().sampler);
+        let provider =
+            SdkTracerProvider::builder().with_span_processor(processor).with_sampler(sampler).with_resource(resource(node)).build();
         let tracer = provider.tracer("facegate");
         tracing::info!(endpoint = %url, "exporting traces over OTLP/HTTP");
         Ok(Self { on: Some((provider, tracer)) })
@@ -170,6 +177,33 @@ impl Tracing {
         {
             tracing::warn!(error = %e, "traces left unexported at shutdown");
         }
+    }
+}
+
+/// The configured sampler, except that a span linked to a sampled span is
+/// sampled: a batch's span starts a trace of its own, and a sampler by
+/// trace id would otherwise drop most batches that ran sampled requests.
+#[derive(Debug, Clone)]
+struct LinkedSampled(Box<dyn ShouldSample>);
+
+impl ShouldSample for LinkedSampled {
+    fn should_sample(
+        &self,
+        parent: Option<&Context>,
+        trace_id: TraceId,
+        name: &str,
+        kind: &SpanKind,
+        attributes: &[KeyValue],
+        links: &[Link],
+    ) -> SamplingResult {
+        if links.iter().any(|l| l.span_context.is_sampled()) {
+            return SamplingResult {
+                decision: SamplingDecision::RecordAndSample,
+                attributes: Vec::new(),
+                trace_state: TraceState::default(),
+            };
+        }
+        self.0.should_sample(parent, trace_id, name, kind, attributes, links)
     }
 }
 
@@ -461,6 +495,17 @@ mod tests {
         assert!(infer.call_tag().is_none());
         assert!(infer.trace().headers().is_empty());
         assert!(tracing.batch_observer().is_none());
+    }
+
+    #[test]
+    fn a_span_linked_to_a_sampled_one_is_sampled_whatever_the_ratio() {
+        use opentelemetry::trace::{SpanContext, SpanId, TraceFlags};
+        let never = LinkedSampled(Box::new(opentelemetry_sdk::trace::Sampler::AlwaysOff));
+        let linked = |flags| Link::with_context(SpanContext::new(TraceId::from(7), SpanId::from(9), flags, false, TraceState::default()));
+        let decide = |links: &[Link]| never.should_sample(None, TraceId::from(1), "batch", &SpanKind::Internal, &[], links).decision;
+        assert_eq!(decide(&[linked(TraceFlags::SAMPLED)]), SamplingDecision::RecordAndSample);
+        assert_eq!(decide(&[linked(TraceFlags::default())]), SamplingDecision::Drop, "unsampled links: the configured sampler");
+        assert_eq!(decide(&[]), SamplingDecision::Drop);
     }
 
     #[test]

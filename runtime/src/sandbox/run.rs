@@ -329,6 +329,8 @@ impl Sandbox {
                 if let Err(err) = &handled {
                     guest.trace().fail(err.to_string());
                 }
+                // A store kept warm keeps nothing of this request's trace.
+                store.data_mut().traced(&RequestTrace::default());
                 handled?;
                 Ok(proxy)
             };

@@ -373,7 +373,6 @@ fn read_pipeline(path: &std::path::Path) -> Option<Arc<[u8]>> {
     }
 }
 
-/// This machine's name (a pod's name on Kubernetes), the default node id.
 /// Traces as `config.traces` says, each model's batches among them.
 fn trace_requests(config: &ServeConfig, models: &Models) -> anyhow::Result<Tracing> {
     let node = config.node_id.clone().unwrap_or_else(host_name);
@@ -386,6 +385,7 @@ fn trace_requests(config: &ServeConfig, models: &Models) -> anyhow::Result<Traci
     Ok(tracing)
 }
 
+/// This machine's name (a pod's name on Kubernetes), the default node id.
 fn host_name() -> String {
     std::env::var("HOSTNAME")
         .ok()

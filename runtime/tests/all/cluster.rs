@@ -155,6 +155,18 @@ fn three_nodes_on_one_postgres_store_act_as_one_gateway() {
     b.json(b.admin(Method::DELETE, &format!("tenants/t/keys/{id}")));
     let took = within(PROPAGATION, "a key revoked through B refused by A", || a.probe(doomed).0 == 401);
     figures.push(format!("revocation through B refused by A after {took:?}"));
+    // A tenant's deploy key, revoked through A, is refused by B and C on
+    // the tenant API.
+    let deploy = a.json(a.admin(Method::POST, "tenants/t/keys").json(&json!({ "scopes": ["deploy"] })));
+    let (id, doomed) = (deploy["id"].as_str().unwrap(), deploy["key"].as_str().unwrap());
+    let versions = |server: &Server| {
+        let response = crate::harness::client_with_key(doomed).get(format!("http://{}/tenant/v1/handlers/h/versions", server.addr));
+        response.send().unwrap().status().as_u16()
+    };
+    within(PROPAGATION, "the deploy key reaches B and C", || versions(&b) == 200 && versions(&c) == 200);
+    a.json(a.admin(Method::DELETE, &format!("tenants/t/keys/{id}")));
+    let took = within(PROPAGATION, "a deploy key revoked through A refused by B and C", || versions(&b) == 401 && versions(&c) == 401);
+    figures.push(format!("deploy key revoked through A refused by B and C after {took:?}"));
     // Limits changed through A hold on C.
     a.json(a.admin(Method::PATCH, "tenants/t").json(&json!({ "max_concurrency": 3 })));
     within(PROPAGATION, "a limit change through A", || status(&c, Method::GET, "tenants/t").1["limits"]["max_concurrency"] == 3);

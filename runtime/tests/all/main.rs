@@ -21,6 +21,7 @@ mod restart;
 mod scripts;
 mod secrets;
 mod stores;
+mod tenants;
 mod tls;
 mod traces;
 mod usage;

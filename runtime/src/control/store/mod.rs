@@ -22,6 +22,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 
 use crate::admission::limits::LimitOverrides;
+use crate::control::keys::Scopes;
 pub use crate::control::seal::SharedArtifact;
 
 /// File name of the SQLite database inside the data directory.
@@ -39,6 +40,9 @@ pub enum StoreError {
     /// The request is malformed or refused by validation.
     #[error("{0}")]
     Invalid(String),
+    /// The caller may not do this (a tenant's key past its scope).
+    #[error("{0}")]
+    Forbidden(String),
     /// The gateway cannot take this now (uploads compiling); retry later.
     #[error("{0}")]
     Busy(String),
@@ -76,10 +80,12 @@ pub struct KeyRow {
     pub created_at: i64,
     /// Unix seconds, if revoked.
     pub revoked_at: Option<i64>,
+    /// What it may do.
+    pub scopes: Scopes,
 }
 
-/// A key that authenticates: `(id, tenant, secret_sha256 hex)`.
-pub type ActiveKeyRow = (String, String, String);
+/// A key that authenticates: `(id, tenant, secret_sha256 hex, scopes)`.
+pub type ActiveKeyRow = (String, String, String, Scopes);
 
 /// A handler version row.
 #[derive(Debug, Clone, Serialize)]
@@ -197,8 +203,8 @@ pub trait Store: Send {
     /// Sets a store-wide setting.
     fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()>;
 
-    /// Records a key for `tenant`; returns its creation time.
-    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str) -> StoreResult<i64>;
+    /// Records a key of `scopes` for `tenant`; returns its creation time.
+    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes) -> StoreResult<i64>;
     /// A tenant's keys, newest first.
     fn keys(&mut self, tenant: &str) -> StoreResult<Vec<KeyRow>>;
     /// Every key not revoked.

@@ -25,7 +25,7 @@ use super::{
 };
 use super::{usage_columns, usage_from, usage_values};
 use crate::admission::limits::LimitOverrides;
-use crate::control::keys::sha256_hex;
+use crate::control::keys::{Scopes, sha256_hex};
 use crate::metrics::usage::{Delta, Usage, UsageKey};
 
 /// The channel changes are announced on.
@@ -35,7 +35,7 @@ const CHANNEL: &str = "facegate_changes";
 const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[&str] = &[V1, V2, V3, V4];
+pub(super) const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5];
 
 const V1: &str = "
 CREATE TABLE tenants (
@@ -101,6 +101,9 @@ CREATE TABLE artifacts (
     PRIMARY KEY (component_sha256, engine)
 );
 ";
+
+/// Version 5: a key's scopes (see [`Scopes`]); keys from before invoke.
+const V5: &str = "ALTER TABLE api_keys ADD COLUMN scopes TEXT NOT NULL DEFAULT 'invoke';";
 
 /// Version 4: usage, one row per node, delta, tenant, handler, version and
 /// minute (see [`crate::metrics::usage`]); kept when a tenant is deleted
@@ -379,13 +382,14 @@ impl Store for PgStore {
         })
     }
 
-    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str) -> StoreResult<i64> {
+    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes) -> StoreResult<i64> {
         let created_at = now();
+        let scopes = scopes.to_string();
         self.write(|tx| {
             tenant_exists(tx, tenant, "FOR SHARE")?;
             tx.execute(
-                "INSERT INTO api_keys (id, tenant, secret_sha256, created_at) VALUES ($1, $2, $3, $4)",
-                &[&id, &tenant, &secret_sha256, &created_at],
+                "INSERT INTO api_keys (id, tenant, secret_sha256, created_at, scopes) VALUES ($1, $2, $3, $4, $5)",
+                &[&id, &tenant, &secret_sha256, &created_at, &scopes],
             )
             .map_err(db_error)
         })?;
@@ -396,16 +400,19 @@ impl Store for PgStore {
         self.tenant(tenant)?;
         self.with(|c| {
             let rows = c
-                .query("SELECT id, created_at, revoked_at FROM api_keys WHERE tenant = $1 ORDER BY created_at DESC, id", &[&tenant])
+                .query("SELECT id, created_at, revoked_at, scopes FROM api_keys WHERE tenant = $1 ORDER BY created_at DESC, id", &[&tenant])
                 .map_err(db_error)?;
-            Ok(rows.iter().map(|r| KeyRow { id: r.get(0), created_at: r.get(1), revoked_at: r.get(2) }).collect())
+            Ok(rows
+                .iter()
+                .map(|r| KeyRow { id: r.get(0), created_at: r.get(1), revoked_at: r.get(2), scopes: Scopes::from_stored(r.get(3)) })
+                .collect())
         })
     }
 
     fn active_keys(&mut self) -> StoreResult<Vec<ActiveKeyRow>> {
         self.with(|c| {
-            let rows = c.query("SELECT id, tenant, secret_sha256 FROM api_keys WHERE revoked_at IS NULL", &[]).map_err(db_error)?;
-            Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+            let rows = c.query("SELECT id, tenant, secret_sha256, scopes FROM api_keys WHERE revoked_at IS NULL", &[]).map_err(db_error)?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2), Scopes::from_stored(r.get(3)))).collect())
         })
     }
 

@@ -14,10 +14,11 @@ use super::{
 use super::{usage_columns, usage_from, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
+use crate::control::keys::Scopes;
 use crate::metrics::usage::{Delta, Usage, UsageKey};
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1, V2, V3, V4];
+const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5];
 
 /// The first schema.
 const V1: &str = "
@@ -100,6 +101,9 @@ CREATE TABLE usage (
 );
 CREATE INDEX usage_by_bucket ON usage (bucket_ms, tenant);
 ";
+
+/// Version 5: a key's scopes (see [`Scopes`]); keys from before invoke.
+const V5: &str = "ALTER TABLE api_keys ADD COLUMN scopes TEXT NOT NULL DEFAULT 'invoke';";
 
 /// Version 3: a tenant's incarnation, new each time a tenant of that name
 /// is created; rows from before get one of their own.
@@ -254,12 +258,12 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str) -> StoreResult<i64> {
+    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes) -> StoreResult<i64> {
         self.tenant(tenant)?;
         let created_at = now();
         self.conn.execute(
-            "INSERT INTO api_keys (id, tenant, secret_sha256, created_at) VALUES (?1, ?2, ?3, ?4)",
-            params![id, tenant, secret_sha256, created_at],
+            "INSERT INTO api_keys (id, tenant, secret_sha256, created_at, scopes) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![id, tenant, secret_sha256, created_at, scopes.to_string()],
         )?;
         Ok(created_at)
     }
@@ -267,14 +271,20 @@ impl Store for SqliteStore {
     fn keys(&mut self, tenant: &str) -> StoreResult<Vec<KeyRow>> {
         self.tenant(tenant)?;
         let mut stmt =
-            self.conn.prepare("SELECT id, created_at, revoked_at FROM api_keys WHERE tenant = ?1 ORDER BY created_at DESC, id")?;
-        let rows = stmt.query_map([tenant], |r| Ok(KeyRow { id: r.get(0)?, created_at: r.get(1)?, revoked_at: r.get(2)? }))?;
+            self.conn.prepare("SELECT id, created_at, revoked_at, scopes FROM api_keys WHERE tenant = ?1 ORDER BY created_at DESC, id")?;
+        let rows = stmt.query_map([tenant], |r| {
+            let scopes: String = r.get(3)?;
+            Ok(KeyRow { id: r.get(0)?, created_at: r.get(1)?, revoked_at: r.get(2)?, scopes: Scopes::from_stored(&scopes) })
+        })?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
     fn active_keys(&mut self) -> StoreResult<Vec<ActiveKeyRow>> {
-        let mut stmt = self.conn.prepare("SELECT id, tenant, secret_sha256 FROM api_keys WHERE revoked_at IS NULL")?;
-        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+        let mut stmt = self.conn.prepare("SELECT id, tenant, secret_sha256, scopes FROM api_keys WHERE revoked_at IS NULL")?;
+        let rows = stmt.query_map([], |r| {
+            let scopes: String = r.get(3)?;
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, Scopes::from_stored(&scopes)))
+        })?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 

@@ -1,0 +1,130 @@
+//! The tenant API under `/tenant/v1/`: a tenant manages its own handlers
+//! and keys with a scoped API key, as the operator does through the admin
+//! API, with the same validation, limits, compile pool and answers. The
+//! key's tenant is the only one it reaches: a handler of another tenant is
+//! not even nameable here, so it is the same 404 as a missing one.
+//!
+//! | route | scope |
+//! |---|---|
+//! | `GET handlers`, `GET handlers/{h}/versions` | `read` or `deploy` |
+//! | `PUT handlers/{h}`, `POST handlers/{h}/activate`, `POST handlers/{h}/rollback` | `deploy` |
+//! | `GET keys`, `POST keys` (an `invoke` key), `DELETE keys/{id}` (an `invoke` key) | `deploy` |
+//! | `GET usage` | `read` |
+//!
+//! A missing, wrong or revoked key is 401 (slowed like a wrong admin
+//! token); a key without the route's scope is 403.
+
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::json;
+
+use super::admin::{Activate, AdminResult, activates, created, key_scopes, ok, parse};
+use super::app::App;
+use super::auth::bearer;
+use super::response::{self, Body};
+use crate::control::ControlPlane;
+use crate::control::keys::Scopes;
+use crate::control::store::StoreError;
+
+/// What a route needs of the key: any one of these scopes.
+fn required(method: &Method, rest: &[&str]) -> Option<Scopes> {
+    let manage = Scopes::DEPLOY;
+    let look = Scopes::DEPLOY.with(Scopes::READ);
+    Some(match (method, rest) {
+        (&Method::GET, ["handlers"] | ["handlers", _, "versions"]) => look,
+        (&Method::PUT, ["handlers", _]) | (&Method::POST, ["handlers", _, "activate" | "rollback"]) => manage,
+        (&Method::GET | &Method::POST, ["keys"]) | (&Method::DELETE, ["keys", _]) => manage,
+        (&Method::GET, ["usage"]) => Scopes::READ,
+        _ => return None,
+    })
+}
+
+impl App {
+    /// Serves one tenant API request (`rest` is the path after `/tenant/v1/`).
+    pub(super) async fn tenant_api(&self, rest: &[&str], req: Request<Incoming>) -> Response<Body> {
+        let found = self.control.live().authenticate(bearer(&req)).map(|(tenant, scopes)| (tenant.to_owned(), scopes));
+        let Some((tenant, scopes)) = found else {
+            let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
+            refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+            return self.token_failures.slowed("tenant", &req, response::before_body(refusal)).await;
+        };
+        let method = req.method().clone();
+        let Some(needed) = required(&method, rest) else {
+            let path = format!("/tenant/v1/{}", rest.join("/"));
+            return response::before_body(response::error(StatusCode::NOT_FOUND, "not_found", format!("no route {method} {path}")));
+        };
+        if !scopes.any(needed) {
+            let names = needed.names().join(" or ");
+            let message = format!("this key ({scopes}) lacks the {names} scope this call needs");
+            return response::before_body(response::error(StatusCode::FORBIDDEN, "forbidden", message));
+        }
+        if rest == ["usage"] {
+            return self.usage_report(&req, Some(&tenant)).await;
+        }
+        let query = req.uri().query().unwrap_or("").to_owned();
+        let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
+        let upload = method == Method::PUT;
+        // The key a tenant may revoke: one of its own, invoke only.
+        let revocable = match rest {
+            ["keys", id] => self.control.live().key_scopes(&tenant, id),
+            _ => None,
+        };
+        self.store_op(req, upload, move |control, body| tenant_op(control, &tenant, (&method, &path, &query), body, revocable)).await
+    }
+}
+
+/// One tenant API operation of `tenant` (its key's scope already checked).
+fn tenant_op(
+    control: &ControlPlane,
+    tenant: &str,
+    (method, path, query): (&Method, &[String], &str),
+    body: &bytes::Bytes,
+    revocable: Option<Scopes>,
+) -> AdminResult {
+    let p: Vec<&str> = path.iter().map(String::as_str).collect();
+    let t = tenant;
+    match (method.clone(), p.as_slice()) {
+        (Method::GET, ["handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
+        (Method::PUT, ["handlers", h]) => created(control.deploy(t, h, body.clone(), activates(query))?),
+        (Method::GET, ["handlers", h, "versions"]) => ok(control.versions(t, h)?),
+        (Method::POST, ["handlers", h, "activate"]) => {
+            let req: Activate = parse(body)?;
+            ok(control.activate(t, h, req.version)?)
+        }
+        (Method::POST, ["handlers", h, "rollback"]) => ok(control.rollback(t, h)?),
+        (Method::GET, ["keys"]) => ok(json!({ "tenant": t, "keys": control.keys(t)? })),
+        (Method::POST, ["keys"]) => {
+            if key_scopes(body)? != Scopes::INVOKE {
+                return Err(StoreError::Forbidden("a tenant's deploy key creates invoke keys only; ask the operator for others".into()));
+            }
+            created(control.create_key(t, Scopes::INVOKE)?)
+        }
+        (Method::DELETE, ["keys", id]) => match revocable {
+            Some(scopes) if scopes != Scopes::INVOKE => {
+                Err(StoreError::Forbidden(format!("key {id:?} is a {scopes} key; a tenant's deploy key revokes invoke keys only")))
+            }
+            _ => {
+                control.revoke_key(t, id)?;
+                ok(json!({ "tenant": t, "revoked": id }))
+            }
+        },
+        _ => Err(StoreError::NotFound(format!("no tenant route {method} /tenant/v1/{}", path.join("/")))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_route_names_the_scopes_it_takes() {
+        let get = |path: &[&str]| required(&Method::GET, path);
+        assert_eq!(get(&["handlers"]), Some(Scopes::DEPLOY.with(Scopes::READ)));
+        assert_eq!(get(&["usage"]), Some(Scopes::READ));
+        assert_eq!(required(&Method::PUT, &["handlers", "faces"]), Some(Scopes::DEPLOY));
+        assert_eq!(required(&Method::POST, &["handlers", "faces", "rollback"]), Some(Scopes::DEPLOY));
+        assert_eq!(required(&Method::DELETE, &["keys", "abc"]), Some(Scopes::DEPLOY));
+        assert_eq!(required(&Method::DELETE, &["handlers", "faces"]), None, "no such route");
+        assert!(!Scopes::INVOKE.any(get(&["handlers"]).unwrap()), "an invoke key manages nothing");
+    }
+}

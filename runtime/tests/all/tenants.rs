@@ -1,0 +1,175 @@
+//! Tenants serve themselves: scoped keys (`invoke`, `deploy`, `read`) and
+//! the tenant API under `/tenant/v1/`, through HTTP and the CLI. A key
+//! reaches its own tenant only, and only as far as its scopes say.
+
+use reqwest::Method;
+use reqwest::blocking::Response;
+use serde_json::{Value, json};
+
+use crate::harness::{ADMIN_TOKEN, anonymous, client_with_key, gateway, guest, image, url};
+
+/// Creates `tenant` and a key of each scope set in `scopes`; their keys, in order.
+fn tenant_with_keys(tenant: &str, scopes: &[&[&str]]) -> Vec<(String, String)> {
+    let admin = |method: Method, path: String, body: Value| {
+        anonymous().request(method, url(&path)).bearer_auth(ADMIN_TOKEN).json(&body).send().unwrap()
+    };
+    let created = admin(Method::POST, "/admin/v1/tenants".into(), json!({ "name": tenant, "limits": { "rps": 0 } }));
+    assert_eq!(created.status(), 201);
+    scopes
+        .iter()
+        .map(|scopes| {
+            let key: Value = admin(Method::POST, format!("/admin/v1/tenants/{tenant}/keys"), json!({ "scopes": scopes })).json().unwrap();
+            assert_eq!(key["scopes"], json!(scopes), "{key}");
+            (key["key"].as_str().unwrap().to_owned(), key["id"].as_str().unwrap().to_owned())
+        })
+        .collect()
+}
+
+/// A tenant API call with `key`.
+fn tenant_call(key: &str, method: Method, path: &str, body: Vec<u8>) -> Response {
+    client_with_key(key).request(method, url(&format!("/tenant/v1/{path}"))).body(body).send().unwrap()
+}
+
+fn status_and_code(response: Response) -> (u16, String) {
+    let status = response.status().as_u16();
+    let body: Value = response.json().unwrap_or(Value::Null);
+    (status, body["error"]["code"].as_str().unwrap_or_default().to_owned())
+}
+
+fn detect(key: &str, tenant: &str, handler: &str) -> Response {
+    client_with_key(key).post(url(&format!("/v1/{tenant}/{handler}"))).body(image("grace_hopper.jpg")).send().unwrap()
+}
+
+/// A `deploy` key uploads, activates and rolls back its own tenant's
+/// handler, and manages its `invoke` keys; it does not invoke, and reaches
+/// no other tenant's handler (the same 404 as a missing one).
+#[test]
+fn a_deploy_key_manages_its_own_handlers_and_invoke_keys() {
+    let keys = tenant_with_keys("selfserve", &[&["deploy"], &["invoke"]]);
+    let ((deploy, deploy_id), (invoke, _)) = (keys[0].clone(), keys[1].clone());
+    let _ = gateway();
+    let upload = |file: &str| tenant_call(&deploy, Method::PUT, "handlers/faces", std::fs::read(guest(file)).unwrap());
+    let first: Value = upload("detect").json().unwrap();
+    assert_eq!((first["version"].as_i64(), first["active_version"].as_i64()), (Some(1), Some(1)), "{first}");
+    let answer = detect(&invoke, "selfserve", "faces");
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.headers()["x-facegate-handler-version"], "1");
+    assert_eq!(upload("blur").status(), 201);
+    assert_eq!(detect(&invoke, "selfserve", "faces").headers()["content-type"], "image/jpeg", "version 2, the blur, answers");
+    let versions: Value = tenant_call(&deploy, Method::GET, "handlers/faces/versions", Vec::new()).json().unwrap();
+    assert_eq!(versions["versions"].as_array().map(Vec::len), Some(2), "{versions}");
+    let rolled: Value = tenant_call(&deploy, Method::POST, "handlers/faces/rollback", Vec::new()).json().unwrap();
+    assert_eq!(rolled["active_version"], 1, "{rolled}");
+    let activated = tenant_call(&deploy, Method::POST, "handlers/faces/activate", json!({ "version": 2 }).to_string().into_bytes());
+    assert_eq!(activated.json::<Value>().unwrap()["active_version"], 2);
+    assert_eq!(detect(&invoke, "selfserve", "faces").headers()["x-facegate-handler-version"], "2");
+
+    assert_eq!(status_and_code(detect(&deploy, "selfserve", "faces")), (403, "forbidden".into()), "a deploy key does not invoke");
+    // demo's handler `detect` is not this tenant's: the same answer as a missing handler.
+    let other = status_and_code(tenant_call(&deploy, Method::GET, "handlers/detect/versions", Vec::new()));
+    let missing = status_and_code(tenant_call(&deploy, Method::GET, "handlers/nosuch/versions", Vec::new()));
+    assert_eq!(other, missing);
+    assert_eq!(other.0, 404);
+    let listed: Value = tenant_call(&deploy, Method::GET, "handlers", Vec::new()).json().unwrap();
+    assert_eq!(listed["tenant"], "selfserve");
+    assert_eq!(listed["handlers"].as_array().map(Vec::len), Some(1), "its own handler only: {listed}");
+
+    // Its invoke keys: made, used, revoked.
+    let made: Value = tenant_call(&deploy, Method::POST, "keys", Vec::new()).json().unwrap();
+    assert_eq!(made["scopes"], json!(["invoke"]), "{made}");
+    let new_key = made["key"].as_str().unwrap();
+    assert_eq!(detect(new_key, "selfserve", "faces").status(), 200);
+    let revoked = tenant_call(&deploy, Method::DELETE, &format!("keys/{}", made["id"].as_str().unwrap()), Vec::new());
+    assert_eq!(revoked.status(), 200);
+    assert_eq!(detect(new_key, "selfserve", "faces").status(), 401, "revoked at once on this node");
+    let wider = tenant_call(&deploy, Method::POST, "keys", json!({ "scopes": ["deploy"] }).to_string().into_bytes());
+    assert_eq!(status_and_code(wider), (403, "forbidden".into()), "a tenant makes invoke keys only");
+    let own = tenant_call(&deploy, Method::DELETE, &format!("keys/{deploy_id}"), Vec::new());
+    assert_eq!(status_and_code(own), (403, "forbidden".into()), "nor revokes a deploy key");
+
+    // The operator revokes the deploy key: refused from then on.
+    let revoke = anonymous().delete(url(&format!("/admin/v1/tenants/selfserve/keys/{deploy_id}"))).bearer_auth(ADMIN_TOKEN).send().unwrap();
+    assert_eq!(revoke.status(), 200);
+    assert_eq!(status_and_code(upload("detect")), (401, "unauthorized".into()));
+}
+
+/// An `invoke` key gets 403 on every management call, a `read` key reads
+/// but changes nothing, and a wrong key gets 401.
+#[test]
+fn each_scope_opens_its_own_calls_only() {
+    let keys = tenant_with_keys("scoped", &[&["invoke"], &["read"], &["deploy"]]);
+    let (invoke, read, deploy) = (&keys[0].0, &keys[1].0, &keys[2].0);
+    let wasm = std::fs::read(guest("detect")).unwrap();
+    assert_eq!(tenant_call(deploy, Method::PUT, "handlers/faces", wasm.clone()).status(), 201);
+    let calls: [(Method, &str, Vec<u8>); 8] = [
+        (Method::GET, "handlers", Vec::new()),
+        (Method::GET, "handlers/faces/versions", Vec::new()),
+        (Method::PUT, "handlers/faces", wasm.clone()),
+        (Method::POST, "handlers/faces/rollback", Vec::new()),
+        (Method::POST, "handlers/faces/activate", json!({ "version": 1 }).to_string().into_bytes()),
+        (Method::GET, "keys", Vec::new()),
+        (Method::POST, "keys", Vec::new()),
+        (Method::GET, "usage", Vec::new()),
+    ];
+    for (method, path, body) in calls {
+        let refused = status_and_code(tenant_call(invoke, method.clone(), path, body.clone()));
+        assert_eq!(refused, (403, "forbidden".into()), "invoke key, {method} {path}");
+        let reads = matches!((&method, path), (&Method::GET, "handlers" | "handlers/faces/versions" | "usage"));
+        let status = tenant_call(read, method.clone(), path, body).status().as_u16();
+        if reads {
+            assert_eq!(status, 200, "read key, {method} {path}");
+        } else {
+            assert_eq!(status, 403, "read key, {method} {path}");
+        }
+    }
+    assert_eq!(detect(invoke, "scoped", "faces").status(), 200, "the invoke key invokes");
+    assert_eq!(status_and_code(detect(read, "scoped", "faces")), (403, "forbidden".into()));
+    let usage: Value = tenant_call(read, Method::GET, "usage?tenant=demo&by=day", Vec::new()).json().unwrap();
+    assert!(usage["rows"].as_array().unwrap().iter().all(|r| r["tenant"] == "scoped"), "its own usage only: {usage}");
+    let last = if invoke.ends_with('0') { '1' } else { '0' };
+    let wrong = format!("{}{last}", &invoke[..invoke.len() - 1]);
+    assert_eq!(status_and_code(tenant_call(&wrong, Method::GET, "handlers", Vec::new())), (401, "unauthorized".into()));
+    assert_eq!(status_and_code(tenant_call(deploy, Method::DELETE, "handlers/faces", Vec::new())).0, 404, "no such route");
+}
+
+/// The CLI with a tenant's key (`--key`, `FACEGATE_KEY`) instead of the
+/// admin token: deploys, lists versions, rolls back and makes invoke keys
+/// of the key's tenant; the admin creates the scoped key (`--scope`).
+#[test]
+fn the_cli_deploys_with_a_tenants_key() {
+    let cli = |args: &[&str], admin: bool| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_facegate"));
+        command.args(args).env("FACEGATE_URL", format!("http://{}", gateway().addr)).env_remove("FACEGATE_KEY");
+        if admin {
+            command.env("FACEGATE_ADMIN_TOKEN", ADMIN_TOKEN);
+        } else {
+            command.env_remove("FACEGATE_ADMIN_TOKEN");
+        }
+        let output = command.output().unwrap();
+        let text = String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr);
+        (output.status.code().unwrap_or(-1), text)
+    };
+    let json = |args: &[&str], admin: bool| -> Value {
+        let (code, out) = cli(args, admin);
+        assert_eq!(code, 0, "facegate {args:?}: {out}");
+        serde_json::Deserializer::from_str(&out[out.find('{').unwrap_or(0)..]).into_iter::<Value>().next().unwrap().unwrap()
+    };
+    assert_eq!(cli(&["tenant", "create", "clikey", "--rps", "0"], true).0, 0);
+    let deploy = json(&["key", "create", "clikey", "--scope", "deploy,read", "--json"], true);
+    assert_eq!(deploy["scopes"], json!(["deploy", "read"]));
+    let key = deploy["key"].as_str().unwrap();
+    let detect_wasm = guest("detect").display().to_string();
+    let blur_wasm = guest("blur").display().to_string();
+    assert_eq!(json(&["deploy", "--key", key, "--handler", "faces", &detect_wasm, "--json"], false)["version"], 1);
+    assert_eq!(json(&["deploy", "--key", key, "--handler", "faces", &blur_wasm, "--json"], false)["active_version"], 2);
+    let versions = json(&["versions", "--key", key, "--handler", "faces", "--json"], false);
+    assert_eq!(versions["versions"].as_array().map(Vec::len), Some(2));
+    assert_eq!(json(&["rollback", "--key", key, "--handler", "faces", "--json"], false)["active_version"], 1);
+    let (code, out) = cli(&["key", "create", "--key", key], false);
+    assert_eq!(code, 0, "{out}");
+    let invoke = out.lines().next().unwrap().trim();
+    assert_eq!(detect(invoke, "clikey", "faces").status(), 200, "the key it made invokes");
+    let (code, out) = cli(&["deploy", "--key", invoke, "--handler", "faces", &detect_wasm], false);
+    assert_eq!(code, 1, "an invoke key deploys nothing: {out}");
+    assert!(out.contains("403") && out.contains("deploy"), "{out}");
+}
