@@ -84,7 +84,7 @@ impl App {
         let admitting = Instant::now();
         let (limits, tenant) = (&gate.limits, &handler.tenant);
         if let Err(wait) = gate.rate.try_take() {
-            self.hits().hit(tenant, Limit::Rate);
+            self.refused(trace, ("admit", admitting), tenant, Limit::Rate);
             // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
             let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
             return response::before_body(response::retry_later(
@@ -98,7 +98,7 @@ impl App {
         // holds one of the tenant's own slots); the slots live as long as
         // the guest (they move into the guest's task).
         let Some(tenant_slot) = gate.concurrency.try_acquire() else {
-            self.hits().hit(tenant, Limit::Concurrency);
+            self.refused(trace, ("admit", admitting), tenant, Limit::Concurrency);
             return response::before_body(response::retry_later(
                 StatusCode::TOO_MANY_REQUESTS,
                 "concurrency_limited",
@@ -111,7 +111,7 @@ impl App {
         let promise = match self.admit_backlog(handler, limits.timeout()) {
             Ok(promise) => promise,
             Err(wait) => {
-                self.hits().hit(tenant, Limit::Backlog);
+                self.refused(trace, ("admit", admitting), tenant, Limit::Backlog);
                 let message = format!(
                     "the inference work queued ahead would take {:.1} s, past this request's {:.1} s deadline",
                     wait.as_secs_f64(),
@@ -126,7 +126,7 @@ impl App {
         let mut memory = match self.admit_memory(tenant, &req, limits.max_body_bytes) {
             Ok(charge) => charge,
             Err(refusal) => {
-                self.hits().hit(tenant, Limit::NodeMemory);
+                self.refused(trace, ("admit", admitting), tenant, Limit::NodeMemory);
                 return response::before_body(response::retry_later(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "overloaded",
@@ -147,8 +147,9 @@ impl App {
                 req
             }
             Err((limit, refusal)) => {
-                if let Some(limit) = limit {
-                    self.hits().hit(tenant, limit);
+                match limit {
+                    Some(limit) => self.refused(trace, ("read body", reading), tenant, limit),
+                    None => trace.failed("read body", (reading, Instant::now()), "the body could not be read"),
                 }
                 return refusal;
             }
@@ -158,7 +159,7 @@ impl App {
         let instance = match self.instances.try_acquire(tenant) {
             Ok(slot) => slot,
             Err(refusal) => {
-                self.hits().hit(tenant, Limit::Instances);
+                self.refused(trace, ("admit", Instant::now()), tenant, Limit::Instances);
                 let message = match refusal {
                     Refusal::Full => "all handler instances are busy",
                     Refusal::FairShare => "handler instances are scarce and this tenant holds its fair share of them",
@@ -177,6 +178,13 @@ impl App {
             }
             Err(e) => self.sandbox_error(handler, id, &e),
         }
+    }
+
+    /// A request of `tenant` refused by `limit`: counted as its hit, and
+    /// the span `name` (from its `start` to now) failed, naming the limit.
+    fn refused(&self, trace: &RequestTrace, (name, start): (&'static str, Instant), tenant: &str, limit: Limit) {
+        self.hits().hit(tenant, limit);
+        trace.failed(name, (start, Instant::now()), limit.label());
     }
 
     /// Promises the handler's usual inference call (its last call's model

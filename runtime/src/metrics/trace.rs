@@ -283,6 +283,20 @@ impl RequestTrace {
         span.end_with_timestamp(clock.wall(end));
     }
 
+    /// A failed child span that ran from `start` to `end`: `error` says why
+    /// (`error.type`, and the span's status).
+    pub fn failed(&self, name: &'static str, (start, end): (Instant, Instant), error: &str) {
+        let Some(on) = &self.on else { return };
+        let Traced { tracer, cx, clock } = &**on;
+        let mut span = tracer
+            .span_builder(name)
+            .with_start_time(clock.wall(start))
+            .with_attributes([KeyValue::new("error.type", error.to_owned())])
+            .start_with_context(tracer, cx);
+        span.set_status(Status::error(error.to_owned()));
+        span.end_with_timestamp(clock.wall(end));
+    }
+
     /// A child span from now until the returned span ends (or drops), with
     /// `attributes` (not made unless the span is recorded).
     pub fn start(&self, name: &'static str, attributes: impl FnOnce() -> Vec<KeyValue>) -> LiveSpan {

@@ -327,3 +327,29 @@ fn with_traces_off_nothing_is_exported() {
 fn hex_bytes(hex: &str) -> Vec<u8> {
     (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect()
 }
+
+/// A refused request's trace says where and why: a body past the tenant's
+/// limit is a failed `read body` span naming the limit, under a 413 server span.
+#[test]
+fn a_refusal_is_a_failed_span_naming_the_limit() {
+    let gateway = traced();
+    let trace_id = "5ca1ab1e5ca1ab1e5ca1ab1e5ca1ab1e";
+    let response = client_with_key(&gateway.key("demo"))
+        .post(format!("http://{}/v1/demo/detect", gateway.addr))
+        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+        .body(vec![0u8; harness::MAX_BODY_BYTES + 1])
+        .send()
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    let spans = gateway.receiver.wait_for("the refused request's spans", |spans| {
+        let ours = |name: &str| spans.iter().any(|s| hex(&s.trace_id) == trace_id && s.name == name);
+        ours("read body") && ours("POST /v1/{tenant}/{handler}")
+    });
+    let trace = hex_bytes(trace_id);
+    let server = spans.iter().find(|s| s.trace_id == trace && s.kind == SpanKind::Server as i32).unwrap();
+    assert_eq!(attribute(server, "http.response.status_code").as_deref(), Some("413"));
+    let body = child(&spans, &trace, &server.span_id, "read body");
+    assert_eq!(attribute(body, "error.type").as_deref(), Some("body_size"));
+    assert_eq!(body.status.as_ref().map(|s| s.code), Some(2), "an error status");
+    assert!(spans.iter().all(|s| s.trace_id != trace || s.name != "guest"), "no guest ran");
+}

@@ -165,6 +165,8 @@ impl wit::Host for FaceDetectView<'_> {
     async fn infer(&mut self, model: String, input: wit::Tensor) -> wasmtime::Result<Result<Vec<wit::Tensor>, wit::Error>> {
         if self.ctx.calls_left == 0 {
             self.ctx.quota_refusals += 1;
+            let now = Instant::now();
+            self.ctx.trace.failed("infer", (now, now), "infer_calls");
             return Ok(Err(wit::Error::QuotaExceeded("this request has used all its face-detect calls".into())));
         }
         self.ctx.calls_left -= 1;
@@ -174,6 +176,8 @@ impl wit::Host for FaceDetectView<'_> {
         };
         if self.ctx.memory.resize(input.data().len()).is_err() {
             self.ctx.memory_refusals += 1;
+            let now = Instant::now();
+            self.ctx.trace.failed("infer", (now, now), "memory_budget");
             return Ok(Err(wit::Error::Overloaded));
         }
         let cost = sample_cost(input.shape());
