@@ -212,6 +212,23 @@ impl UsageArgs {
     }
 }
 
+/// `facegate logs`
+#[derive(Debug, Clone, Args)]
+pub struct LogsArgs {
+    /// Only this handler's records.
+    #[arg(long)]
+    pub handler: Option<String>,
+    /// Only records after this one (a record's `seq`).
+    #[arg(long)]
+    pub since: Option<u64>,
+    /// Keep printing records as they come.
+    #[arg(long, short = 'f')]
+    pub follow: bool,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "flattened")]
+    pub client: ClientArgs,
+}
+
 /// `facegate check`
 #[derive(Debug, Clone, Args)]
 pub struct CheckArgs {
@@ -270,6 +287,9 @@ pub enum Command {
     /// or day: requests by status class, guest and device time, inference
     /// calls, bytes, peak memory (admin API).
     Usage(UsageArgs),
+    /// A tenant's log on the node `--url` reaches: each request's outcome
+    /// and its handlers' output (tenant API, a key with the `read` scope).
+    Logs(LogsArgs),
     /// List the gateway nodes sharing the store, with their last heartbeat (admin API).
     Nodes {
         #[command(flatten)]
@@ -334,6 +354,7 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         C::Rollback(t) => (&t.client, Method::POST, t.path("/rollback"), Bytes::new(), "application/json"),
         C::Usage(args) => (&args.client, Method::GET, args.path(), Bytes::new(), "application/json"),
         C::Check(args) => return check(args),
+        C::Logs(args) => return logs(args).await,
         C::Serve(_) | C::Bench { .. } => bail!("not a client command"),
     };
     let token = match &client.key {
@@ -493,6 +514,69 @@ fn print_summary(command: &Command, v: &Value) {
             v["previous_version"]
         ),
         _ => println!("{v}"),
+    }
+}
+
+/// Prints a tenant's log (see [`LogsArgs`]); following, asks again after
+/// each stream ends (the gateway closes one after a minute).
+async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
+    let Some(key) = args.client.key.as_deref() else {
+        bail!("logs are read with a tenant's key that has the read scope: give --key or FACEGATE_KEY")
+    };
+    let mut since = args.since;
+    loop {
+        let mut query: Vec<String> = args.handler.iter().map(|h| format!("handler={h}")).collect();
+        query.extend(since.map(|s| format!("since={s}")));
+        if args.follow {
+            query.push("follow=true".into());
+        }
+        let url = format!("{}/tenant/v1/logs?{}", args.client.url.trim_end_matches('/'), query.join("&"));
+        let uri: Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
+        let authority = uri.authority().with_context(|| format!("bad URL {url}: no host"))?.as_str().to_owned();
+        let request = Request::get(uri.path_and_query().map_or("/", |p| p.as_str()))
+            .header(hyper::header::HOST, authority)
+            .header(hyper::header::AUTHORIZATION, format!("Bearer {key}"))
+            .body(Full::new(Bytes::new()))?;
+        let response = send(&uri, request, args.client.ca_cert.as_deref()).await.with_context(|| format!("cannot reach {url}"))?;
+        if !response.status().is_success() {
+            let status = response.status().as_u16();
+            let bytes = response.into_body().collect().await?.to_bytes();
+            let value: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            eprintln!("error ({status}): {}", value["error"]["message"].as_str().unwrap_or("the gateway refused"));
+            return Ok(1);
+        }
+        let mut body = response.into_body();
+        let mut pending = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let Ok(data) = frame?.into_data() else { continue };
+            pending.extend_from_slice(&data);
+            while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=end).collect();
+                if let Ok(record) = serde_json::from_slice::<Value>(&line) {
+                    since = record["seq"].as_u64().or(since);
+                    print_record(&record, args.client.json);
+                }
+            }
+        }
+        if !args.follow {
+            return Ok(0);
+        }
+    }
+}
+
+fn print_record(r: &Value, json: bool) {
+    if json {
+        println!("{r}");
+        return;
+    }
+    let when = utc(r["time_ms"].as_i64().unwrap_or_default());
+    let who = format!("{}@{} {}", r["handler"].as_str().unwrap_or("?"), r["version"], r["request_id"].as_str().unwrap_or("?"));
+    match r["kind"].as_str() {
+        Some("request") => {
+            let limit = r["limit"].as_str().map(|l| format!(" limit={l}")).unwrap_or_default();
+            println!("{when} {who} {} {:.0} ms{limit}", r["status"], r["duration_ms"].as_f64().unwrap_or_default());
+        }
+        _ => println!("{when} {who} | {}", r["line"].as_str().unwrap_or_default()),
     }
 }
 

@@ -236,6 +236,12 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_USAGE_FLUSH_MS", default_value_t = DEFAULT_USAGE_FLUSH_MS, value_parser = clap::value_parser!(u64).range(100..=3_600_000))]
     pub usage_flush_ms: u64,
 
+    /// Bytes of each tenant's log (its requests' outcomes and its handlers'
+    /// output) this node keeps; past it the oldest records are dropped,
+    /// and counted.
+    #[arg(long, env = "FACEGATE_TENANT_LOG_BYTES", default_value_t = crate::metrics::logs::DEFAULT_TENANT_LOG_BYTES as u64, value_parser = clap::value_parser!(u64).range(4096..=(1 << 30)))]
+    pub tenant_log_bytes: u64,
+
     /// Days of usage the store keeps (older minute buckets are pruned).
     #[arg(long, env = "FACEGATE_USAGE_RETENTION_DAYS", default_value_t = DEFAULT_USAGE_RETENTION_DAYS, value_parser = clap::value_parser!(u64).range(1..=36_500))]
     pub usage_retention_days: u64,

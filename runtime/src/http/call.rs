@@ -2,7 +2,7 @@
 //! tenant's rate and concurrency, the inference backlog, the node's memory,
 //! instance slots), the body, the sandbox, and the answer its outcome gives.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use facegate_host_gpu::Promise;
@@ -19,10 +19,21 @@ use crate::admission::slots::Refusal;
 use crate::control::TenantGate;
 use crate::control::keys::Scopes;
 use crate::metrics::Limit;
+use crate::metrics::logs::LogRecord;
 use crate::metrics::trace::RequestTrace;
 use crate::metrics::usage::{BytesOut, Usage, UsageKey};
 use crate::sandbox::handler::Handler;
 use crate::sandbox::{RequestTag, SandboxError, SandboxLimits};
+
+/// One call of a handler, as its admission and run see it.
+struct Call<'a> {
+    id: &'a Arc<str>,
+    /// Its usage bucket.
+    key: &'a UsageKey,
+    trace: &'a RequestTrace,
+    /// The limit that refused or stopped it, for its tenant's log.
+    hit: OnceLock<Limit>,
+}
 
 impl App {
     /// Authenticates, admits (tenant rate and concurrency, instance slots)
@@ -60,9 +71,13 @@ impl App {
         server.trace().span("authenticate", (started, Instant::now()), Vec::new);
         // Metered in the minute it started (see crate::metrics::usage).
         let key = UsageKey::new(tenant, name, handler.version, crate::control::store::now_ms());
-        let response = self.run_handler(&gate, &handler, req, (&id, &key, server.trace())).await;
+        let call = Call { id: &id, key: &key, trace: server.trace(), hit: OnceLock::new() };
+        let response = self.run_handler(&gate, &handler, req, &call).await;
         let status = response.status().as_u16();
         server.status(status);
+        let outcome = (status, started.elapsed());
+        let record = LogRecord::request((name, handler.version), &id, outcome, call.hit.get().map(|l| l.label()));
+        self.sandbox.logs().push(&handler.tenant, record);
         self.metrics.record(tenant, name, status, started.elapsed());
         let meter = self.control.meter();
         meter.add(&key, &Usage::answer(status));
@@ -74,17 +89,12 @@ impl App {
         response
     }
 
-    async fn run_handler(
-        &self,
-        gate: &TenantGate,
-        handler: &Arc<Handler>,
-        req: Request<Incoming>,
-        (id, key, trace): (&Arc<str>, &UsageKey, &RequestTrace),
-    ) -> Response<Body> {
+    async fn run_handler(&self, gate: &TenantGate, handler: &Arc<Handler>, req: Request<Incoming>, call: &Call<'_>) -> Response<Body> {
+        let (id, key, trace) = (call.id, call.key, call.trace);
         let admitting = Instant::now();
         let (limits, tenant) = (&gate.limits, &handler.tenant);
         if let Err(wait) = gate.rate.try_take() {
-            self.refused(trace, ("admit", admitting), tenant, Limit::Rate);
+            self.refused(call, ("admit", admitting), tenant, Limit::Rate);
             // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
             let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
             return response::before_body(response::retry_later(
@@ -98,7 +108,7 @@ impl App {
         // holds one of the tenant's own slots); the slots live as long as
         // the guest (they move into the guest's task).
         let Some(tenant_slot) = gate.concurrency.try_acquire() else {
-            self.refused(trace, ("admit", admitting), tenant, Limit::Concurrency);
+            self.refused(call, ("admit", admitting), tenant, Limit::Concurrency);
             return response::before_body(response::retry_later(
                 StatusCode::TOO_MANY_REQUESTS,
                 "concurrency_limited",
@@ -111,7 +121,7 @@ impl App {
         let promise = match self.admit_backlog(handler, limits.timeout()) {
             Ok(promise) => promise,
             Err(wait) => {
-                self.refused(trace, ("admit", admitting), tenant, Limit::Backlog);
+                self.refused(call, ("admit", admitting), tenant, Limit::Backlog);
                 let message = format!(
                     "the inference work queued ahead would take {:.1} s, past this request's {:.1} s deadline",
                     wait.as_secs_f64(),
@@ -126,7 +136,7 @@ impl App {
         let mut memory = match self.admit_memory(tenant, &req, limits.max_body_bytes) {
             Ok(charge) => charge,
             Err(refusal) => {
-                self.refused(trace, ("admit", admitting), tenant, Limit::NodeMemory);
+                self.refused(call, ("admit", admitting), tenant, Limit::NodeMemory);
                 return response::before_body(response::retry_later(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "overloaded",
@@ -148,7 +158,7 @@ impl App {
             }
             Err((limit, refusal)) => {
                 match limit {
-                    Some(limit) => self.refused(trace, ("read body", reading), tenant, limit),
+                    Some(limit) => self.refused(call, ("read body", reading), tenant, limit),
                     None => trace.failed("read body", (reading, Instant::now()), "the body could not be read"),
                 }
                 return refusal;
@@ -159,7 +169,7 @@ impl App {
         let instance = match self.instances.try_acquire(tenant) {
             Ok(slot) => slot,
             Err(refusal) => {
-                self.refused(trace, ("admit", Instant::now()), tenant, Limit::Instances);
+                self.refused(call, ("admit", Instant::now()), tenant, Limit::Instances);
                 let message = match refusal {
                     Refusal::Full => "all handler instances are busy",
                     Refusal::FairShare => "handler instances are scarce and this tenant holds its fair share of them",
@@ -176,15 +186,22 @@ impl App {
                 response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));
                 response
             }
-            Err(e) => self.sandbox_error(handler, id, &e),
+            Err(e) => {
+                if let Some(limit) = e.limit() {
+                    let _ = call.hit.set(limit);
+                }
+                self.sandbox_error(handler, id, &e)
+            }
         }
     }
 
-    /// A request of `tenant` refused by `limit`: counted as its hit, and
-    /// the span `name` (from its `start` to now) failed, naming the limit.
-    fn refused(&self, trace: &RequestTrace, (name, start): (&'static str, Instant), tenant: &str, limit: Limit) {
+    /// A request of `tenant` refused by `limit`: counted as its hit (and
+    /// the call's), and the span `name` (from its `start` to now) failed,
+    /// naming the limit.
+    fn refused(&self, call: &Call<'_>, (name, start): (&'static str, Instant), tenant: &str, limit: Limit) {
         self.hits().hit(tenant, limit);
-        trace.failed(name, (start, Instant::now()), limit.label());
+        let _ = call.hit.set(limit);
+        call.trace.failed(name, (start, Instant::now()), limit.label());
     }
 
     /// Promises the handler's usual inference call (its last call's model

@@ -14,6 +14,7 @@ mod body;
 mod call;
 mod conn;
 pub mod console;
+mod logs;
 pub mod open_files;
 pub mod response;
 mod routes;

@@ -9,7 +9,7 @@
 //! | `GET handlers`, `GET handlers/{h}/versions` | `read` or `deploy` |
 //! | `PUT handlers/{h}`, `POST handlers/{h}/activate`, `POST handlers/{h}/rollback` | `deploy` |
 //! | `GET keys`, `POST keys` (an `invoke` key), `DELETE keys/{id}` (an `invoke` key) | `deploy` |
-//! | `GET usage` | `read` |
+//! | `GET usage`, `GET logs` | `read` |
 //!
 //! A missing, wrong or revoked key is 401 (slowed like a wrong admin
 //! token); a key without the route's scope is 403.
@@ -34,7 +34,7 @@ fn required(method: &Method, rest: &[&str]) -> Option<Scopes> {
         (&Method::GET, ["handlers"] | ["handlers", _, "versions"]) => look,
         (&Method::PUT, ["handlers", _]) | (&Method::POST, ["handlers", _, "activate" | "rollback"]) => manage,
         (&Method::GET | &Method::POST, ["keys"]) | (&Method::DELETE, ["keys", _]) => manage,
-        (&Method::GET, ["usage"]) => Scopes::READ,
+        (&Method::GET, ["usage" | "logs"]) => Scopes::READ,
         _ => return None,
     })
 }
@@ -60,6 +60,9 @@ impl App {
         }
         if rest == ["usage"] {
             return self.usage_report(&req, Some(&tenant)).await;
+        }
+        if rest == ["logs"] {
+            return self.tenant_logs(&req, &tenant);
         }
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();

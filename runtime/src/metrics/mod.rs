@@ -1,6 +1,8 @@
 //! Prometheus text exposition of the gateway's and the batchers' counters,
-//! the tenants' usage for bills ([`usage`]) and requests' traces ([`trace`]).
+//! the tenants' usage for bills ([`usage`]), their logs ([`logs`]) and
+//! requests' traces ([`trace`]).
 
+pub mod logs;
 pub mod trace;
 pub mod usage;
 

@@ -20,6 +20,7 @@ use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 
 use crate::admission::limits::TenantLimits;
 use crate::admission::memory::{MemoryBudget, NodeMemoryExhausted, Refusal};
+use crate::metrics::logs::{LogRecord, TenantLogs};
 use crate::metrics::trace::RequestTrace;
 use crate::metrics::{Limit, LimitHits};
 use crate::sandbox::face_detect::{self, FaceDetectCtx};
@@ -187,6 +188,7 @@ pub struct Sandbox {
     linker: Linker<RequestState>,
     models: Models,
     hits: Arc<LimitHits>,
+    logs: Arc<TenantLogs>,
     warm: Arc<WarmBudget>,
     reused: AtomicU64,
     /// Bytes one host call may copy out of a guest (see [`hostcall_fuel`]).
@@ -234,12 +236,28 @@ impl Sandbox {
         // Idle instances are dropped before any charge is refused.
         let reclaimer: std::sync::Weak<WarmBudget> = Arc::downgrade(&warm);
         memory.set_reclaimer(reclaimer);
-        Ok(Self { engine, linker, hostcall_fuel, egress, memory, models, hits: Arc::default(), warm, reused: AtomicU64::new(0) })
+        Ok(Self {
+            engine,
+            linker,
+            hostcall_fuel,
+            egress,
+            memory,
+            models,
+            hits: Arc::default(),
+            logs: Arc::default(),
+            warm,
+            reused: AtomicU64::new(0),
+        })
     }
 
     /// The per-tenant counters of limit hits.
     pub fn hits(&self) -> &Arc<LimitHits> {
         &self.hits
+    }
+
+    /// The tenants' logs (requests' outcomes and their handlers' output).
+    pub fn logs(&self) -> &Arc<TenantLogs> {
+        &self.logs
     }
 
     /// Idle instances kept for reuse now, all handlers.
@@ -305,6 +323,7 @@ impl Sandbox {
         };
         let pre = handler.pre.clone();
         let (handler_ref, hits, budget) = (Arc::clone(handler), Arc::clone(&self.hits), Arc::clone(&self.warm));
+        let logs = Arc::clone(&self.logs);
         let memory = Arc::clone(&self.memory);
         // The guest runs in its own task so it can keep streaming the body
         // after the response head is sent; it is bounded by the same deadline.
@@ -335,7 +354,7 @@ impl Sandbox {
                 Ok(proxy)
             };
             let result = tokio::time::timeout_at(deadline.into(), run).await;
-            log_output(&handler_ref, &request_id, &store, &hits);
+            log_output(&handler_ref, &request_id, &store, (&hits, &logs));
             let used = store.data().limiter.used();
             store.data_mut().face_detect.settle(used);
             match result {
@@ -629,13 +648,18 @@ fn error_chain(err: &wasmtime::Error) -> String {
     })
 }
 
-/// Logs what the guest wrote to stdout/stderr, escaped and attributed;
-/// counts output dropped past the cap, and `infer` calls and outgoing
-/// connections refused by a limit.
-fn log_output(handler: &Handler, request_id: &str, store: &Store<RequestState>, hits: &LimitHits) {
+/// Logs what the guest wrote to stdout/stderr, escaped and attributed, in
+/// the node's log and line by line in its tenant's; counts output dropped
+/// past the cap, and `infer` calls and outgoing connections refused by a
+/// limit.
+fn log_output(handler: &Handler, request_id: &str, store: &Store<RequestState>, (hits, logs): (&LimitHits, &TenantLogs)) {
     let (bytes, dropped) = store.data().stdio.contents();
     if !bytes.is_empty() {
         tracing::info!(tenant = %handler.tenant, handler = %handler.name, request_id, dropped_bytes = dropped, output = %escape_for_log(&bytes), "guest output");
+        let time_ms = crate::metrics::logs::now_ms();
+        for line in bytes.split(|b| *b == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
+            logs.push(&handler.tenant, LogRecord::output(time_ms, (&handler.name, handler.version), request_id, escape_for_log(line)));
+        }
     }
     if dropped > 0 {
         hits.hit(&handler.tenant, Limit::Output);

@@ -100,9 +100,10 @@ impl Gateway {
         let egress = outgoing::Egress::new(config.egress_rules());
         outgoing::log_rules(egress.rules());
         let sandbox = Arc::new(Sandbox::new(engine, models.clone(), warm, egress, memory)?);
+        sandbox.logs().set_capacity(usize::try_from(config.tenant_log_bytes).unwrap_or(usize::MAX));
         // Per-tenant counters the control plane clears when a tenant is deleted.
         let http_metrics = Arc::new(metrics::HttpMetrics::default());
-        let counters: Vec<Arc<dyn metrics::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone()];
+        let counters: Vec<Arc<dyn metrics::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone(), sandbox.logs().clone()];
         let settings = ControlSettings {
             defaults: config.limits,
             max_instances: config.max_instances,

@@ -15,6 +15,7 @@ mod egress;
 mod harness;
 mod hostile;
 mod isolation;
+mod logs;
 mod process;
 mod queue;
 mod restart;

@@ -1,0 +1,240 @@
+//! Each tenant's own log: one record per request (time, handler, version,
+//! status, duration, request id, the limit it hit) and the lines its
+//! handler wrote to stdout and stderr, escaped as the node's log escapes
+//! them, in a buffer of bounded size per tenant (the oldest records
+//! dropped first, and counted). A tenant reads its own through the tenant
+//! API (`GET /tenant/v1/logs`), and can follow it as it grows. Per node:
+//! each node keeps the records of the requests it served.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use serde::Serialize;
+
+/// Unix ms now.
+pub fn now_ms() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Default bytes of records kept per tenant.
+pub const DEFAULT_TENANT_LOG_BYTES: usize = 1 << 20;
+/// Bytes a record counts beside its text (its fixed fields).
+const RECORD_OVERHEAD: usize = 96;
+
+/// What a record is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    /// A request's outcome.
+    Request,
+    /// A line the handler wrote.
+    Output,
+}
+
+/// One record of a tenant's log.
+#[derive(Debug, Clone, Serialize)]
+pub struct LogRecord {
+    /// Its place in the tenant's log on this node: `since=` takes it.
+    pub seq: u64,
+    /// Unix ms.
+    pub time_ms: i64,
+    /// A request's outcome or a line of output.
+    pub kind: Kind,
+    /// The handler.
+    pub handler: String,
+    /// Its version.
+    pub version: i64,
+    /// The request (`x-request-id`).
+    pub request_id: String,
+    /// The answer's status (requests).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// From arrival to the answer's head, ms (requests).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<f64>,
+    /// The limit the request hit, as `facegate_limit_hits_total` names it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<&'static str>,
+    /// The line, escaped (output).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub line: Option<String>,
+}
+
+impl LogRecord {
+    /// A line `handler` (name, version) wrote during `request_id`.
+    pub fn output(time_ms: i64, (handler, version): (&str, i64), request_id: &str, line: String) -> Self {
+        Self {
+            seq: 0,
+            time_ms,
+            kind: Kind::Output,
+            handler: handler.to_owned(),
+            version,
+            request_id: request_id.to_owned(),
+            status: None,
+            duration_ms: None,
+            limit: None,
+            line: Some(line),
+        }
+    }
+
+    /// The outcome of `request_id` to `handler` (name, version): its
+    /// `status` after `duration`, and the limit it hit.
+    pub fn request(
+        (handler, version): (&str, i64),
+        request_id: &str,
+        (status, duration): (u16, std::time::Duration),
+        limit: Option<&'static str>,
+    ) -> Self {
+        Self {
+            seq: 0,
+            time_ms: now_ms(),
+            kind: Kind::Request,
+            handler: handler.to_owned(),
+            version,
+            request_id: request_id.to_owned(),
+            status: Some(status),
+            duration_ms: Some(duration.as_secs_f64() * 1e3),
+            limit,
+            line: None,
+        }
+    }
+
+    fn size(&self) -> usize {
+        RECORD_OVERHEAD + self.handler.len() + self.request_id.len() + self.line.as_ref().map_or(0, String::len)
+    }
+}
+
+/// One tenant's records.
+#[derive(Default)]
+struct Ring {
+    records: VecDeque<LogRecord>,
+    bytes: usize,
+    /// Records dropped to stay within the bound, since start.
+    dropped: u64,
+    next_seq: u64,
+}
+
+/// Every tenant's log on this node.
+pub struct TenantLogs {
+    capacity: AtomicUsize,
+    tenants: Mutex<HashMap<Arc<str>, Ring>>,
+    /// Woken at each new record (followers wait on it).
+    grew: tokio::sync::Notify,
+}
+
+impl Default for TenantLogs {
+    fn default() -> Self {
+        Self { capacity: AtomicUsize::new(DEFAULT_TENANT_LOG_BYTES), tenants: Mutex::default(), grew: tokio::sync::Notify::new() }
+    }
+}
+
+/// What a read returns: the records after `since`, and how many the tenant
+/// has had dropped.
+#[derive(Debug, Default)]
+pub struct Read {
+    /// The records, oldest first.
+    pub records: Vec<LogRecord>,
+    /// Records dropped to keep the bound, since the node started.
+    pub dropped: u64,
+}
+
+impl TenantLogs {
+    /// Bytes of records kept per tenant from now on.
+    pub fn set_capacity(&self, bytes: usize) {
+        self.capacity.store(bytes.max(RECORD_OVERHEAD), Ordering::Relaxed);
+    }
+
+    /// Appends `record` (its `seq` is set here) to `tenant`'s log, dropping
+    /// the oldest past the bound.
+    pub fn push(&self, tenant: &Arc<str>, mut record: LogRecord) {
+        let capacity = self.capacity.load(Ordering::Relaxed);
+        {
+            let mut tenants = self.lock();
+            let ring = tenants.entry(Arc::clone(tenant)).or_default();
+            record.seq = ring.next_seq;
+            ring.next_seq += 1;
+            ring.bytes += record.size();
+            ring.records.push_back(record);
+            while ring.bytes > capacity {
+                let Some(old) = ring.records.pop_front() else { break };
+                ring.bytes -= old.size();
+                ring.dropped += 1;
+            }
+        }
+        self.grew.notify_waiters();
+    }
+
+    /// `tenant`'s records after `since` (all with `None`), of `handler` only if given.
+    pub fn read(&self, tenant: &str, since: Option<u64>, handler: Option<&str>) -> Read {
+        let tenants = self.lock();
+        let Some(ring) = tenants.get(tenant) else { return Read::default() };
+        let records =
+            ring.records.iter().filter(|r| since.is_none_or(|s| r.seq > s) && handler.is_none_or(|h| r.handler == h)).cloned().collect();
+        Read { records, dropped: ring.dropped }
+    }
+
+    /// The bytes `tenant`'s records take.
+    pub fn bytes(&self, tenant: &str) -> usize {
+        self.lock().get(tenant).map_or(0, |r| r.bytes)
+    }
+
+    /// Notified at each new record, any tenant's: a follower arms a
+    /// `notified()` before it reads, so a record added meanwhile wakes it.
+    pub fn changes(&self) -> &tokio::sync::Notify {
+        &self.grew
+    }
+
+    /// Forgets a deleted tenant's log.
+    pub fn forget(&self, tenant: &str) {
+        self.lock().remove(tenant);
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<Arc<str>, Ring>> {
+        self.tenants.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl super::TenantCounters for TenantLogs {
+    fn forget_tenant(&self, tenant: &str) {
+        self.forget(tenant);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(handler: &str, text: &str) -> LogRecord {
+        LogRecord::output(0, (handler, 1), "r", text.into())
+    }
+
+    #[test]
+    fn a_tenant_reads_its_own_records_after_a_cursor() {
+        let logs = TenantLogs::default();
+        let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
+        logs.push(&a, line("h", "one"));
+        logs.push(&a, line("g", "two"));
+        logs.push(&b, line("h", "theirs"));
+        let all = logs.read("a", None, None).records;
+        assert_eq!(all.iter().map(|r| r.line.as_deref().unwrap()).collect::<Vec<_>>(), ["one", "two"]);
+        assert_eq!(logs.read("a", Some(all[0].seq), None).records.len(), 1, "after the cursor");
+        assert_eq!(logs.read("a", None, Some("g")).records.len(), 1, "one handler's");
+        assert!(logs.read("c", None, None).records.is_empty());
+    }
+
+    #[test]
+    fn a_flood_keeps_the_bound_and_counts_what_it_dropped() {
+        let logs = TenantLogs::default();
+        logs.set_capacity(4096);
+        let t: Arc<str> = "t".into();
+        for i in 0..1000 {
+            logs.push(&t, line("h", &format!("line {i} {}", "x".repeat(100))));
+        }
+        assert!(logs.bytes("t") <= 4096);
+        let read = logs.read("t", None, None);
+        assert!(read.dropped > 900 && read.records.len() + read.dropped as usize == 1000, "{}", read.dropped);
+        assert_eq!(read.records.last().unwrap().seq, 999, "the newest stay");
+    }
+}

@@ -1,0 +1,181 @@
+//! A tenant's own log through the tenant API: each request's outcome and
+//! its handler's output, read with a `read` key, followed as it grows, of
+//! no other tenant, and bounded however much a handler writes.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use reqwest::Method;
+use serde_json::{Value, json};
+
+use crate::harness::{self, ADMIN_TOKEN, anonymous, client_with_key, guest};
+
+/// The log gateway's bound on each tenant's log.
+const LOG_BYTES: u64 = 64 << 10;
+
+/// A gateway of its own (tenants' logs bounded at [`LOG_BYTES`]) with
+/// tenants `loga` and `logb`, each running the hostile handler as
+/// `attack`; their read and invoke keys.
+struct LogGateway {
+    addr: SocketAddr,
+    keys: std::collections::HashMap<String, (String, String)>,
+}
+
+fn log_gateway() -> &'static LogGateway {
+    static GATEWAY: OnceLock<LogGateway> = OnceLock::new();
+    GATEWAY.get_or_init(|| {
+        let mut config = harness::config(harness::fresh_dir("logs-data"), None);
+        config.tenant_log_bytes = LOG_BYTES;
+        let addr = harness::start(config);
+        let admin =
+            |method: Method, path: String| anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(ADMIN_TOKEN);
+        let mut keys = std::collections::HashMap::new();
+        for tenant in ["loga", "logb"] {
+            let created =
+                admin(Method::POST, "tenants".into()).json(&json!({ "name": tenant, "limits": { "rps": 0, "timeout_ms": 1000 } }));
+            assert_eq!(created.send().unwrap().status(), 201);
+            let deployed = admin(Method::PUT, format!("tenants/{tenant}/handlers/attack")).body(std::fs::read(guest("hostile")).unwrap());
+            assert_eq!(deployed.send().unwrap().status(), 201);
+            let key = |scopes: &[&str]| -> String {
+                let made: Value = admin(Method::POST, format!("tenants/{tenant}/keys"))
+                    .json(&json!({ "scopes": scopes }))
+                    .send()
+                    .unwrap()
+                    .json()
+                    .unwrap();
+                made["key"].as_str().unwrap().to_owned()
+            };
+            keys.insert(tenant.to_owned(), (key(&["read"]), key(&["invoke"])));
+        }
+        LogGateway { addr, keys }
+    })
+}
+
+impl LogGateway {
+    /// `attack` by `tenant`'s handler: its status and request id.
+    fn attack(&self, tenant: &str, attack: &str) -> (u16, String) {
+        let response =
+            client_with_key(&self.keys[tenant].1).get(format!("http://{}/v1/{tenant}/attack?attack={attack}", self.addr)).send().unwrap();
+        (response.status().as_u16(), response.headers()["x-request-id"].to_str().unwrap().to_owned())
+    }
+
+    /// `tenant`'s log (with its read key): the records and the dropped count.
+    fn read(&self, tenant: &str, query: &str) -> (Vec<Value>, u64) {
+        let response = client_with_key(&self.keys[tenant].0).get(format!("http://{}/tenant/v1/logs?{query}", self.addr)).send().unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["content-type"], "application/x-ndjson");
+        let dropped = response.headers()["x-facegate-logs-dropped"].to_str().unwrap().parse().unwrap();
+        let records = response.text().unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        (records, dropped)
+    }
+}
+
+/// Waits (up to 5 s) until `tenant`'s log has a request record for each of `ids`.
+fn requests_logged(gateway: &LogGateway, tenant: &str, ids: &[&str]) -> Vec<Value> {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (records, _) = gateway.read(tenant, "");
+        let logged = |id: &&str| records.iter().any(|r| r["kind"] == "request" && r["request_id"] == **id);
+        if ids.iter().all(logged) {
+            return records;
+        }
+        assert!(Instant::now() < until, "not all of {ids:?} logged: {records:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A handler that prints, fails and times out: its tenant reads exactly
+/// those requests (statuses, request ids, the limit of the timeout) and the
+/// lines it printed, escaped; another tenant reads none of it.
+#[test]
+fn a_tenant_reads_its_own_requests_and_output_and_no_one_else_does() {
+    let gateway = log_gateway();
+    let printed = gateway.attack("loga", "stderr");
+    let failed = gateway.attack("loga", "panic");
+    let late = gateway.attack("loga", "sleep");
+    assert_eq!((printed.0, failed.0, late.0), (200, 500, 504));
+    let records = requests_logged(gateway, "loga", &[&printed.1, &failed.1, &late.1]);
+    let request = |id: &str| records.iter().find(|r| r["kind"] == "request" && r["request_id"] == id).unwrap().clone();
+    assert_eq!(request(&printed.1)["status"], 200);
+    assert_eq!(request(&failed.1)["status"], 500);
+    let timeout = request(&late.1);
+    assert_eq!((timeout["status"].as_u64(), timeout["limit"].as_str()), (Some(504), Some("deadline")), "{timeout}");
+    assert!(timeout["duration_ms"].as_f64().unwrap() >= 900.0, "{timeout}");
+    assert!(records.iter().all(|r| r["handler"] == "attack" && r["version"] == 1));
+    let lines: Vec<&Value> = records.iter().filter(|r| r["kind"] == "output" && r["request_id"] == printed.1.as_str()).collect();
+    assert!(!lines.is_empty(), "the printed lines are in the log");
+    assert!(lines.iter().all(|l| !l["line"].as_str().unwrap().contains('\n')), "one line a record, escaped");
+    let (theirs, _) = gateway.read("logb", "");
+    let ids = [&printed.1, &failed.1, &late.1];
+    assert!(theirs.iter().all(|r| !ids.contains(&&r["request_id"].as_str().unwrap().to_owned())), "logb reads nothing of loga's");
+    let after = records.iter().map(|r| r["seq"].as_u64().unwrap()).max().unwrap();
+    let (newer, _) = gateway.read("loga", &format!("since={after}"));
+    assert!(newer.iter().all(|r| r["seq"].as_u64().unwrap() > after), "since= gives what came after");
+    let refused = client_with_key(&gateway.keys["loga"].1).get(format!("http://{}/tenant/v1/logs", gateway.addr)).send().unwrap();
+    assert_eq!(refused.status(), 403, "an invoke key reads no log");
+
+    // The CLI prints the same, a line a record.
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_facegate"))
+        .args(["logs", "--handler", "attack"])
+        .env("FACEGATE_URL", format!("http://{}", gateway.addr))
+        .env("FACEGATE_KEY", &gateway.keys["loga"].0)
+        .output()
+        .unwrap();
+    let printed_by_cli = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{printed_by_cli}");
+    let timeout_line = printed_by_cli.lines().find(|l| l.contains(late.1.as_str())).unwrap_or_default();
+    assert!(timeout_line.contains(" 504 ") && timeout_line.ends_with("limit=deadline"), "{printed_by_cli}");
+}
+
+/// Following, a new request's record arrives within a second.
+#[test]
+fn a_follower_gets_a_new_record_within_a_second() {
+    let gateway = log_gateway();
+    let (records, _) = gateway.read("logb", "");
+    let since = records.iter().filter_map(|r| r["seq"].as_u64()).max();
+    let query = since.map_or_else(|| "follow=true".to_owned(), |s| format!("follow=true&since={s}"));
+    let response = client_with_key(&gateway.keys["logb"].0).get(format!("http://{}/tenant/v1/logs?{query}", gateway.addr)).send().unwrap();
+    assert_eq!(response.status(), 200);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(response).lines() {
+            let Ok(line) = line else { return };
+            if tx.send((Instant::now(), serde_json::from_str::<Value>(&line).unwrap())).is_err() {
+                return;
+            }
+        }
+    });
+    let (status, id) = gateway.attack("logb", "count");
+    assert_eq!(status, 200);
+    let answered = Instant::now();
+    loop {
+        let (at, record) = rx.recv_timeout(Duration::from_secs(5)).expect("the follower got the record");
+        if record["kind"] == "request" && record["request_id"] == id.as_str() {
+            assert!(at.saturating_duration_since(answered) < Duration::from_secs(1), "{:?}", at - answered);
+            break;
+        }
+    }
+}
+
+/// A handler flooding its output keeps its tenant's log within the bound:
+/// the oldest records go, and are counted.
+#[test]
+fn a_flood_of_output_stays_within_the_bound() {
+    let gateway = log_gateway();
+    for _ in 0..8 {
+        assert_eq!(gateway.attack("logb", "stderr").0, 200);
+    }
+    let until = Instant::now() + Duration::from_secs(5);
+    let (records, dropped) = loop {
+        let read = gateway.read("logb", "");
+        if read.1 > 0 || Instant::now() > until {
+            break read;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(dropped > 0, "the oldest were dropped");
+    let text: usize = records.iter().map(|r| r["line"].as_str().map_or(0, str::len) + r["request_id"].as_str().unwrap().len()).sum();
+    assert!(text <= LOG_BYTES as usize, "{text} bytes of text kept");
+}
