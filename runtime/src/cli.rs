@@ -147,8 +147,20 @@ pub struct DeployArgs {
     /// The handler component (wasm32-wasip2).
     pub file: PathBuf,
     /// Store the version without activating it.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "canary")]
     pub no_activate: bool,
+    /// Release it as a canary: this percent (1 to 99) of the handler's
+    /// requests go to it, the rest to the active version, until `promote`
+    /// or `abort`.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=99))]
+    pub canary: Option<u8>,
+    /// With `--canary`: a node aborts it once its share of 5xx answers
+    /// exceeds the active version's by this much (0.05: five points)...
+    #[arg(long, requires = "canary", requires = "abort_after")]
+    pub abort_margin: Option<f64>,
+    /// ...over at least this many of its requests on that node.
+    #[arg(long, requires = "abort_margin")]
+    pub abort_after: Option<u64>,
     #[command(flatten)]
     #[allow(missing_docs, reason = "flattened")]
     pub target: HandlerArgs,
@@ -185,6 +197,20 @@ pub struct UsageArgs {
     #[command(flatten)]
     #[allow(missing_docs, reason = "flattened")]
     pub client: ClientArgs,
+}
+
+impl DeployArgs {
+    /// The upload's query: how it is released.
+    fn query(&self) -> String {
+        let mut query = Vec::new();
+        if self.no_activate {
+            query.push("activate=false".to_owned());
+        }
+        query.extend(self.canary.map(|p| format!("canary={p}")));
+        query.extend(self.abort_margin.map(|m| format!("abort_margin={m}")));
+        query.extend(self.abort_after.map(|n| format!("abort_after={n}")));
+        if query.is_empty() { String::new() } else { format!("?{}", query.join("&")) }
+    }
 }
 
 impl HandlerArgs {
@@ -281,6 +307,10 @@ pub enum Command {
     Activate(ActivateArgs),
     /// Activate the version before the active one (admin API).
     Rollback(HandlerArgs),
+    /// Make a handler's canary its active version (admin API).
+    Promote(HandlerArgs),
+    /// End a handler's canary: all its requests go to the active version (admin API).
+    Abort(HandlerArgs),
     /// Check a store's integrity offline (database, references, component hashes).
     Check(CheckArgs),
     /// The tenants' usage, summed over the cluster's nodes, per minute, hour
@@ -341,11 +371,12 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
             let path = client.route(format!("tenants/{}/keys/{key_id}", named(tenant)), || format!("keys/{key_id}"));
             (client, Method::DELETE, path, Bytes::new(), "application/json")
         }
-        C::Deploy(DeployArgs { file, no_activate, target }) => {
-            let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-            let query = if *no_activate { "?activate=false" } else { "" };
-            (&target.client, Method::PUT, target.path(query), bytes.into(), "application/wasm")
+        C::Deploy(args) => {
+            let bytes = std::fs::read(&args.file).with_context(|| format!("cannot read {}", args.file.display()))?;
+            (&args.target.client, Method::PUT, args.target.path(&args.query()), bytes.into(), "application/wasm")
         }
+        C::Promote(t) => (&t.client, Method::POST, t.path("/promote"), Bytes::new(), "application/json"),
+        C::Abort(t) => (&t.client, Method::POST, t.path("/abort"), Bytes::new(), "application/json"),
         C::Versions(t) => (&t.client, Method::GET, t.path("/versions"), Bytes::new(), "application/json"),
         C::Activate(ActivateArgs { version, target: t }) => {
             let body = json!({ "version": version }).to_string();
@@ -506,7 +537,7 @@ fn print_summary(command: &Command, v: &Value) {
                 println!("{}\t{}\t{}{active}", version["version"], version["sha256"].as_str().unwrap_or("?"), version["size"]);
             }
         }
-        C::Activate(_) | C::Rollback(_) => println!(
+        C::Activate(_) | C::Rollback(_) | C::Promote(_) => println!(
             "{}/{}: active version {} (was {})",
             v["tenant"].as_str().unwrap_or("?"),
             v["handler"].as_str().unwrap_or("?"),

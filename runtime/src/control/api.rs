@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use super::keys::Scopes;
-use super::store::VersionRow;
+use super::store::{Canary, VersionRow};
 use crate::admission::limits::{LimitOverrides, TenantLimits};
 
 /// A key created by `ControlPlane::seed`.
@@ -55,6 +55,8 @@ pub struct VersionsInfo {
     pub active_version: Option<i64>,
     /// All versions, oldest first.
     pub versions: Vec<VersionRow>,
+    /// The version on trial beside the active one, if any.
+    pub canary: Option<Canary>,
 }
 
 /// Result of an upload.

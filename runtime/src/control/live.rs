@@ -4,9 +4,11 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::keys::{self, Scopes};
+use super::store::Canary;
 use super::store::NodeRow;
 use crate::admission::gate::TenantGate;
 use crate::sandbox::handler::Handler;
@@ -19,6 +21,68 @@ pub struct TenantEntry {
     pub gate: Arc<TenantGate>,
     /// Active handler versions by name.
     pub handlers: HashMap<String, Arc<Handler>>,
+    /// Canaries beside them, by handler name.
+    pub canaries: HashMap<String, Arc<LiveCanary>>,
+}
+
+/// A canary being served: its version, its share and abort rule, and this
+/// node's counts of each side's answers (kept across snapshots while the
+/// canary is the same version).
+pub struct LiveCanary {
+    /// The version on trial.
+    pub handler: Arc<Handler>,
+    /// Its share and abort rule.
+    pub canary: Canary,
+    /// Answers counted on this node.
+    pub counts: Arc<CanaryCounts>,
+}
+
+/// Which version answered a request of a handler with a canary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The active version.
+    Stable,
+    /// The canary.
+    Canary,
+}
+
+/// Each side's requests and 5xx answers on this node.
+#[derive(Default)]
+pub struct CanaryCounts {
+    stable: [AtomicU64; 2],
+    canary: [AtomicU64; 2],
+    aborting: AtomicBool,
+}
+
+impl LiveCanary {
+    /// Which side a request drawn `draw` (0 to 99, uniform) goes to.
+    pub fn side(&self, draw: u8) -> Side {
+        if draw < self.canary.percent { Side::Canary } else { Side::Stable }
+    }
+
+    /// Counts an answer of `status` from `side`; true once, when the abort
+    /// rule first holds (the caller then ends the canary).
+    pub fn record(&self, side: Side, status: u16) -> bool {
+        let counts = match side {
+            Side::Stable => &self.counts.stable,
+            Side::Canary => &self.counts.canary,
+        };
+        counts[0].fetch_add(1, Ordering::Relaxed);
+        counts[1].fetch_add(u64::from(status >= 500), Ordering::Relaxed);
+        let Some(rule) = self.canary.abort else { return false };
+        let share = |c: &[AtomicU64; 2]| {
+            let n = c[0].load(Ordering::Relaxed);
+            (n, if n == 0 { 0.0 } else { c[1].load(Ordering::Relaxed) as f64 / n as f64 })
+        };
+        let ((served, canary_errors), (_, stable_errors)) = (share(&self.counts.canary), share(&self.counts.stable));
+        served >= rule.after && canary_errors > stable_errors + rule.margin && !self.counts.aborting.swap(true, Ordering::AcqRel)
+    }
+
+    /// This node's counts: requests and 5xx answers of the active version, then of the canary.
+    pub fn counted(&self) -> [(u64, u64); 2] {
+        let read = |c: &[AtomicU64; 2]| (c[0].load(Ordering::Relaxed), c[1].load(Ordering::Relaxed));
+        [read(&self.counts.stable), read(&self.counts.canary)]
+    }
 }
 
 pub(super) struct ActiveKey {
@@ -57,6 +121,11 @@ impl Live {
     /// The scopes of `tenant`'s active key `id`.
     pub fn key_scopes(&self, tenant: &str, id: &str) -> Option<Scopes> {
         self.keys.get(id).filter(|k| k.tenant == tenant).map(|k| k.scopes)
+    }
+
+    /// A handler's canary, if it has one served here.
+    pub fn canary(&self, tenant: &str, name: &str) -> Option<&Arc<LiveCanary>> {
+        self.tenants.get(tenant)?.canaries.get(name)
     }
 
     /// A tenant's active handler with the tenant's gate.

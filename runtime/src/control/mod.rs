@@ -33,7 +33,7 @@ use self::components::Compile;
 use bytes::Bytes;
 
 use self::keys::{NewKey, Scopes};
-use self::store::{ActiveHandler, KeyRow, NewVersion, NodeRow, Store, StoreError, StoreResult};
+use self::store::{AbortRule, ActiveHandler, Canary, KeyRow, NewVersion, NodeRow, Store, StoreError, StoreResult};
 use self::upload::Upload;
 use crate::admission::limits::{LimitOverrides, TenantLimits};
 use crate::metrics::TenantCounters;
@@ -44,7 +44,7 @@ use facegate_host_gpu::Models;
 
 pub use self::api::{Activated, CheckReport, CreatedKey, Deployed, HandlerInfo, SeededKey, TenantInfo, VersionsInfo};
 pub use self::components::engine_id;
-pub use self::live::{Live, TenantEntry};
+pub use self::live::{CanaryCounts, Live, LiveCanary, Side, TenantEntry};
 pub use self::seal::{ArtifactKey, CACHE_KEY_FILE, CacheKey};
 pub use self::seed::write_secret;
 pub use self::snapshot::Synced;
@@ -304,7 +304,25 @@ impl ControlPlane {
     /// The heavy part runs on the compile pool (see `upload`), under its budget.
     /// Takes the upload's buffer as it arrived: it moves to the compile thread without a copy.
     pub fn deploy(&self, tenant: &str, handler: &str, bytes: Bytes, activate: bool) -> StoreResult<Deployed> {
+        self.release(tenant, handler, bytes, if activate { Release::Activate } else { Release::Store })
+    }
+
+    /// Stores `bytes` as a new version of `tenant`'s `handler` and releases
+    /// it as `release` says: active, stored only, or a canary beside the
+    /// active version (which there must be).
+    pub fn release(&self, tenant: &str, handler: &str, bytes: Bytes, release: Release) -> StoreResult<Deployed> {
+        let activate = release == Release::Activate;
+        if let Release::Canary { percent, .. } = release
+            && !(1..=99).contains(&percent)
+        {
+            return Err(StoreError::Invalid(format!("a canary takes 1 to 99 percent of the requests, not {percent}")));
+        }
         let handler = valid_name(handler).map_err(|e| StoreError::Invalid(e.to_string()))?;
+        if matches!(release, Release::Canary { .. }) && self.live().handler(tenant, &handler).is_none() {
+            return Err(StoreError::Invalid(format!(
+                "{tenant}/{handler} has no active version for a canary to run beside; deploy it first"
+            )));
+        }
         let outgoing_http = {
             let live = self.live();
             let entry = live.tenants.get(tenant).ok_or_else(|| StoreError::NotFound(format!("no tenant {tenant:?}")))?;
@@ -331,7 +349,11 @@ impl ControlPlane {
             db.add_version(NewVersion { tenant, handler: &handler, sha256: &sha256, component: &component, activate, artifact })?;
         let mut linked = prepared.linked;
         linked.version = version;
-        let preloaded = if activate { vec![Arc::new(linked)] } else { Vec::new() };
+        if let Release::Canary { percent, abort } = release {
+            db.set_canary(tenant, &handler, Some(Canary { version, percent, abort }))?;
+        }
+        // Matched by version: served only if active, or the canary.
+        let preloaded = vec![Arc::new(linked)];
         self.refresh_after_commit(&mut **db, preloaded);
         // Stored: what is active follows from the upload (no second read that could fail now).
         let active_version = if activate { Some(version) } else { db.versions(tenant, &handler).map(|v| v.1).unwrap_or(None) };
@@ -341,8 +363,36 @@ impl ControlPlane {
 
     /// A handler's versions.
     pub fn versions(&self, tenant: &str, handler: &str) -> StoreResult<VersionsInfo> {
-        let (versions, active_version) = self.db().versions(tenant, handler)?;
-        Ok(VersionsInfo { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version, versions })
+        let mut db = self.db();
+        let (versions, active_version) = db.versions(tenant, handler)?;
+        let canary = db.canary(tenant, handler)?;
+        Ok(VersionsInfo { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version, versions, canary })
+    }
+
+    /// Makes a handler's canary its active version, and ends the canary.
+    pub fn promote(&self, tenant: &str, handler: &str) -> StoreResult<Activated> {
+        let canary = self.db().canary(tenant, handler)?;
+        let canary = canary.ok_or_else(|| StoreError::NotFound(format!("{tenant}/{handler} has no canary")))?;
+        let activated = self.activate(tenant, handler, canary.version)?;
+        let mut db = self.db();
+        db.set_canary(tenant, handler, None)?;
+        self.refresh_after_commit(&mut **db, Vec::new());
+        tracing::info!(tenant, handler, version = canary.version, "canary promoted");
+        Ok(activated)
+    }
+
+    /// Ends a handler's canary: all its requests go to the active version
+    /// again. With `only`, only if the canary is still that version (a
+    /// node's automatic abort must not end a newer canary). Returns the
+    /// canary ended.
+    pub fn abort_canary(&self, tenant: &str, handler: &str, only: Option<i64>) -> StoreResult<Canary> {
+        let mut db = self.db();
+        let canary = db.canary(tenant, handler)?.filter(|c| only.is_none_or(|v| v == c.version));
+        let canary = canary.ok_or_else(|| StoreError::NotFound(format!("{tenant}/{handler} has no canary")))?;
+        db.set_canary(tenant, handler, None)?;
+        self.refresh_after_commit(&mut **db, Vec::new());
+        tracing::info!(tenant, handler, version = canary.version, "canary ended");
+        Ok(canary)
     }
 
     /// Makes `version` active. It is loaded before the switch: if it cannot
@@ -387,6 +437,23 @@ impl ControlPlane {
         tracing::info!(tenant, handler, version, ?previous_version, "handler version activated");
         Ok(Activated { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version: version, previous_version })
     }
+}
+
+/// How a deployed version is released.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Release {
+    /// Made active at once.
+    Activate,
+    /// Stored, not served.
+    Store,
+    /// Served to `percent` of the requests beside the active version,
+    /// aborted by a node under `abort`.
+    Canary {
+        /// Its share, 1 to 99.
+        percent: u8,
+        /// When a node ends it by itself.
+        abort: Option<AbortRule>,
+    },
 }
 
 /// The server's defaults must themselves be a valid tenant's limits.

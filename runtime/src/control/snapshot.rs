@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use super::components::Compile;
 use super::keys;
-use super::live::{ActiveKey, Live, TenantEntry};
-use super::store::{self, NodeRow, Store, StoreResult, now_ms};
+use super::live::{ActiveKey, Live, LiveCanary, TenantEntry};
+use super::store::{self, Canary, NodeRow, Store, StoreResult, now_ms};
 use super::{ControlPlane, sync};
 use crate::admission::gate::new_gate;
 use crate::admission::limits::LimitOverrides;
@@ -112,7 +112,7 @@ impl ControlPlane {
         for model in self.models.iter() {
             model.set_tenant_weight(&row.name, weight);
         }
-        (row.name, TenantEntry { incarnation: row.incarnation, gate, handlers: HashMap::new() })
+        (row.name, TenantEntry { incarnation: row.incarnation, gate, handlers: HashMap::new(), canaries: HashMap::new() })
     }
 
     /// The store is read in several statements: a tenant deleted (and
@@ -236,6 +236,11 @@ impl ControlPlane {
                 entry.handlers.insert(active.handler, handler);
             }
         }
+        for (version, canary) in db.canaries()? {
+            if let Some(sha) = self.canary_into(db, &old, (&preloaded, compile), &mut live, (version, canary)) {
+                to_compile.push(sha);
+            }
+        }
         for (id, tenant, sha, scopes) in db.active_keys()? {
             if let Some(secret_sha256) = keys::digest_from_hex(&sha) {
                 live.keys.insert(id, ActiveKey { tenant, secret_sha256, scopes });
@@ -246,6 +251,51 @@ impl ControlPlane {
         self.generation.store(generation, Ordering::Release);
         self.synced_at_ms.store(now_ms(), Ordering::Release);
         Ok(to_compile)
+    }
+}
+
+impl ControlPlane {
+    /// Puts a canary into `live` beside its handler's active version: the
+    /// one served before if it is the same version (its counts kept), else
+    /// loaded. Returns the component to compile when it is not ready yet
+    /// (the canary waits; the active version serves all).
+    fn canary_into(
+        &self,
+        db: &mut dyn Store,
+        old: &Live,
+        (preloaded, compile): (&[Arc<Handler>], Compile),
+        live: &mut Live,
+        (version, canary): (store::ActiveHandler, Canary),
+    ) -> Option<String> {
+        let entry = live.tenants.get_mut(&version.tenant).filter(|e| e.handlers.contains_key(&version.handler))?;
+        let outgoing_http = entry.gate.limits.outgoing_http;
+        let same = |h: &Arc<Handler>| h.version == version.version && h.sha256 == version.sha256 && h.outgoing_http == outgoing_http;
+        let before = old
+            .tenants
+            .get(&version.tenant)
+            .filter(|e| e.incarnation == entry.incarnation)
+            .and_then(|e| e.canaries.get(&version.handler))
+            .filter(|c| same(&c.handler));
+        let (handler, counts) = match before {
+            Some(c) => (Arc::clone(&c.handler), Arc::clone(&c.counts)),
+            None => {
+                let ready = preloaded.iter().find(|h| *h.tenant == *version.tenant && h.name == version.handler && same(h)).cloned();
+                let handler = match ready {
+                    Some(handler) => handler,
+                    None => match self.load_handler_if(db, &version, outgoing_http, compile) {
+                        Ok(Some(handler)) => Arc::new(handler),
+                        Ok(None) => return Some(version.sha256.clone()),
+                        Err(e) => {
+                            tracing::error!(tenant = %version.tenant, handler = %version.handler, version = version.version, error = %e, "cannot load canary version");
+                            return None;
+                        }
+                    },
+                };
+                (handler, Arc::default())
+            }
+        };
+        entry.canaries.insert(version.handler.clone(), Arc::new(LiveCanary { handler, canary, counts }));
+        None
     }
 }
 

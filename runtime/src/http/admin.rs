@@ -20,10 +20,11 @@ use super::auth::bearer;
 use super::body::buffer_body;
 use super::response::{self, Body};
 use crate::admission::limits::LimitOverrides;
-use crate::control::ControlPlane;
 use crate::control::keys::{self, Scopes};
+use crate::control::store::AbortRule;
 use crate::control::store::{StoreError, now_ms};
 use crate::control::sync::ALIVE_WITHIN;
+use crate::control::{ControlPlane, Release};
 use crate::sandbox::compile::CompileError;
 
 /// Longest an admin upload may take to arrive.
@@ -165,20 +166,46 @@ fn admin_op(control: &ControlPlane, method: &Method, path: &[String], query: &st
             ok(json!({ "tenant": t, "revoked": id }))
         }
         (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
-        (Method::PUT, ["tenants", t, "handlers", h]) => created(control.deploy(t, h, body.clone(), activates(query))?),
+        (Method::PUT, ["tenants", t, "handlers", h]) => created(control.release(t, h, body.clone(), release_of(query)?)?),
         (Method::GET, ["tenants", t, "handlers", h, "versions"]) => ok(control.versions(t, h)?),
         (Method::POST, ["tenants", t, "handlers", h, "activate"]) => {
             let req: Activate = parse(body)?;
             ok(control.activate(t, h, req.version)?)
         }
         (Method::POST, ["tenants", t, "handlers", h, "rollback"]) => ok(control.rollback(t, h)?),
+        (Method::POST, ["tenants", t, "handlers", h, "promote"]) => ok(control.promote(t, h)?),
+        (Method::POST, ["tenants", t, "handlers", h, "abort"]) => ok(json!({ "aborted": control.abort_canary(t, h, None)? })),
         _ => Err(StoreError::NotFound(format!("no admin route {method} /admin/v1/{}", path.join("/")))),
     }
 }
 
-/// Whether an upload's query leaves it active (not `activate=false`).
-pub(super) fn activates(query: &str) -> bool {
-    !query.split('&').any(|kv| matches!(kv, "activate=false" | "activate=0" | "activate=no"))
+/// How an upload's query releases it: `activate=false` stores it only;
+/// `canary=P` serves it to P percent of the requests, aborted by a node
+/// once it served `abort_after` requests with a 5xx share over the active
+/// version's by `abort_margin` (both or neither); otherwise it is active.
+pub(super) fn release_of(query: &str) -> Result<Release, StoreError> {
+    let (mut activate, mut percent, mut margin, mut after) = (true, None, None, None);
+    let bad = |name: &str, value: &str| StoreError::Invalid(format!("{name}={value:?} is not a valid value"));
+    for (name, value) in query.split('&').filter(|kv| !kv.is_empty()).map(|kv| kv.split_once('=').unwrap_or((kv, ""))) {
+        match name {
+            "activate" => activate = !matches!(value, "false" | "0" | "no"),
+            "canary" => percent = Some(value.parse::<u8>().map_err(|_| bad(name, value))?),
+            "abort_margin" => margin = Some(value.parse::<f64>().ok().filter(|m| (0.0..=1.0).contains(m)).ok_or_else(|| bad(name, value))?),
+            "abort_after" => after = Some(value.parse::<u64>().map_err(|_| bad(name, value))?),
+            _ => return Err(StoreError::Invalid(format!("unknown parameter {name:?} (activate, canary, abort_margin, abort_after)"))),
+        }
+    }
+    let abort = match (margin, after) {
+        (Some(margin), Some(after)) => Some(AbortRule { margin, after }),
+        (None, None) => None,
+        _ => return Err(StoreError::Invalid("abort_margin and abort_after go together".into())),
+    };
+    Ok(match percent {
+        Some(percent) => Release::Canary { percent, abort },
+        None if abort.is_some() => return Err(StoreError::Invalid("an abort rule needs a canary (canary=P)".into())),
+        None if activate => Release::Activate,
+        None => Release::Store,
+    })
 }
 
 /// Every node with whether it is alive (a heartbeat within [`ALIVE_WITHIN`]).
@@ -240,6 +267,23 @@ pub(super) fn store_error(e: &StoreError) -> Response<Body> {
         StoreError::Internal(err) => {
             tracing::error!(error = %format!("{err:#}"), "admin operation failed");
             response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_upload_query_says_how_it_is_released() {
+        assert_eq!(release_of("").unwrap(), Release::Activate);
+        assert_eq!(release_of("activate=false").unwrap(), Release::Store);
+        let rule = Some(AbortRule { margin: 0.05, after: 50 });
+        assert_eq!(release_of("canary=10&abort_margin=0.05&abort_after=50").unwrap(), Release::Canary { percent: 10, abort: rule });
+        assert_eq!(release_of("canary=25").unwrap(), Release::Canary { percent: 25, abort: None });
+        for bad in ["canary=ten", "abort_margin=0.1", "canary=5&abort_after=3", "abort_margin=2&abort_after=1&canary=5", "color=red"] {
+            assert!(release_of(bad).is_err(), "{bad}");
         }
     }
 }

@@ -18,12 +18,19 @@ use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::admission::slots::Refusal;
 use crate::control::TenantGate;
 use crate::control::keys::Scopes;
+use crate::control::{LiveCanary, Side};
 use crate::metrics::Limit;
 use crate::metrics::logs::LogRecord;
 use crate::metrics::trace::RequestTrace;
 use crate::metrics::usage::{BytesOut, Usage, UsageKey};
 use crate::sandbox::handler::Handler;
 use crate::sandbox::{RequestTag, SandboxError, SandboxLimits};
+
+/// A number from 0 to 99, uniformly (99, the active version's side, when
+/// the system has no randomness to give).
+fn draw_percent() -> u8 {
+    getrandom::u32().map_or(99, |r| (r % 100) as u8)
+}
 
 /// One call of a handler, as its admission and run see it.
 struct Call<'a> {
@@ -51,7 +58,8 @@ impl App {
             return response::before_body(refusal);
         };
         let found = (key_tenant == tenant).then(|| live.handler(tenant, name)).flatten();
-        let Some((gate, handler)) = found.map(|(g, h)| (Arc::clone(g), Arc::clone(h))) else {
+        let canary = found.and_then(|_| live.canary(tenant, name)).cloned();
+        let Some((gate, stable)) = found.map(|(g, h)| (Arc::clone(g), Arc::clone(h))) else {
             server.status(404);
             return response::before_body(response::error(
                 StatusCode::NOT_FOUND,
@@ -60,6 +68,13 @@ impl App {
             ));
         };
         drop(live);
+        // A canary takes its share of the requests, drawn one by one: every
+        // node of a cluster draws alike, so the split holds on all.
+        let side = canary.as_ref().map(|c| c.side(draw_percent()));
+        let handler = match (&canary, side) {
+            (Some(c), Some(Side::Canary)) => Arc::clone(&c.handler),
+            _ => stable,
+        };
         if !scopes.contains(Scopes::INVOKE) {
             server.status(403);
             return response::before_body(response::error(StatusCode::FORBIDDEN, "forbidden", "this key lacks the invoke scope"));
@@ -78,6 +93,9 @@ impl App {
         let outcome = (status, started.elapsed());
         let record = LogRecord::request((name, handler.version), &id, outcome, call.hit.get().map(|l| l.label()));
         self.sandbox.logs().push(&handler.tenant, record);
+        if let (Some(canary), Some(side)) = (canary, side) {
+            self.count_canary(&canary, side, status);
+        }
         self.metrics.record(tenant, name, status, started.elapsed());
         let meter = self.control.meter();
         meter.add(&key, &Usage::answer(status));
@@ -193,6 +211,22 @@ impl App {
                 self.sandbox_error(handler, id, &e)
             }
         }
+    }
+
+    /// Counts an answer of a handler with a canary; when the canary's abort
+    /// rule holds, ends the canary (through the store, so every node does).
+    fn count_canary(&self, canary: &LiveCanary, side: Side, status: u16) {
+        if !canary.record(side, status) {
+            return;
+        }
+        let (control, handler) = (Arc::clone(&self.control), Arc::clone(&canary.handler));
+        let [(stable, stable_5xx), (served, served_5xx)] = canary.counted();
+        tracing::warn!(tenant = %handler.tenant, handler = %handler.name, version = handler.version, served, served_5xx, stable, stable_5xx, "canary failing past its abort rule: aborting it");
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = control.abort_canary(&handler.tenant, &handler.name, Some(handler.version)) {
+                tracing::warn!(tenant = %handler.tenant, handler = %handler.name, error = %e, "canary abort failed");
+            }
+        });
     }
 
     /// A request of `tenant` refused by `limit`: counted as its hit (and

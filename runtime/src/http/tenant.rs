@@ -7,7 +7,7 @@
 //! | route | scope |
 //! |---|---|
 //! | `GET handlers`, `GET handlers/{h}/versions` | `read` or `deploy` |
-//! | `PUT handlers/{h}`, `POST handlers/{h}/activate`, `POST handlers/{h}/rollback` | `deploy` |
+//! | `PUT handlers/{h}` (`?canary=P`), `POST handlers/{h}/activate`, `…/rollback`, `…/promote`, `…/abort` | `deploy` |
 //! | `GET keys`, `POST keys` (an `invoke` key), `DELETE keys/{id}` (an `invoke` key) | `deploy` |
 //! | `GET usage`, `GET logs` | `read` |
 //!
@@ -18,7 +18,7 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
-use super::admin::{Activate, AdminResult, activates, created, key_scopes, ok, parse};
+use super::admin::{Activate, AdminResult, created, key_scopes, ok, parse, release_of};
 use super::app::App;
 use super::auth::bearer;
 use super::response::{self, Body};
@@ -32,7 +32,7 @@ fn required(method: &Method, rest: &[&str]) -> Option<Scopes> {
     let look = Scopes::DEPLOY.with(Scopes::READ);
     Some(match (method, rest) {
         (&Method::GET, ["handlers"] | ["handlers", _, "versions"]) => look,
-        (&Method::PUT, ["handlers", _]) | (&Method::POST, ["handlers", _, "activate" | "rollback"]) => manage,
+        (&Method::PUT, ["handlers", _]) | (&Method::POST, ["handlers", _, "activate" | "rollback" | "promote" | "abort"]) => manage,
         (&Method::GET | &Method::POST, ["keys"]) | (&Method::DELETE, ["keys", _]) => manage,
         (&Method::GET, ["usage" | "logs"]) => Scopes::READ,
         _ => return None,
@@ -88,13 +88,15 @@ fn tenant_op(
     let t = tenant;
     match (method.clone(), p.as_slice()) {
         (Method::GET, ["handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
-        (Method::PUT, ["handlers", h]) => created(control.deploy(t, h, body.clone(), activates(query))?),
+        (Method::PUT, ["handlers", h]) => created(control.release(t, h, body.clone(), release_of(query)?)?),
         (Method::GET, ["handlers", h, "versions"]) => ok(control.versions(t, h)?),
         (Method::POST, ["handlers", h, "activate"]) => {
             let req: Activate = parse(body)?;
             ok(control.activate(t, h, req.version)?)
         }
         (Method::POST, ["handlers", h, "rollback"]) => ok(control.rollback(t, h)?),
+        (Method::POST, ["handlers", h, "promote"]) => ok(control.promote(t, h)?),
+        (Method::POST, ["handlers", h, "abort"]) => ok(json!({ "aborted": control.abort_canary(t, h, None)? })),
         (Method::GET, ["keys"]) => ok(json!({ "tenant": t, "keys": control.keys(t)? })),
         (Method::POST, ["keys"]) => {
             if key_scopes(body)? != Scopes::INVOKE {

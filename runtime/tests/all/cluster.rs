@@ -321,3 +321,88 @@ fn a_tenants_concurrency_is_shared_among_the_live_nodes() {
     let alone = naps_at_once(&a, &key, "shared", 4);
     assert!(alone.iter().all(|(s, _)| *s == 200), "the whole limit on the last node: {alone:?}");
 }
+
+/// A GET of `tenant`'s handler `h` with `query` on `server`: its status and
+/// the version that answered.
+fn get(server: &Server, key: &str, tenant: &str, query: &str) -> (u16, Option<i64>) {
+    let response = crate::harness::client_with_key(key).get(format!("http://{}/v1/{tenant}/h?{query}", server.addr)).send().unwrap();
+    let version = response.headers().get("x-facegate-handler-version").map(|v| v.to_str().unwrap().parse().unwrap());
+    (response.status().as_u16(), version)
+}
+
+/// Canary releases on two nodes: a 10 % canary gets 10 % ± 3 of 1,000
+/// requests sent to both; `abort` through one node sends every request to
+/// the active version again on both, with no request failing meanwhile;
+/// and a canary answering 500s where the active version does not is
+/// aborted by the nodes themselves.
+#[test]
+fn canaries_split_the_traffic_on_every_node_and_abort() {
+    let pg = ThrowawayPostgres::start().unwrap();
+    let url = pg.url();
+    let (a, _) = node(&url, "node-a");
+    let (b, _) = node(&url, "node-b");
+    let hostile = std::fs::read(guest("hostile")).unwrap();
+    a.json(a.admin(Method::POST, "tenants").json(&json!({ "name": "canary", "limits": { "rps": 0 } })));
+    let key = a.json(a.admin(Method::POST, "tenants/canary/keys"))["key"].as_str().unwrap().to_owned();
+    a.json(a.admin(Method::PUT, "tenants/canary/handlers/h").body(hostile.clone()));
+    let released = a.json(a.admin(Method::PUT, "tenants/canary/handlers/h?canary=10").body(hostile.clone()));
+    assert_eq!((released["version"].as_i64(), released["active_version"].as_i64()), (Some(2), Some(1)), "{released}");
+    let versions = a.json(a.admin(Method::GET, "tenants/canary/handlers/h/versions"));
+    assert_eq!(versions["canary"], json!({ "version": 2, "percent": 10 }));
+    within(Duration::from_secs(10), "B serves the canary", || (0..50).any(|_| get(&b, &key, "canary", "attack=count").1 == Some(2)));
+
+    let mut to_canary = [0u32; 2];
+    for i in 0..1000 {
+        let node = if i % 2 == 0 { &a } else { &b };
+        let (status, version) = get(node, &key, "canary", "attack=count");
+        assert_eq!(status, 200);
+        to_canary[i % 2] += u32::from(version == Some(2));
+    }
+    let share = f64::from(to_canary[0] + to_canary[1]) / 1000.0;
+    assert!((0.07..=0.13).contains(&share), "the canary got {share} (A {}, B {})", to_canary[0], to_canary[1]);
+    assert!(to_canary.iter().all(|&n| n > 0), "both nodes split: {to_canary:?}");
+
+    // Abort through B while both nodes serve: nothing fails, and then all goes to version 1.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            let mut failed = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for node in [&a, &b] {
+                    let (status, _) = get(node, &key, "canary", "attack=count");
+                    if status != 200 {
+                        failed.push(status);
+                    }
+                }
+            }
+            failed
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let aborted = b.json(b.admin(Method::POST, "tenants/canary/handlers/h/abort"));
+        assert_eq!(aborted["aborted"]["version"], 2);
+        let took = within(PROPAGATION, "the abort reaches A and B", || {
+            (0..20).all(|_| get(&a, &key, "canary", "attack=count").1 == Some(1) && get(&b, &key, "canary", "attack=count").1 == Some(1))
+        });
+        eprintln!("abort through B: all requests to version 1 on A and B after {took:?}");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(load.join().unwrap(), Vec::<u16>::new(), "no request failed during the abort");
+    });
+
+    // The automatic abort: the active version (detect) answers a GET with a
+    // 4xx, the canary (hostile, `attack=panic`) with 500s.
+    a.json(a.admin(Method::PUT, "tenants/canary/handlers/h").body(std::fs::read(guest("detect")).unwrap()));
+    let rule = "canary=50&abort_margin=0.2&abort_after=10";
+    let canary = a.json(a.admin(Method::PUT, &format!("tenants/canary/handlers/h?{rule}")).body(hostile));
+    let canary_version = canary["version"].as_i64().unwrap();
+    within(Duration::from_secs(10), "B serves the failing canary", || (0..20).any(|_| get(&b, &key, "canary", "attack=panic").0 == 500));
+    let took = within(Duration::from_secs(30), "the nodes abort the failing canary", || {
+        for node in [&a, &b] {
+            get(node, &key, "canary", "attack=panic");
+        }
+        a.json(a.admin(Method::GET, "tenants/canary/handlers/h/versions"))["canary"].is_null()
+    });
+    eprintln!("failing canary (version {canary_version}) aborted after {took:?}");
+    within(PROPAGATION, "every request to the active version again", || {
+        (0..20).all(|_| get(&a, &key, "canary", "attack=panic").0 < 500 && get(&b, &key, "canary", "attack=panic").0 < 500)
+    });
+}

@@ -87,6 +87,15 @@ fn a_deploy_key_manages_its_own_handlers_and_invoke_keys() {
     let own = tenant_call(&deploy, Method::DELETE, &format!("keys/{deploy_id}"), Vec::new());
     assert_eq!(status_and_code(own), (403, "forbidden".into()), "nor revokes a deploy key");
 
+    // A canary of its own, promoted.
+    let wasm = std::fs::read(guest("detect")).unwrap();
+    let canary: Value = tenant_call(&deploy, Method::PUT, "handlers/faces?canary=50", wasm).json().unwrap();
+    assert_eq!((canary["version"].as_i64(), canary["active_version"].as_i64()), (Some(3), Some(2)), "{canary}");
+    let promoted: Value = tenant_call(&deploy, Method::POST, "handlers/faces/promote", Vec::new()).json().unwrap();
+    assert_eq!(promoted["active_version"], 3, "{promoted}");
+    let after: Value = tenant_call(&deploy, Method::GET, "handlers/faces/versions", Vec::new()).json().unwrap();
+    assert!(after["canary"].is_null(), "promoting ends the canary: {after}");
+
     // The operator revokes the deploy key: refused from then on.
     let revoke = anonymous().delete(url(&format!("/admin/v1/tenants/selfserve/keys/{deploy_id}"))).bearer_auth(ADMIN_TOKEN).send().unwrap();
     assert_eq!(revoke.status(), 200);
@@ -165,6 +174,9 @@ fn the_cli_deploys_with_a_tenants_key() {
     let versions = json(&["versions", "--key", key, "--handler", "faces", "--json"], false);
     assert_eq!(versions["versions"].as_array().map(Vec::len), Some(2));
     assert_eq!(json(&["rollback", "--key", key, "--handler", "faces", "--json"], false)["active_version"], 1);
+    let canary = json(&["deploy", "--key", key, "--handler", "faces", &detect_wasm, "--canary", "20", "--json"], false);
+    assert_eq!((canary["version"].as_i64(), canary["active_version"].as_i64()), (Some(3), Some(1)), "{canary}");
+    assert_eq!(json(&["abort", "--key", key, "--handler", "faces", "--json"], false)["aborted"]["version"], 3);
     let (code, out) = cli(&["key", "create", "--key", key], false);
     assert_eq!(code, 0, "{out}");
     let invoke = out.lines().next().unwrap().trim();

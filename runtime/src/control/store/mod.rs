@@ -87,6 +87,37 @@ pub struct KeyRow {
 /// A key that authenticates: `(id, tenant, secret_sha256 hex, scopes)`.
 pub type ActiveKeyRow = (String, String, String, Scopes);
 
+/// A canary release: `version` serves `percent` of a handler's requests,
+/// the active version the rest.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Canary {
+    /// The version on trial.
+    pub version: i64,
+    /// Its share of the requests, 1 to 99.
+    pub percent: u8,
+    /// When a node aborts it by itself.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub abort: Option<AbortRule>,
+}
+
+/// Abort a canary once it has served `after` requests on a node and its
+/// share of 5xx answers exceeds the active version's by more than `margin`
+/// (0.05: five points).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
+pub struct AbortRule {
+    /// Points of 5xx share over the active version's, as a fraction.
+    pub margin: f64,
+    /// Requests the canary serves on a node before the rule applies.
+    pub after: u64,
+}
+
+/// A canary from its columns (none without a version or a share).
+pub(super) fn canary_of(version: Option<i64>, percent: i64, margin: Option<f64>, after: Option<i64>) -> Option<Canary> {
+    let percent = u8::try_from(percent).ok().filter(|p| (1..=99).contains(p))?;
+    let abort = margin.zip(after).map(|(margin, after)| AbortRule { margin, after: u64::try_from(after).unwrap_or(0) });
+    Some(Canary { version: version?, percent, abort })
+}
+
 /// A handler version row.
 #[derive(Debug, Clone, Serialize)]
 pub struct VersionRow {
@@ -236,6 +267,12 @@ pub trait Store: Send {
     fn activate(&mut self, tenant: &str, handler: &str, version: i64) -> StoreResult<Option<i64>>;
     /// Every active handler of every tenant.
     fn active_handlers(&mut self) -> StoreResult<Vec<ActiveHandler>>;
+    /// Sets (or, `None`, ends) a handler's canary; its version must exist.
+    fn set_canary(&mut self, tenant: &str, handler: &str, canary: Option<Canary>) -> StoreResult<()>;
+    /// A handler's canary.
+    fn canary(&mut self, tenant: &str, handler: &str) -> StoreResult<Option<Canary>>;
+    /// Every canary, with its version's component.
+    fn canaries(&mut self) -> StoreResult<Vec<(ActiveHandler, Canary)>>;
     /// Every version: `(tenant/handler@version, component sha256)`.
     fn all_versions(&mut self) -> StoreResult<Vec<(String, String)>>;
 

@@ -23,7 +23,7 @@ use super::{
     ActiveHandler, ActiveKeyRow, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError, StoreResult,
     TenantRow, VersionRow, new_incarnation, now,
 };
-use super::{usage_columns, usage_from, usage_values};
+use super::{Canary, canary_of, usage_columns, usage_from, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::{Scopes, sha256_hex};
 use crate::metrics::usage::{Delta, Usage, UsageKey};
@@ -35,7 +35,7 @@ const CHANNEL: &str = "facegate_changes";
 const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5];
+pub(super) const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6];
 
 const V1: &str = "
 CREATE TABLE tenants (
@@ -100,6 +100,14 @@ CREATE TABLE artifacts (
     created_at BIGINT NOT NULL,
     PRIMARY KEY (component_sha256, engine)
 );
+";
+
+/// Version 6: a handler's canary (see [`Canary`]).
+const V6: &str = "
+ALTER TABLE handlers ADD COLUMN canary_version BIGINT;
+ALTER TABLE handlers ADD COLUMN canary_percent BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE handlers ADD COLUMN canary_abort_margin DOUBLE PRECISION;
+ALTER TABLE handlers ADD COLUMN canary_abort_after BIGINT;
 ";
 
 /// Version 5: a key's scopes (see [`Scopes`]); keys from before invoke.
@@ -552,6 +560,67 @@ impl Store for PgStore {
                 )
                 .map_err(db_error)?;
             Ok(rows.iter().map(|r| ActiveHandler { tenant: r.get(0), handler: r.get(1), version: r.get(2), sha256: r.get(3) }).collect())
+        })
+    }
+
+    fn set_canary(&mut self, tenant: &str, handler: &str, canary: Option<Canary>) -> StoreResult<()> {
+        let (margin, after) = canary.and_then(|c| c.abort).map_or((None, None), |a| (Some(a.margin), Some(a.after as i64)));
+        let (version, percent) = (canary.map(|c| c.version), canary.map_or(0, |c| i64::from(c.percent)));
+        self.write(|tx| {
+            let found = tx
+                .query_opt("SELECT 1 FROM handlers WHERE tenant = $1 AND name = $2 FOR UPDATE", &[&tenant, &handler])
+                .map_err(db_error)?;
+            if found.is_none() {
+                return Err(StoreError::NotFound(format!("tenant {tenant:?} has no handler {handler:?}")));
+            }
+            if let Some(version) = version {
+                let exists = tx
+                    .query_opt("SELECT 1 FROM versions WHERE tenant = $1 AND handler = $2 AND version = $3", &[&tenant, &handler, &version])
+                    .map_err(db_error)?;
+                if exists.is_none() {
+                    return Err(StoreError::NotFound(format!("{tenant}/{handler} has no version {version}")));
+                }
+            }
+            tx.execute(
+                "UPDATE handlers SET canary_version = $3, canary_percent = $4, canary_abort_margin = $5, canary_abort_after = $6
+                 WHERE tenant = $1 AND name = $2",
+                &[&tenant, &handler, &version, &percent, &margin, &after],
+            )
+            .map_err(db_error)?;
+            Ok(())
+        })
+    }
+
+    fn canary(&mut self, tenant: &str, handler: &str) -> StoreResult<Option<Canary>> {
+        self.with(|c| {
+            let row = c
+                .query_opt(
+                    "SELECT canary_version, canary_percent, canary_abort_margin, canary_abort_after FROM handlers WHERE tenant = $1 AND name = $2",
+                    &[&tenant, &handler],
+                )
+                .map_err(db_error)?
+                .ok_or_else(|| StoreError::NotFound(format!("tenant {tenant:?} has no handler {handler:?}")))?;
+            Ok(canary_of(row.get(0), row.get(1), row.get(2), row.get(3)))
+        })
+    }
+
+    fn canaries(&mut self) -> StoreResult<Vec<(ActiveHandler, Canary)>> {
+        self.with(|c| {
+            let rows = c
+                .query(
+                    "SELECT h.tenant, h.name, h.canary_version, v.component_sha256, h.canary_percent, h.canary_abort_margin, h.canary_abort_after
+                     FROM handlers h JOIN versions v ON v.tenant = h.tenant AND v.handler = h.name AND v.version = h.canary_version",
+                    &[],
+                )
+                .map_err(db_error)?;
+            Ok(rows
+                .iter()
+                .filter_map(|r| {
+                    let active = ActiveHandler { tenant: r.get(0), handler: r.get(1), version: r.get(2), sha256: r.get(3) };
+                    let canary = canary_of(Some(active.version), r.get(4), r.get(5), r.get(6))?;
+                    Some((active, canary))
+                })
+                .collect())
         })
     }
 

@@ -11,14 +11,14 @@ use super::{
     ActiveHandler, ActiveKeyRow, DB_FILE, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow,
     VersionRow, new_incarnation, now,
 };
-use super::{usage_columns, usage_from, usage_values};
+use super::{Canary, canary_of, usage_columns, usage_from, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
 use crate::control::keys::Scopes;
 use crate::metrics::usage::{Delta, Usage, UsageKey};
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5];
+const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6];
 
 /// The first schema.
 const V1: &str = "
@@ -100,6 +100,14 @@ CREATE TABLE usage (
     PRIMARY KEY (node, seq, tenant, handler, version, bucket_ms)
 );
 CREATE INDEX usage_by_bucket ON usage (bucket_ms, tenant);
+";
+
+/// Version 6: a handler's canary (see [`Canary`]).
+const V6: &str = "
+ALTER TABLE handlers ADD COLUMN canary_version INTEGER;
+ALTER TABLE handlers ADD COLUMN canary_percent INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE handlers ADD COLUMN canary_abort_margin REAL;
+ALTER TABLE handlers ADD COLUMN canary_abort_after INTEGER;
 ";
 
 /// Version 5: a key's scopes (see [`Scopes`]); keys from before invoke.
@@ -361,6 +369,47 @@ impl Store for SqliteStore {
         let rows =
             stmt.query_map([], |r| Ok(ActiveHandler { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, sha256: r.get(3)? }))?;
         Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    fn set_canary(&mut self, tenant: &str, handler: &str, canary: Option<Canary>) -> StoreResult<()> {
+        let (versions, _) = self.versions(tenant, handler)?;
+        if let Some(c) = canary
+            && !versions.iter().any(|v| v.version == c.version)
+        {
+            return Err(StoreError::NotFound(format!("{tenant}/{handler} has no version {}", c.version)));
+        }
+        let (margin, after) = canary.and_then(|c| c.abort).map_or((None, None), |a| (Some(a.margin), Some(a.after as i64)));
+        self.conn.execute(
+            "UPDATE handlers SET canary_version = ?3, canary_percent = ?4, canary_abort_margin = ?5, canary_abort_after = ?6
+             WHERE tenant = ?1 AND name = ?2",
+            params![tenant, handler, canary.map(|c| c.version), canary.map_or(0, |c| c.percent), margin, after],
+        )?;
+        Ok(())
+    }
+
+    fn canary(&mut self, tenant: &str, handler: &str) -> StoreResult<Option<Canary>> {
+        let row = self
+            .conn
+            .query_row(
+                "SELECT canary_version, canary_percent, canary_abort_margin, canary_abort_after FROM handlers WHERE tenant = ?1 AND name = ?2",
+                params![tenant, handler],
+                |r| Ok(canary_of(r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .optional()?;
+        row.ok_or_else(|| StoreError::NotFound(format!("tenant {tenant:?} has no handler {handler:?}")))
+    }
+
+    fn canaries(&mut self) -> StoreResult<Vec<(ActiveHandler, Canary)>> {
+        let mut stmt = self.conn.prepare(
+            "SELECT h.tenant, h.name, h.canary_version, v.component_sha256, h.canary_percent, h.canary_abort_margin, h.canary_abort_after
+             FROM handlers h JOIN versions v ON v.tenant = h.tenant AND v.handler = h.name AND v.version = h.canary_version",
+        )?;
+        let rows = stmt.query_map([], |r| {
+            let active = ActiveHandler { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, sha256: r.get(3)? };
+            Ok((active.clone(), canary_of(Some(active.version), r.get(4)?, r.get(5)?, r.get(6)?)))
+        })?;
+        let rows: Vec<_> = rows.collect::<Result<_, _>>()?;
+        Ok(rows.into_iter().filter_map(|(a, c)| Some((a, c?))).collect())
     }
 
     fn all_versions(&mut self) -> StoreResult<Vec<(String, String)>> {

@@ -318,3 +318,28 @@ fn usage_deltas_are_written_once_summed_over_nodes_and_pruned() {
         assert_eq!(s.usage(None, 0, 10 * BUCKET_MS).unwrap(), vec![(key("a", 9), usage(1, 1))], "{kind}: older buckets pruned");
     }
 }
+
+#[test]
+fn a_canary_is_kept_with_its_rule_and_ended() {
+    for mut store in stores("canary") {
+        let s = &mut *store;
+        let kind = s.describe();
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        let (a, b) = (b"a".as_slice(), b"b".as_slice());
+        let (sa, sb) = (sha256_hex(a), sha256_hex(b));
+        s.add_version(version("acme", "h", a, &sa, true)).unwrap();
+        s.add_version(version("acme", "h", b, &sb, false)).unwrap();
+        assert_eq!(s.canary("acme", "h").unwrap(), None, "{kind}");
+        let canary = Canary { version: 2, percent: 10, abort: Some(AbortRule { margin: 0.05, after: 50 }) };
+        s.set_canary("acme", "h", Some(canary)).unwrap();
+        assert_eq!(s.canary("acme", "h").unwrap(), Some(canary), "{kind}");
+        let listed = s.canaries().unwrap();
+        assert_eq!(listed.len(), 1, "{kind}");
+        assert_eq!((listed[0].0.version, listed[0].0.sha256.as_str(), listed[0].1), (2, sb.as_str(), canary), "{kind}");
+        let missing = Canary { version: 9, ..canary };
+        assert!(matches!(s.set_canary("acme", "h", Some(missing)), Err(StoreError::NotFound(_))), "{kind}");
+        assert!(matches!(s.canary("acme", "nosuch"), Err(StoreError::NotFound(_))), "{kind}");
+        s.set_canary("acme", "h", None).unwrap();
+        assert!(s.canaries().unwrap().is_empty(), "{kind}");
+    }
+}
