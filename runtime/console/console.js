@@ -7,7 +7,7 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const state = { key: null, tenant: null, token: null, faces: [], runs: 0, lastError: null,
-                  tenants: [], detail: null, versions: {}, stats: null, rates: {}, history: [] };
+                  tenants: [], detail: null, versions: {}, stats: null, rates: {}, history: [], mine: null };
   window.facegateConsole = state;
   let image = null; // the chosen Blob
   let camera = null; // the webcam stream, when started
@@ -60,7 +60,7 @@
 
   // ---- tabs ----
   function showTab(name) {
-    for (const tab of ["try", "operate"]) {
+    for (const tab of ["try", "mine", "operate"]) {
       const on = tab === name;
       $("tab-" + tab).setAttribute("aria-selected", String(on));
       $(tab).hidden = !on;
@@ -68,6 +68,146 @@
   }
   $("tab-try").addEventListener("click", () => showTab("try"));
   $("tab-operate").addEventListener("click", () => showTab("operate"));
+  $("tab-mine").addEventListener("click", () => showTab("mine"));
+
+  // ---- my handlers: a tenant's own, with its deploy or read key ----
+  // state.mine: { key, tenant, scopes, handlers: {name: versions answer}, log: [records], since }
+  const LOG_ROWS = 200;
+  async function tenantApi(path, init) {
+    const options = Object.assign({}, init || {});
+    options.headers = Object.assign({ Authorization: "Bearer " + state.mine.key }, options.headers || {});
+    return fetch("/tenant/v1/" + path, options);
+  }
+  $("mine-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const key = $("mine-key").value.trim();
+    const me = await fetch("/v1/me", { headers: { Authorization: "Bearer " + key } });
+    if (!me.ok) { await fail("mine-status", me); return; }
+    const who = await me.json();
+    state.mine = { key, tenant: who.tenant, scopes: who.scopes || [], handlers: {}, log: [], since: null };
+    if (!state.mine.scopes.includes("deploy") && !state.mine.scopes.includes("read")) {
+      say("mine-status", "This key may only call handlers: give a deploy or read key.", "error");
+      return;
+    }
+    $("mine-title").textContent = `Tenant ${who.tenant} (${state.mine.scopes.join(", ")})`;
+    $("mine-upload").hidden = !state.mine.scopes.includes("deploy");
+    $("mine-body").hidden = false;
+    say("mine-status", "Connected.", "ok");
+    await refreshMine();
+    pollMineLog();
+  });
+  async function refreshMine() {
+    const response = await tenantApi("handlers");
+    if (!response.ok) { await fail("mine-status", response); return; }
+    const list = (await response.json()).handlers || [];
+    for (const h of list) {
+      const versions = await tenantApi(`handlers/${encodeURIComponent(h.name)}/versions`);
+      if (versions.ok) state.mine.handlers[h.name] = await versions.json();
+    }
+    renderMine();
+  }
+  // Each version's requests and 5xx share, from the log this page holds.
+  function errorRates(handler) {
+    const rates = {};
+    for (const r of state.mine.log) {
+      if (r.kind !== "request" || r.handler !== handler) continue;
+      const v = rates[r.version] || (rates[r.version] = { requests: 0, errors: 0 });
+      v.requests += 1;
+      if (r.status >= 500) v.errors += 1;
+    }
+    return rates;
+  }
+  function renderMine() {
+    const box = $("mine-handlers");
+    box.replaceChildren();
+    const deploy = state.mine.scopes.includes("deploy");
+    for (const [name, info] of Object.entries(state.mine.handlers)) {
+      const rates = errorRates(name);
+      const section = el("section", null, { class: "mine-handler", "data-handler": name });
+      section.append(el("h3", name));
+      const table = el("table");
+      table.append(el("thead"));
+      table.tHead.append(el("tr"));
+      for (const title of ["Version", "Role", "Requests", "5xx"]) table.tHead.rows[0].append(el("th", title, { scope: "col" }));
+      const body = el("tbody");
+      for (const v of info.versions || []) {
+        const role = v.version === info.active_version ? "active"
+          : (info.canary && info.canary.version === v.version ? `canary ${info.canary.percent} %` : "");
+        if (!role) continue;
+        const seen = rates[v.version] || { requests: 0, errors: 0 };
+        const share = seen.requests ? `${(100 * seen.errors / seen.requests).toFixed(1)} %` : "—";
+        const row = el("tr", null, { "data-version": String(v.version), "data-role": role.split(" ")[0] });
+        for (const cell of [v.version, role, seen.requests, share]) row.append(el("td", cell));
+        body.append(row);
+      }
+      table.append(body);
+      section.append(table);
+      if (deploy && info.canary) {
+        const promote = el("button", "Promote canary", { type: "button" });
+        promote.addEventListener("click", () => mineChange(name, "promote"));
+        const abort = el("button", "Abort canary", { type: "button" });
+        abort.addEventListener("click", () => mineChange(name, "abort"));
+        section.append(promote, " ", abort);
+      }
+      box.append(section);
+    }
+  }
+  async function mineChange(handler, action) {
+    const response = await tenantApi(`handlers/${encodeURIComponent(handler)}/${action}`, { method: "POST" });
+    if (!response.ok) { await fail("mine-upload-status", response); return; }
+    say("mine-upload-status", `${handler}: ${action} done.`, "ok");
+    await refreshMine();
+  }
+  $("mine-upload").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const name = $("mine-name").value.trim();
+    const file = $("mine-file").files[0];
+    if (!file) return;
+    const percent = $("mine-canary").value.trim();
+    const query = percent ? `?canary=${encodeURIComponent(percent)}` : "";
+    say("mine-upload-status", "Uploading and compiling…");
+    const response = await tenantApi(`handlers/${encodeURIComponent(name)}${query}`, {
+      method: "PUT", headers: { "Content-Type": "application/wasm" }, body: file });
+    if (!response.ok) { await fail("mine-upload-status", response); return; }
+    const done = await response.json();
+    say("mine-upload-status", `${name}: version ${done.version} stored` + (percent ? `, a ${percent} % canary.` : ", active."), "ok");
+    await refreshMine();
+  });
+  // The log tail: what came since the last record read, every second.
+  function pollMineLog() {
+    const mine = state.mine;
+    const tick = async () => {
+      if (state.mine !== mine) return;
+      const since = mine.since === null ? "" : `?since=${mine.since}`;
+      try {
+        const response = await tenantApi("logs" + since);
+        if (response.ok) {
+          const text = await response.text();
+          const fresh = text.split("\n").filter((l) => l).map((l) => JSON.parse(l));
+          if (fresh.length) {
+            mine.since = fresh[fresh.length - 1].seq;
+            mine.log = mine.log.concat(fresh).slice(-LOG_ROWS);
+            renderMineLog();
+            renderMine();
+          }
+        }
+      } catch (_) { /* next tick */ }
+      setTimeout(tick, 1000);
+    };
+    tick();
+  }
+  function renderMineLog() {
+    const body = $("mine-log").tBodies[0];
+    body.replaceChildren();
+    for (const r of state.mine.log.slice().reverse()) {
+      const row = el("tr", null, { "data-kind": r.kind });
+      const what = r.kind === "request"
+        ? `${r.status} in ${Math.round(r.duration_ms)} ms` + (r.limit ? ` (limit ${r.limit})` : "")
+        : r.line;
+      for (const cell of [new Date(r.time_ms).toLocaleTimeString(), `${r.handler}@${r.version}`, r.request_id, what]) row.append(el("td", cell));
+      body.append(row);
+    }
+  }
 
   // ---- try it ----
   async function loadHandlers() {

@@ -182,6 +182,72 @@ fn try_it_draws_the_faces_and_explains_errors() {
     assert!(status.as_str().unwrap().contains("401 unauthorized"), "{status}");
 }
 
+/// A tenant's own view with its deploy key: it deploys a handler, starts a
+/// canary beside it, sees each version's requests and 5xx share and the
+/// log tail of requests sent from elsewhere, and promotes the canary.
+#[test]
+fn a_tenant_deploys_starts_a_canary_and_reads_its_log_tail() {
+    gateway();
+    let admin = |method: reqwest::Method, path: &str| crate::harness::anonymous().request(method, url(path)).bearer_auth(ADMIN_TOKEN);
+    assert_eq!(
+        admin(reqwest::Method::POST, "/admin/v1/tenants")
+            .json(&json!({ "name": "console-self", "limits": { "rps": 0 } }))
+            .send()
+            .unwrap()
+            .status(),
+        201
+    );
+    let deploy: Value = admin(reqwest::Method::POST, "/admin/v1/tenants/console-self/keys")
+        .json(&json!({ "scopes": ["deploy", "read"] }))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    let invoke: Value = admin(reqwest::Method::POST, "/admin/v1/tenants/console-self/keys").send().unwrap().json().unwrap();
+    let browser = Browser::start(1280, 1600);
+    browser.open("/");
+    browser.click("#tab-mine");
+    browser.type_into("#mine-key", deploy["key"].as_str().unwrap());
+    browser.click("#mine-form button");
+    browser.wait_for("!document.getElementById('mine-body').hidden && window.facegateConsole.mine.scopes.includes('deploy')");
+
+    browser.type_into("#mine-name", "faces");
+    browser.attach("#mine-file", &guest("detect"));
+    browser.click("#mine-upload button");
+    browser.wait_for("window.facegateConsole.mine.handlers.faces?.active_version === 1");
+    browser.type_into("#mine-canary", "50");
+    browser.attach("#mine-file", &guest("blur"));
+    browser.click("#mine-upload button");
+    browser.wait_for("window.facegateConsole.mine.handlers.faces?.canary?.version === 2");
+
+    let key = invoke["key"].as_str().unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..12 {
+        let response = client_with_key(key).post(url("/v1/console-self/faces")).body(image("grace_hopper.jpg")).send().unwrap();
+        assert_eq!(response.status(), 200);
+        ids.push(response.headers()["x-request-id"].to_str().unwrap().to_owned());
+    }
+    // The log tail shows the requests, and the table each version's share of them.
+    let last = ids.last().unwrap();
+    browser.wait_for(&format!("[...document.querySelectorAll('#mine-log td')].some(td => td.textContent === '{last}')"));
+    let counted = browser.wait_for(
+        "(() => { const rows = [...document.querySelectorAll('.mine-handler[data-handler=faces] tbody tr')];
+           const n = rows.map(r => Number(r.children[2].textContent)); return n.length === 2 && n[0] + n[1] === 12 ? n : null; })()",
+    );
+    assert_eq!(counted.as_array().map(Vec::len), Some(2), "the active version and the canary: {counted}");
+    let roles =
+        browser.script("return [...document.querySelectorAll('.mine-handler[data-handler=faces] tbody tr')].map(r => r.dataset.role);");
+    assert_eq!(roles, json!(["active", "canary"]));
+    browser.screenshot("console-tenant-canary");
+
+    browser.script("[...document.querySelectorAll('.mine-handler button')].find(b => b.textContent === 'Promote canary').click();");
+    browser
+        .wait_for("window.facegateConsole.mine.handlers.faces?.active_version === 2 && !window.facegateConsole.mine.handlers.faces.canary");
+    let versions: Value =
+        client_with_key(deploy["key"].as_str().unwrap()).get(url("/tenant/v1/handlers/faces/versions")).send().unwrap().json().unwrap();
+    assert_eq!((versions["active_version"].as_i64(), versions["canary"].is_null()), (Some(2), true));
+}
+
 /// An operator's view: create a tenant and a key, deploy a handler twice,
 /// roll back, and see a non-wasm upload refused inline.
 #[test]
