@@ -92,9 +92,12 @@
     $("mine-title").textContent = `Tenant ${who.tenant} (${state.mine.scopes.join(", ")})`;
     $("mine-upload").hidden = !state.mine.scopes.includes("deploy");
     $("mine-body").hidden = false;
-    say("mine-status", "Connected.", "ok");
     await refreshMine();
-    pollMineLog();
+    // The log (and each version's share of 5xx, which is read from it) needs the read scope.
+    const reads = state.mine.scopes.includes("read");
+    $("mine-log").hidden = !reads;
+    say("mine-status", reads ? "Connected." : "Connected. This key has no read scope: no log or error rates.", "ok");
+    if (reads) pollMineLog();
   });
   async function refreshMine() {
     const response = await tenantApi("handlers");

@@ -25,6 +25,13 @@ pub struct TenantEntry {
     pub canaries: HashMap<String, Arc<LiveCanary>>,
 }
 
+impl TenantEntry {
+    /// Every handler version served: the active ones and the canaries.
+    pub fn all_handlers(&self) -> impl Iterator<Item = &Arc<Handler>> {
+        self.handlers.values().chain(self.canaries.values().map(|c| &c.handler))
+    }
+}
+
 /// A canary being served: its version, its share and abort rule, and this
 /// node's counts of each side's answers (kept across snapshots while the
 /// canary is the same version).
@@ -78,6 +85,11 @@ impl LiveCanary {
         served >= rule.after && canary_errors > stable_errors + rule.margin && !self.counts.aborting.swap(true, Ordering::AcqRel)
     }
 
+    /// An abort that could not reach the store: the rule may fire again.
+    pub fn abort_failed(&self) {
+        self.counts.aborting.store(false, Ordering::Release);
+    }
+
     /// This node's counts: requests and 5xx answers of the active version, then of the canary.
     pub fn counted(&self) -> [(u64, u64); 2] {
         let read = |c: &[AtomicU64; 2]| (c[0].load(Ordering::Relaxed), c[1].load(Ordering::Relaxed));
@@ -116,11 +128,6 @@ impl Live {
                 None
             }
         }
-    }
-
-    /// The scopes of `tenant`'s active key `id`.
-    pub fn key_scopes(&self, tenant: &str, id: &str) -> Option<Scopes> {
-        self.keys.get(id).filter(|k| k.tenant == tenant).map(|k| k.scopes)
     }
 
     /// A handler's canary, if it has one served here.

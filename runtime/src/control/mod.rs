@@ -370,13 +370,17 @@ impl ControlPlane {
     }
 
     /// Makes a handler's canary its active version, and ends the canary.
+    /// The canary is looked at again just before the switch: one aborted
+    /// (or replaced) meanwhile is not promoted.
     pub fn promote(&self, tenant: &str, handler: &str) -> StoreResult<Activated> {
-        let canary = self.db().canary(tenant, handler)?;
-        let canary = canary.ok_or_else(|| StoreError::NotFound(format!("{tenant}/{handler} has no canary")))?;
-        let activated = self.activate(tenant, handler, canary.version)?;
-        let mut db = self.db();
-        db.set_canary(tenant, handler, None)?;
-        self.refresh_after_commit(&mut **db, Vec::new());
+        let no_canary = || StoreError::NotFound(format!("{tenant}/{handler} has no canary"));
+        let canary = self.db().canary(tenant, handler)?.ok_or_else(no_canary)?;
+        let sha256 = self.version_sha256(&mut **self.db(), tenant, handler, canary.version)?;
+        let still = |db: &mut dyn Store| match db.canary(tenant, handler)? {
+            Some(now) if now.version == canary.version => Ok(()),
+            _ => Err(StoreError::Conflict(format!("{tenant}/{handler}'s canary (version {}) ended meanwhile", canary.version))),
+        };
+        let activated = self.activate_compiled_if(tenant, handler, (canary.version, &sha256), still)?;
         tracing::info!(tenant, handler, version = canary.version, "canary promoted");
         Ok(activated)
     }
@@ -427,12 +431,29 @@ impl ControlPlane {
     /// (other admin calls and the sync go on meanwhile), then links it and
     /// switches under the lock.
     fn activate_compiled(&self, tenant: &str, handler: &str, version: i64, sha256: &str) -> StoreResult<Activated> {
+        self.activate_compiled_if(tenant, handler, (version, sha256), |_| Ok(()))
+    }
+
+    /// [`ControlPlane::activate_compiled`], switching only if `check` (run
+    /// under the store's lock, just before) holds. A canary of the version
+    /// made active ends: it is the active version now.
+    fn activate_compiled_if(
+        &self,
+        tenant: &str,
+        handler: &str,
+        (version, sha256): (i64, &str),
+        check: impl FnOnce(&mut dyn Store) -> StoreResult<()>,
+    ) -> StoreResult<Activated> {
         let component = self.compile_off_lock(sha256)?;
         let mut db = self.db();
+        check(&mut **db)?;
         let outgoing_http = self.defaults.with(&db.tenant(tenant)?.overrides).outgoing_http;
         let active = ActiveHandler { tenant: tenant.to_owned(), handler: handler.to_owned(), version, sha256: sha256.to_owned() };
         let loaded = self.link(&component, &active, outgoing_http)?;
         let previous_version = db.activate(tenant, handler, version)?;
+        if db.canary(tenant, handler)?.is_some_and(|c| c.version == version) {
+            db.set_canary(tenant, handler, None)?;
+        }
         self.refresh_after_commit(&mut **db, vec![Arc::new(loaded)]);
         tracing::info!(tenant, handler, version, ?previous_version, "handler version activated");
         Ok(Activated { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version: version, previous_version })

@@ -104,7 +104,7 @@ impl ControlPlane {
             previous => {
                 // Idle instances were made under the old limits (reuse,
                 // memory, concurrency): none of those waiting now outlives the change.
-                previous.into_iter().flat_map(|e| e.handlers.values()).for_each(|h| h.warm.clear());
+                previous.into_iter().flat_map(TenantEntry::all_handlers).for_each(|h| h.warm.clear());
                 Arc::new(new_gate(limits, previous.map(|e| &*e.gate), self.live_nodes()))
             }
         };
@@ -149,7 +149,7 @@ impl ControlPlane {
         for counters in &self.counters {
             counters.forget_tenant(name);
         }
-        for handler in entry.handlers.values() {
+        for handler in entry.all_handlers() {
             handler.warm.clear();
         }
     }
@@ -159,7 +159,7 @@ impl ControlPlane {
     pub fn expire_idle_instances(&self) {
         let idle_for = self.sandbox.warm_idle();
         for entry in self.live().tenants.values() {
-            for handler in entry.handlers.values() {
+            for handler in entry.all_handlers() {
                 handler.warm.expire(idle_for);
             }
         }

@@ -29,6 +29,8 @@ use crate::sandbox::compile::CompileError;
 
 /// Longest an admin upload may take to arrive.
 const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest body of a call that uploads nothing (JSON of a few fields).
+const SMALL_BODY_BYTES: usize = 64 << 10;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -107,9 +109,10 @@ impl App {
         self.store_op(req, upload, move |control, body| admin_op(control, &method, &path, &query, body)).await
     }
 
-    /// Reads `req`'s body (up to the largest upload) and runs `op` on it on
-    /// a blocking thread; an `upload` is refused before its body while the
-    /// compile pool is full (a client retrying at once costs little).
+    /// Reads `req`'s body (up to the largest upload for an `upload`, a few
+    /// KiB otherwise) and runs `op` on it on a blocking thread; an `upload`
+    /// is refused before its body while the compile pool is full (a client
+    /// retrying at once costs little).
     pub(super) async fn store_op(
         &self,
         req: Request<Incoming>,
@@ -119,7 +122,8 @@ impl App {
         if upload && self.control.uploads_busy() {
             return response::before_body(store_error(&StoreError::Busy(CompileError::Busy.to_string())));
         }
-        let body = match buffer_body(req, self.config.max_component_bytes, UPLOAD_TIMEOUT).await {
+        let limit = if upload { self.config.max_component_bytes } else { SMALL_BODY_BYTES };
+        let body = match buffer_body(req, limit, UPLOAD_TIMEOUT).await {
             Ok(req) => match req.into_body().collect().await {
                 Ok(collected) => collected.to_bytes(),
                 Err(never) => match never {},
@@ -191,7 +195,8 @@ pub(super) fn release_of(query: &str) -> Result<Release, StoreError> {
             "activate" => activate = !matches!(value, "false" | "0" | "no"),
             "canary" => percent = Some(value.parse::<u8>().map_err(|_| bad(name, value))?),
             "abort_margin" => margin = Some(value.parse::<f64>().ok().filter(|m| (0.0..=1.0).contains(m)).ok_or_else(|| bad(name, value))?),
-            "abort_after" => after = Some(value.parse::<u64>().map_err(|_| bad(name, value))?),
+            // The stores keep it as a signed 64-bit number.
+            "abort_after" => after = Some(value.parse::<u64>().map_err(|_| bad(name, value))?.min(i64::MAX as u64)),
             _ => return Err(StoreError::Invalid(format!("unknown parameter {name:?} (activate, canary, abort_margin, abort_after)"))),
         }
     }

@@ -18,6 +18,7 @@ use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::admission::slots::Refusal;
 use crate::control::TenantGate;
 use crate::control::keys::Scopes;
+use crate::control::store::StoreError;
 use crate::control::{LiveCanary, Side};
 use crate::metrics::Limit;
 use crate::metrics::logs::LogRecord;
@@ -40,6 +41,8 @@ struct Call<'a> {
     trace: &'a RequestTrace,
     /// The limit that refused or stopped it, for its tenant's log.
     hit: OnceLock<Limit>,
+    /// Whether it reached its handler (was not refused before).
+    ran: std::sync::atomic::AtomicBool,
 }
 
 impl App {
@@ -86,15 +89,18 @@ impl App {
         server.trace().span("authenticate", (started, Instant::now()), Vec::new);
         // Metered in the minute it started (see crate::metrics::usage).
         let key = UsageKey::new(tenant, name, handler.version, crate::control::store::now_ms());
-        let call = Call { id: &id, key: &key, trace: server.trace(), hit: OnceLock::new() };
+        let call = Call { id: &id, key: &key, trace: server.trace(), hit: OnceLock::new(), ran: Default::default() };
         let response = self.run_handler(&gate, &handler, req, &call).await;
         let status = response.status().as_u16();
         server.status(status);
         let outcome = (status, started.elapsed());
         let record = LogRecord::request((name, handler.version), &id, outcome, call.hit.get().map(|l| l.label()));
         self.sandbox.logs().push(&handler.tenant, record);
-        if let (Some(canary), Some(side)) = (canary, side) {
-            self.count_canary(&canary, side, status);
+        // Only what a version answered counts, not a refusal before it ran.
+        if let (Some(canary), Some(side)) = (canary, side)
+            && call.ran.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            self.count_canary(canary, side, status);
         }
         self.metrics.record(tenant, name, status, started.elapsed());
         let meter = self.control.meter();
@@ -198,6 +204,7 @@ impl App {
         // The deadline covers the guest, queueing and inference, not the upload.
         let deadline = Instant::now() + limits.timeout();
         let sandbox_limits = SandboxLimits { tenant: *limits, max_host_resources: self.config.max_host_resources };
+        call.ran.store(true, std::sync::atomic::Ordering::Relaxed);
         let tag = RequestTag { id: Arc::clone(id), usage: Some((Arc::clone(self.control.meter()), key.clone())), trace: trace.clone() };
         match self.sandbox.handle(handler, req, deadline, sandbox_limits, tag, (instance, tenant_slot, memory, promise)).await {
             Ok(mut response) => {
@@ -215,16 +222,18 @@ impl App {
 
     /// Counts an answer of a handler with a canary; when the canary's abort
     /// rule holds, ends the canary (through the store, so every node does).
-    fn count_canary(&self, canary: &LiveCanary, side: Side, status: u16) {
+    fn count_canary(&self, canary: Arc<LiveCanary>, side: Side, status: u16) {
         if !canary.record(side, status) {
             return;
         }
         let (control, handler) = (Arc::clone(&self.control), Arc::clone(&canary.handler));
         let [(stable, stable_5xx), (served, served_5xx)] = canary.counted();
         tracing::warn!(tenant = %handler.tenant, handler = %handler.name, version = handler.version, served, served_5xx, stable, stable_5xx, "canary failing past its abort rule: aborting it");
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = control.abort_canary(&handler.tenant, &handler.name, Some(handler.version)) {
-                tracing::warn!(tenant = %handler.tenant, handler = %handler.name, error = %e, "canary abort failed");
+        tokio::task::spawn_blocking(move || match control.abort_canary(&handler.tenant, &handler.name, Some(handler.version)) {
+            Ok(_) | Err(StoreError::NotFound(_)) => {}
+            Err(e) => {
+                tracing::warn!(tenant = %handler.tenant, handler = %handler.name, error = %e, "canary abort failed; the next failing answer tries again");
+                canary.abort_failed();
             }
         });
     }

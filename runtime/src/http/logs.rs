@@ -14,8 +14,11 @@ use hyper::{Request, Response, StatusCode};
 use tokio::sync::mpsc;
 
 use super::app::App;
+use super::auth::bearer;
 use super::response::{self, Body};
-use crate::metrics::logs::{LogRecord, TenantLogs};
+use crate::control::ControlPlane;
+use crate::control::keys::Scopes;
+use crate::metrics::logs::{Follower, LogRecord, MAX_FOLLOWERS, TenantLogs};
 
 /// Longest one follow stays open; the client asks again with `since=`.
 const FOLLOW_FOR: Duration = Duration::from_secs(60);
@@ -62,32 +65,61 @@ impl App {
             Err(message) => return response::error(StatusCode::BAD_REQUEST, "invalid_parameter", message),
         };
         let logs = Arc::clone(self.sandbox.logs());
-        let read = logs.read(tenant, query.since, query.handler.as_deref());
-        let dropped = read.dropped;
         let mut answer = if query.follow {
+            let Some(follower) = logs.follow(tenant) else {
+                let message = format!("this tenant's log has {MAX_FOLLOWERS} followers on this node already");
+                return response::retry_later(StatusCode::TOO_MANY_REQUESTS, "too_many_followers", &message, 5);
+            };
+            let reader = Reader {
+                control: Arc::clone(&self.control),
+                tenant: tenant.to_owned(),
+                key: bearer(req).unwrap_or_default().to_owned(),
+                incarnation: self.control.live().tenants.get(tenant).map(|e| e.incarnation.clone()),
+            };
             let (tx, rx) = mpsc::channel(16);
-            tokio::spawn(follow(logs, tenant.to_owned(), query, tx));
+            tokio::spawn(follow((Arc::clone(&logs), follower), reader, query, tx));
             Response::new(Lines(rx).boxed_unsync())
         } else {
-            response::text(NDJSON, ndjson(&read.records))
+            response::text(NDJSON, ndjson(&logs.read(tenant, query.since, query.handler.as_deref()).records))
         };
+        let dropped = logs.read_dropped(tenant);
         answer.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(NDJSON));
         answer.headers_mut().insert(DROPPED_HEADER, HeaderValue::from(dropped));
         answer
     }
 }
 
-/// Sends `tenant`'s records after `query.since` as they come, for
-/// [`FOLLOW_FOR`] or until the client goes.
-async fn follow(logs: Arc<TenantLogs>, tenant: String, query: LogQuery, tx: mpsc::Sender<Bytes>) {
+/// Who follows a log: checked again at each wake-up, so a key revoked (or
+/// its read scope gone) or the tenant deleted and created again ends it.
+struct Reader {
+    control: Arc<ControlPlane>,
+    tenant: String,
+    key: String,
+    incarnation: Option<String>,
+}
+
+impl Reader {
+    fn may_read(&self) -> bool {
+        let live = self.control.live();
+        let key_reads = live.authenticate(Some(&self.key)).is_some_and(|(t, scopes)| t == self.tenant && scopes.contains(Scopes::READ));
+        key_reads && live.tenants.get(&self.tenant).map(|e| &e.incarnation) == self.incarnation.as_ref()
+    }
+}
+
+/// Sends the tenant's records after `query.since` as they come, for
+/// [`FOLLOW_FOR`], until the client goes, or until `reader` may read no more.
+async fn follow((logs, follower): (Arc<TenantLogs>, Follower), reader: Reader, query: LogQuery, tx: mpsc::Sender<Bytes>) {
     let end = Instant::now() + FOLLOW_FOR;
     let mut since = query.since;
     loop {
         // Armed before the read: a record added in between still wakes us.
-        let changed = logs.changes().notified();
+        let changed = follower.grew.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        let read = logs.read(&tenant, since, query.handler.as_deref());
+        if !reader.may_read() {
+            return;
+        }
+        let read = logs.read(&reader.tenant, since, query.handler.as_deref());
         if let Some(last) = read.records.last() {
             since = Some(last.seq);
             if tx.send(ndjson(&read.records).into()).await.is_err() {

@@ -67,23 +67,12 @@ impl App {
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
         let upload = method == Method::PUT;
-        // The key a tenant may revoke: one of its own, invoke only.
-        let revocable = match rest {
-            ["keys", id] => self.control.live().key_scopes(&tenant, id),
-            _ => None,
-        };
-        self.store_op(req, upload, move |control, body| tenant_op(control, &tenant, (&method, &path, &query), body, revocable)).await
+        self.store_op(req, upload, move |control, body| tenant_op(control, &tenant, (&method, &path, &query), body)).await
     }
 }
 
 /// One tenant API operation of `tenant` (its key's scope already checked).
-fn tenant_op(
-    control: &ControlPlane,
-    tenant: &str,
-    (method, path, query): (&Method, &[String], &str),
-    body: &bytes::Bytes,
-    revocable: Option<Scopes>,
-) -> AdminResult {
+fn tenant_op(control: &ControlPlane, tenant: &str, (method, path, query): (&Method, &[String], &str), body: &bytes::Bytes) -> AdminResult {
     let p: Vec<&str> = path.iter().map(String::as_str).collect();
     let t = tenant;
     match (method.clone(), p.as_slice()) {
@@ -104,15 +93,16 @@ fn tenant_op(
             }
             created(control.create_key(t, Scopes::INVOKE)?)
         }
-        (Method::DELETE, ["keys", id]) => match revocable {
-            Some(scopes) if scopes != Scopes::INVOKE => {
-                Err(StoreError::Forbidden(format!("key {id:?} is a {scopes} key; a tenant's deploy key revokes invoke keys only")))
+        (Method::DELETE, ["keys", id]) => {
+            // A key's scopes never change: the store's row says what this one is.
+            let key = control.keys(t)?.into_iter().find(|k| k.id == *id && k.revoked_at.is_none());
+            if let Some(key) = key.filter(|k| k.scopes != Scopes::INVOKE) {
+                let scopes = key.scopes;
+                return Err(StoreError::Forbidden(format!("key {id:?} is a {scopes} key; a tenant's deploy key revokes invoke keys only")));
             }
-            _ => {
-                control.revoke_key(t, id)?;
-                ok(json!({ "tenant": t, "revoked": id }))
-            }
-        },
+            control.revoke_key(t, id)?;
+            ok(json!({ "tenant": t, "revoked": id }))
+        }
         _ => Err(StoreError::NotFound(format!("no tenant route {method} /tenant/v1/{}", path.join("/")))),
     }
 }

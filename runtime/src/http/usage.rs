@@ -79,7 +79,17 @@ impl App {
         }
         let control = Arc::clone(&self.control);
         let (tenant, span, by) = (query.tenant.clone(), (query.from_ms, query.to_ms), query.by);
-        let rows = tokio::task::spawn_blocking(move || control.usage(tenant.as_deref(), span, by)).await;
+        let own = only.is_some();
+        let rows = tokio::task::spawn_blocking(move || {
+            // A tenant reads its own usage since it was created: an earlier
+            // tenant of the same name's rows stay the operator's.
+            let from_ms = match (&tenant, own) {
+                (Some(t), true) => span.0.max(control.tenant(t)?.created_at.saturating_mul(1000)),
+                _ => span.0,
+            };
+            control.usage(tenant.as_deref(), (from_ms, span.1), by)
+        })
+        .await;
         match rows {
             Ok(Ok(rows)) if query.csv || wants_csv => response::text("text/csv; charset=utf-8", to_csv(&rows)),
             Ok(Ok(rows)) => {

@@ -114,19 +114,41 @@ struct Ring {
     /// Records dropped to stay within the bound, since start.
     dropped: u64,
     next_seq: u64,
+    /// Woken at each of this tenant's records (its followers wait on it).
+    grew: Arc<tokio::sync::Notify>,
+    /// Followers now.
+    followers: usize,
 }
+
+/// Most followers of one tenant's log on a node at once.
+pub const MAX_FOLLOWERS: usize = 8;
 
 /// Every tenant's log on this node.
 pub struct TenantLogs {
     capacity: AtomicUsize,
     tenants: Mutex<HashMap<Arc<str>, Ring>>,
-    /// Woken at each new record (followers wait on it).
-    grew: tokio::sync::Notify,
 }
 
 impl Default for TenantLogs {
     fn default() -> Self {
-        Self { capacity: AtomicUsize::new(DEFAULT_TENANT_LOG_BYTES), tenants: Mutex::default(), grew: tokio::sync::Notify::new() }
+        Self { capacity: AtomicUsize::new(DEFAULT_TENANT_LOG_BYTES), tenants: Mutex::default() }
+    }
+}
+
+/// A follower of one tenant's log (see [`TenantLogs::follow`]); its place
+/// is given back when it drops.
+pub struct Follower {
+    logs: Arc<TenantLogs>,
+    tenant: Arc<str>,
+    /// Notified at each of the tenant's new records.
+    pub grew: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for Follower {
+    fn drop(&mut self) {
+        if let Some(ring) = self.logs.lock().get_mut(&*self.tenant) {
+            ring.followers = ring.followers.saturating_sub(1);
+        }
     }
 }
 
@@ -150,7 +172,7 @@ impl TenantLogs {
     /// the oldest past the bound.
     pub fn push(&self, tenant: &Arc<str>, mut record: LogRecord) {
         let capacity = self.capacity.load(Ordering::Relaxed);
-        {
+        let grew = {
             let mut tenants = self.lock();
             let ring = tenants.entry(Arc::clone(tenant)).or_default();
             record.seq = ring.next_seq;
@@ -162,28 +184,50 @@ impl TenantLogs {
                 ring.bytes -= old.size();
                 ring.dropped += 1;
             }
+            (ring.followers > 0).then(|| Arc::clone(&ring.grew))
+        };
+        if let Some(grew) = grew {
+            grew.notify_waiters();
         }
-        self.grew.notify_waiters();
+    }
+
+    /// A place among `tenant`'s followers, or `None` when it has
+    /// [`MAX_FOLLOWERS`] already.
+    pub fn follow(self: &Arc<Self>, tenant: &str) -> Option<Follower> {
+        let mut tenants = self.lock();
+        let name: Arc<str> = match tenants.get_key_value(tenant) {
+            Some((name, _)) => Arc::clone(name),
+            None => tenant.into(),
+        };
+        let ring = tenants.entry(Arc::clone(&name)).or_default();
+        if ring.followers >= MAX_FOLLOWERS {
+            return None;
+        }
+        ring.followers += 1;
+        let grew = Arc::clone(&ring.grew);
+        drop(tenants);
+        Some(Follower { logs: Arc::clone(self), tenant: name, grew })
     }
 
     /// `tenant`'s records after `since` (all with `None`), of `handler` only if given.
     pub fn read(&self, tenant: &str, since: Option<u64>, handler: Option<&str>) -> Read {
         let tenants = self.lock();
         let Some(ring) = tenants.get(tenant) else { return Read::default() };
-        let records =
-            ring.records.iter().filter(|r| since.is_none_or(|s| r.seq > s) && handler.is_none_or(|h| r.handler == h)).cloned().collect();
+        // Sequence numbers are consecutive: the first record after `since` is found by index.
+        let first = ring.records.front().map_or(0, |r| r.seq);
+        let skip = since.map_or(0, |s| usize::try_from((s + 1).saturating_sub(first)).unwrap_or(usize::MAX));
+        let records = ring.records.iter().skip(skip).filter(|r| handler.is_none_or(|h| r.handler == h)).cloned().collect();
         Read { records, dropped: ring.dropped }
+    }
+
+    /// Records `tenant` has had dropped to keep the bound.
+    pub fn read_dropped(&self, tenant: &str) -> u64 {
+        self.lock().get(tenant).map_or(0, |r| r.dropped)
     }
 
     /// The bytes `tenant`'s records take.
     pub fn bytes(&self, tenant: &str) -> usize {
         self.lock().get(tenant).map_or(0, |r| r.bytes)
-    }
-
-    /// Notified at each new record, any tenant's: a follower arms a
-    /// `notified()` before it reads, so a record added meanwhile wakes it.
-    pub fn changes(&self) -> &tokio::sync::Notify {
-        &self.grew
     }
 
     /// Forgets a deleted tenant's log.
@@ -222,6 +266,16 @@ mod tests {
         assert_eq!(logs.read("a", Some(all[0].seq), None).records.len(), 1, "after the cursor");
         assert_eq!(logs.read("a", None, Some("g")).records.len(), 1, "one handler's");
         assert!(logs.read("c", None, None).records.is_empty());
+    }
+
+    #[test]
+    fn followers_are_counted_and_capped() {
+        let logs = Arc::new(TenantLogs::default());
+        let held: Vec<Follower> = (0..MAX_FOLLOWERS).map(|_| logs.follow("t").unwrap()).collect();
+        assert!(logs.follow("t").is_none(), "capped");
+        assert!(logs.follow("u").is_some(), "per tenant");
+        drop(held);
+        assert!(logs.follow("t").is_some(), "places come back");
     }
 
     #[test]

@@ -384,6 +384,9 @@ fn canaries_split_the_traffic_on_every_node_and_abort() {
             (0..20).all(|_| get(&a, &key, "canary", "attack=count").1 == Some(1) && get(&b, &key, "canary", "attack=count").1 == Some(1))
         });
         eprintln!("abort through B: all requests to version 1 on A and B after {took:?}");
+        for node in [&a, &b] {
+            assert!((0..100).all(|_| get(node, &key, "canary", "attack=count").1 == Some(1)), "no request reaches the aborted canary");
+        }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(load.join().unwrap(), Vec::<u16>::new(), "no request failed during the abort");
     });

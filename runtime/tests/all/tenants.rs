@@ -110,7 +110,7 @@ fn each_scope_opens_its_own_calls_only() {
     let (invoke, read, deploy) = (&keys[0].0, &keys[1].0, &keys[2].0);
     let wasm = std::fs::read(guest("detect")).unwrap();
     assert_eq!(tenant_call(deploy, Method::PUT, "handlers/faces", wasm.clone()).status(), 201);
-    let calls: [(Method, &str, Vec<u8>); 8] = [
+    let calls: [(Method, &str, Vec<u8>); 11] = [
         (Method::GET, "handlers", Vec::new()),
         (Method::GET, "handlers/faces/versions", Vec::new()),
         (Method::PUT, "handlers/faces", wasm.clone()),
@@ -119,6 +119,9 @@ fn each_scope_opens_its_own_calls_only() {
         (Method::GET, "keys", Vec::new()),
         (Method::POST, "keys", Vec::new()),
         (Method::GET, "usage", Vec::new()),
+        (Method::POST, "handlers/faces/promote", Vec::new()),
+        (Method::POST, "handlers/faces/abort", Vec::new()),
+        (Method::DELETE, "keys/0123456789ab", Vec::new()),
     ];
     for (method, path, body) in calls {
         let refused = status_and_code(tenant_call(invoke, method.clone(), path, body.clone()));
