@@ -29,8 +29,6 @@ use crate::sandbox::compile::CompileError;
 
 /// Longest an admin upload may take to arrive.
 const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);
-/// Largest body of a call that uploads nothing (JSON of a few fields).
-const SMALL_BODY_BYTES: usize = 64 << 10;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -106,24 +104,24 @@ impl App {
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
         let upload = method == Method::PUT && matches!(rest, ["tenants", _, "handlers", _]);
-        self.store_op(req, upload, move |control, body| admin_op(control, &method, &path, &query, body)).await
+        // The operator's calls all take bodies up to the largest upload.
+        let max_body = self.config.max_component_bytes;
+        self.store_op(req, (upload, max_body), move |control, body| admin_op(control, &method, &path, &query, body)).await
     }
 
-    /// Reads `req`'s body (up to the largest upload for an `upload`, a few
-    /// KiB otherwise) and runs `op` on it on a blocking thread; an `upload`
-    /// is refused before its body while the compile pool is full (a client
-    /// retrying at once costs little).
+    /// Reads `req`'s body (up to `max_body`) and runs `op` on it on a
+    /// blocking thread; an `upload` is refused before its body while the
+    /// compile pool is full (a client retrying at once costs little).
     pub(super) async fn store_op(
         &self,
         req: Request<Incoming>,
-        upload: bool,
+        (upload, max_body): (bool, usize),
         op: impl FnOnce(&ControlPlane, &Bytes) -> AdminResult + Send + 'static,
     ) -> Response<Body> {
         if upload && self.control.uploads_busy() {
             return response::before_body(store_error(&StoreError::Busy(CompileError::Busy.to_string())));
         }
-        let limit = if upload { self.config.max_component_bytes } else { SMALL_BODY_BYTES };
-        let body = match buffer_body(req, limit, UPLOAD_TIMEOUT).await {
+        let body = match buffer_body(req, max_body, UPLOAD_TIMEOUT).await {
             Ok(req) => match req.into_body().collect().await {
                 Ok(collected) => collected.to_bytes(),
                 Err(never) => match never {},

@@ -26,6 +26,9 @@ use crate::control::ControlPlane;
 use crate::control::keys::Scopes;
 use crate::control::store::StoreError;
 
+/// Largest body of a tenant's call that uploads nothing (JSON of a few fields).
+const SMALL_BODY_BYTES: usize = 64 << 10;
+
 /// What a route needs of the key: any one of these scopes.
 fn required(method: &Method, rest: &[&str]) -> Option<Scopes> {
     let manage = Scopes::DEPLOY;
@@ -67,7 +70,8 @@ impl App {
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
         let upload = method == Method::PUT;
-        self.store_op(req, upload, move |control, body| tenant_op(control, &tenant, (&method, &path, &query), body)).await
+        let max_body = if upload { self.config.max_component_bytes } else { SMALL_BODY_BYTES };
+        self.store_op(req, (upload, max_body), move |control, body| tenant_op(control, &tenant, (&method, &path, &query), body)).await
     }
 }
 
