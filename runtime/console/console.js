@@ -176,19 +176,20 @@
     say("mine-upload-status", `${name}: version ${done.version} stored` + (percent ? `, a ${percent} % canary.` : ", active."), "ok");
     await refreshMine();
   });
-  // The log tail: what came since the last record read, every second.
+  // The log tail of every node: what came after the cursor (where the
+  // tail is on each node), every second.
   function pollMineLog() {
     const mine = state.mine;
     const tick = async () => {
       if (state.mine !== mine) return;
-      const since = mine.since === null ? "" : `?since=${mine.since}`;
+      const since = mine.since ? `?since=${encodeURIComponent(mine.since)}` : "";
       try {
         const response = await tenantApi("logs" + since);
         if (response.ok) {
           const text = await response.text();
           const fresh = text.split("\n").filter((l) => l).map((l) => JSON.parse(l));
+          mine.since = response.headers.get("x-facegate-logs-cursor") || mine.since;
           if (fresh.length) {
-            mine.since = fresh[fresh.length - 1].seq;
             mine.log = mine.log.concat(fresh).slice(-LOG_ROWS);
             renderMineLog();
             renderMine();
@@ -207,7 +208,7 @@
       const what = r.kind === "request"
         ? `${r.status} in ${Math.round(r.duration_ms)} ms` + (r.limit ? ` (limit ${r.limit})` : "")
         : r.line;
-      for (const cell of [new Date(r.time_ms).toLocaleTimeString(), `${r.handler}@${r.version}`, r.request_id, what]) row.append(el("td", cell));
+      for (const cell of [new Date(r.time_ms).toLocaleTimeString(), r.node, `${r.handler}@${r.version}`, r.request_id, what]) row.append(el("td", cell));
       body.append(row);
     }
   }

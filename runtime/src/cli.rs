@@ -5,19 +5,17 @@
 //! With `--json` each prints the API's JSON answer, for scripts; otherwise a
 //! short human summary. A refusal prints its message and exits non-zero.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::{Args, Parser, Subcommand};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper::{Method, Request, Response, StatusCode, Uri};
-use hyper_util::rt::TokioIo;
+use hyper::{Method, Request, StatusCode, Uri};
 use serde_json::{Value, json};
-use tokio_rustls::rustls::pki_types::ServerName;
 
 use crate::admission::limits::LimitOverrides;
+use crate::http::client::send;
 
 /// Where the admin API is and how to print.
 #[derive(Debug, Clone, Args)]
@@ -244,9 +242,11 @@ pub struct LogsArgs {
     /// Only this handler's records.
     #[arg(long)]
     pub handler: Option<String>,
-    /// Only records after this one (a record's `seq`).
+    /// Only records after this cursor: `node:seq` pairs joined by commas
+    /// (each node's last record read; the gateway's
+    /// `x-facegate-logs-cursor`), or one record's `seq` on the node asked.
     #[arg(long)]
-    pub since: Option<u64>,
+    pub since: Option<String>,
     /// Keep printing records as they come.
     #[arg(long, short = 'f')]
     pub follow: bool,
@@ -438,41 +438,6 @@ async fn call(
     Ok((status, value))
 }
 
-/// Sends one request over a connection of its own (HTTP/1.1; over TLS for
-/// an `https://` URL, trusting `ca` or the system's roots).
-async fn send(uri: &Uri, request: Request<Full<Bytes>>, ca: Option<&Path>) -> anyhow::Result<Response<Incoming>> {
-    let https = match uri.scheme_str() {
-        Some("http") => false,
-        Some("https") => true,
-        other => bail!("unsupported URL scheme {:?}: use http:// or https://", other.unwrap_or("")),
-    };
-    // An IPv6 address comes bracketed in a URL, bare everywhere else.
-    let host = uri.host().context("no host")?.trim_start_matches('[').trim_end_matches(']');
-    let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
-    let tcp = tokio::net::TcpStream::connect((host, port)).await?;
-    if !https {
-        return exchange(TokioIo::new(tcp), request).await;
-    }
-    let name = ServerName::try_from(host.to_owned()).with_context(|| format!("{host:?} is not a server name"))?;
-    let tls = crate::http::tls::connector(ca)?.connect(name, tcp).await.context("TLS handshake")?;
-    exchange(TokioIo::new(tls), request).await
-}
-
-/// One HTTP/1.1 exchange on a fresh connection.
-async fn exchange<T>(io: T, request: Request<Full<Bytes>>) -> anyhow::Result<Response<Incoming>>
-where
-    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-{
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await?;
-    // The connection is driven on its own task until the answer has been read.
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "admin connection ended");
-        }
-    });
-    Ok(sender.send_request(request).await?)
-}
-
 fn print_summary(command: &Command, v: &Value) {
     use Command as C;
     match command {
@@ -554,10 +519,10 @@ async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
     let Some(key) = args.client.key.as_deref() else {
         bail!("logs are read with a tenant's key that has the read scope: give --key or FACEGATE_KEY")
     };
-    let mut since = args.since;
+    let mut cursor = Cursor::parse(args.since.as_deref())?;
     loop {
         let mut query: Vec<String> = args.handler.iter().map(|h| format!("handler={h}")).collect();
-        query.extend(since.map(|s| format!("since={s}")));
+        query.extend(cursor.query());
         if args.follow {
             query.push("follow=true".into());
         }
@@ -584,7 +549,7 @@ async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
             while let Some(end) = pending.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = pending.drain(..=end).collect();
                 if let Ok(record) = serde_json::from_slice::<Value>(&line) {
-                    since = record["seq"].as_u64().or(since);
+                    cursor.advance(&record);
                     print_record(&record, args.client.json);
                 }
             }
@@ -595,13 +560,58 @@ async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
     }
 }
 
+/// Where `facegate logs` is in a tenant's log: the last `seq` printed of
+/// each node, or what `--since` said until a record comes.
+#[derive(Debug, Default)]
+struct Cursor {
+    given: Option<String>,
+    nodes: std::collections::BTreeMap<String, u64>,
+}
+
+impl Cursor {
+    /// `--since`: a `node:seq,…` cursor is taken apart (records advance it
+    /// node by node); a bare `seq` is sent as given until a record comes.
+    fn parse(given: Option<&str>) -> anyhow::Result<Self> {
+        let Some(given) = given.filter(|g| g.contains(':')) else {
+            if let Some(bare) = given {
+                bare.parse::<u64>().with_context(|| format!("--since {bare:?}: give node:seq pairs or a record's seq"))?;
+            }
+            return Ok(Self { given: given.map(str::to_owned), nodes: Default::default() });
+        };
+        let mut nodes = std::collections::BTreeMap::new();
+        for pair in given.split(',') {
+            let parsed = pair.rsplit_once(':').and_then(|(n, s)| Some((n.to_owned(), s.parse().ok()?)));
+            let (node, seq) = parsed.with_context(|| format!("--since: {pair:?} is not node:seq"))?;
+            nodes.insert(node, seq);
+        }
+        Ok(Self { given: None, nodes })
+    }
+}
+
+impl Cursor {
+    /// Notes a record printed (its `node` and `seq`).
+    fn advance(&mut self, record: &Value) {
+        if let (Some(node), Some(seq)) = (record["node"].as_str(), record["seq"].as_u64()) {
+            let at = self.nodes.entry(node.to_owned()).or_insert(seq);
+            *at = (*at).max(seq);
+        }
+    }
+
+    /// The `since=` parameter, if any (node ids need no escaping; ':' and ',' are escaped).
+    fn query(&self) -> Option<String> {
+        let pairs: Vec<String> = self.nodes.iter().map(|(node, seq)| format!("{node}%3A{seq}")).collect();
+        if pairs.is_empty() { self.given.as_ref().map(|g| format!("since={g}")) } else { Some(format!("since={}", pairs.join("%2C"))) }
+    }
+}
+
 fn print_record(r: &Value, json: bool) {
     if json {
         println!("{r}");
         return;
     }
     let when = utc(r["time_ms"].as_i64().unwrap_or_default());
-    let who = format!("{}@{} {}", r["handler"].as_str().unwrap_or("?"), r["version"], r["request_id"].as_str().unwrap_or("?"));
+    let node = r["node"].as_str().unwrap_or("?");
+    let who = format!("{node} {}@{} {}", r["handler"].as_str().unwrap_or("?"), r["version"], r["request_id"].as_str().unwrap_or("?"));
     match r["kind"].as_str() {
         Some("request") => {
             let limit = r["limit"].as_str().map(|l| format!(" limit={l}")).unwrap_or_default();

@@ -71,14 +71,23 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_STORE", hide_env_values = true)]
     pub store: Option<String>,
 
-    /// This node's id in `facegate nodes` (default: the host name).
-    #[arg(long, env = "FACEGATE_NODE_ID")]
+    /// This node's id in `facegate nodes` and in tenants' log records
+    /// (default: the host name): letters, digits, `.`, `_` and `-`.
+    #[arg(long, env = "FACEGATE_NODE_ID", value_parser = parse_node_id)]
     pub node_id: Option<String>,
 
     /// The address other nodes and operators reach this node's data plane at
-    /// (default: `--listen`).
+    /// (default: `--listen`): `host:port` for plain HTTP, or
+    /// `https://name:port` (a name its certificate holds) when `--tls-cert`
+    /// is on.
     #[arg(long, env = "FACEGATE_ADVERTISE")]
     pub advertise: Option<String>,
+
+    /// CA certificates (PEM) that other nodes' `https://` data planes are
+    /// verified with, when this node reads a tenant's log from them
+    /// (default: the system's roots).
+    #[arg(long, env = "FACEGATE_PEER_CA_CERT")]
+    pub peer_ca_cert: Option<PathBuf>,
 
     /// `/readyz` fails once the snapshot has not been confirmed against the
     /// store for this long (s; 0: never). Long by default: a store outage
@@ -241,6 +250,11 @@ pub struct ServeConfig {
     /// and counted.
     #[arg(long, env = "FACEGATE_TENANT_LOG_BYTES", default_value_t = crate::metrics::logs::DEFAULT_TENANT_LOG_BYTES as u64, value_parser = clap::value_parser!(u64).range(4096..=(1 << 30)))]
     pub tenant_log_bytes: u64,
+
+    /// MiB of all tenants' logs together this node keeps; past it the
+    /// tenant whose log is largest drops its oldest records first.
+    #[arg(long, env = "FACEGATE_TENANT_LOGS_TOTAL_MIB", default_value_t = (crate::metrics::logs::DEFAULT_TENANT_LOGS_TOTAL_BYTES >> 20) as u64, value_parser = clap::value_parser!(u64).range(1..=(1 << 20)))]
+    pub tenant_logs_total_mib: u64,
 
     /// Days of usage the store keeps (older minute buckets are pruned).
     #[arg(long, env = "FACEGATE_USAGE_RETENTION_DAYS", default_value_t = DEFAULT_USAGE_RETENTION_DAYS, value_parser = clap::value_parser!(u64).range(1..=36_500))]
@@ -452,7 +466,38 @@ impl ServeConfig {
     }
 }
 
+/// A node id: what `--node-id` takes, and what a tenant's log cursor names.
+pub fn valid_node_id(id: &str) -> bool {
+    (1..=MAX_NODE_ID_LEN).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+/// Longest node id (a DNS name's length).
+const MAX_NODE_ID_LEN: usize = 253;
+
+fn parse_node_id(id: &str) -> Result<String, String> {
+    if valid_node_id(id) {
+        Ok(id.to_owned())
+    } else {
+        Err(format!("{id:?}: a node id is 1 to {MAX_NODE_ID_LEN} letters, digits, '.', '_' or '-'"))
+    }
+}
+
+/// This machine's name (a pod's name on Kubernetes), made a valid node id.
+fn host_name() -> String {
+    let name = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|name| name.trim().replace(|c: char| !(c.is_ascii_alphanumeric() || "._-".contains(c)), "-"))
+        .unwrap_or_default();
+    if valid_node_id(&name) { name } else { "facegate".to_owned() }
+}
+
 impl ServeConfig {
+    /// This node's id: `--node-id`, else the host name.
+    pub fn node_name(&self) -> String {
+        self.node_id.clone().unwrap_or_else(host_name)
+    }
+
     /// Checks the secrets (each long enough, one per purpose: no two the
     /// same) and the admin listener's TLS settings.
     pub fn check_secrets(&self) -> anyhow::Result<()> {

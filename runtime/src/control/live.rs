@@ -166,23 +166,24 @@ pub struct NodeWatch {
 }
 
 impl NodeWatch {
-    /// Counts the nodes in `nodes` (the store's rows) whose heartbeat
-    /// changed within `window` before `now`, at least 1 (this one). A node
-    /// seen for the first time counts until `window` passes without a
-    /// change: a dead one is then counted a while, so each node enforces
-    /// less meanwhile, never more.
-    pub fn count_alive(&mut self, nodes: &[NodeRow], now: Instant, window: Duration) -> usize {
+    /// The rows of `nodes` (the store's) whose heartbeat changed within
+    /// `window` before `now`. A node seen for the first time counts until
+    /// `window` passes without a change: a dead one is then counted a
+    /// while, so each node enforces less meanwhile, never more.
+    pub fn alive<'a>(&mut self, nodes: &'a [NodeRow], now: Instant, window: Duration) -> Vec<&'a NodeRow> {
         self.seen.retain(|id, _| nodes.iter().any(|n| &n.id == id));
-        let mut alive = 0;
+        let mut alive = Vec::with_capacity(nodes.len());
         for node in nodes {
             let (stamp, changed) = self.seen.entry(node.id.clone()).or_insert((node.heartbeat_at, now));
             if *stamp != node.heartbeat_at {
                 *stamp = node.heartbeat_at;
                 *changed = now;
             }
-            alive += usize::from(now.saturating_duration_since(*changed) <= window);
+            if now.saturating_duration_since(*changed) <= window {
+                alive.push(node);
+            }
         }
-        alive.max(1)
+        alive
     }
 }
 
@@ -209,14 +210,15 @@ mod tests {
         let t0 = Instant::now();
         // "behind" stamps an hour in the past, "ahead" an hour in the future.
         let (behind, ahead) = (-3_600_000, 3_600_000);
-        assert_eq!(watch.count_alive(&[row("me", 0), row("behind", behind), row("ahead", ahead)], t0, WINDOW), 3);
+        assert_eq!(watch.alive(&[row("me", 0), row("behind", behind), row("ahead", ahead)], t0, WINDOW).len(), 3);
         let later = t0 + Duration::from_secs(20);
         let rows = [row("me", 20_000), row("behind", behind + 20_000), row("ahead", ahead)];
-        assert_eq!(watch.count_alive(&rows, later, WINDOW), 3, "'ahead' stopped, but only 20 s ago");
+        assert_eq!(watch.alive(&rows, later, WINDOW).len(), 3, "'ahead' stopped, but only 20 s ago");
         let rows = [row("me", 40_000), row("behind", behind + 40_000), row("ahead", ahead)];
-        assert_eq!(watch.count_alive(&rows, t0 + Duration::from_secs(40), WINDOW), 2, "'ahead' silent for 40 s: dead, its clock no matter");
-        assert_eq!(watch.count_alive(&[row("me", 50_000)], t0 + Duration::from_secs(50), WINDOW), 1, "rows removed are forgotten");
+        let alive: Vec<&str> = watch.alive(&rows, t0 + Duration::from_secs(40), WINDOW).iter().map(|n| n.id.as_str()).collect();
+        assert_eq!(alive, ["me", "behind"], "'ahead' silent for 40 s: dead, its clock no matter");
+        assert_eq!(watch.alive(&[row("me", 50_000)], t0 + Duration::from_secs(50), WINDOW).len(), 1, "rows removed are forgotten");
         assert_eq!(watch.seen.len(), 1);
-        assert_eq!(NodeWatch::default().count_alive(&[], t0, WINDOW), 1, "at least this node");
+        assert!(NodeWatch::default().alive(&[], t0, WINDOW).is_empty(), "none without rows");
     }
 }

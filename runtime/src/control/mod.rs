@@ -106,6 +106,8 @@ pub struct ControlPlane {
     nodes: AtomicUsize,
     /// Whose heartbeats advance (see [`live::NodeWatch`]).
     node_watch: Mutex<live::NodeWatch>,
+    /// Their rows, as [`Self::live_nodes`] counted them.
+    alive_nodes: RwLock<Arc<[NodeRow]>>,
     /// What this node's requests used, until written (see [`usage`]).
     meter: Arc<crate::metrics::usage::Meter>,
 }
@@ -162,6 +164,7 @@ impl ControlPlane {
             live: RwLock::new(Arc::new(Live::default())),
             nodes: AtomicUsize::new(1),
             node_watch: Mutex::default(),
+            alive_nodes: RwLock::new(Arc::from(Vec::new())),
             // A restarted node writes under a new name: its numbers start again.
             meter: crate::metrics::usage::Meter::new(store::new_incarnation()?),
         };

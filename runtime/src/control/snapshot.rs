@@ -62,8 +62,10 @@ impl ControlPlane {
     /// enforce less meanwhile, never more).
     pub fn share_tenant_limits(&self, nodes: &[NodeRow]) {
         let mut watch = self.node_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let live = watch.count_alive(nodes, Instant::now(), sync::ALIVE_WITHIN);
+        let alive: Arc<[NodeRow]> = watch.alive(nodes, Instant::now(), sync::ALIVE_WITHIN).into_iter().cloned().collect();
         drop(watch);
+        let live = alive.len().max(1);
+        *self.alive_nodes.write().unwrap_or_else(std::sync::PoisonError::into_inner) = alive;
         if self.nodes.swap(live, Ordering::AcqRel) != live {
             tracing::info!(nodes = live, "live nodes changed: each enforces its share of the tenants' rate and concurrency");
         }
@@ -75,6 +77,13 @@ impl ControlPlane {
     /// Live nodes of the cluster as last counted (at least 1).
     pub fn live_nodes(&self) -> usize {
         self.nodes.load(Ordering::Acquire).max(1)
+    }
+
+    /// The live nodes' rows as last read (this node's among them once it
+    /// has reported itself): where each serves, for reading what only it
+    /// holds (a tenant's log, see `http::peers`).
+    pub fn alive_nodes(&self) -> Arc<[NodeRow]> {
+        Arc::clone(&self.alive_nodes.read().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     /// The current snapshot.

@@ -49,6 +49,8 @@ pub struct App {
     pub(super) token_failures: super::auth::TokenFailures,
     /// Requests' traces (off unless configured).
     pub(crate) tracing: Tracing,
+    /// This node's id (`--node-id`, else the host name).
+    pub(super) node: Arc<str>,
 }
 
 /// Request ids: a random prefix per process and a counter, unique across restarts.
@@ -81,6 +83,7 @@ impl App {
     ) -> Self {
         let instances = Arc::new(InstancePool::new(config.max_instances as usize));
         Self {
+            node: config.node_name().into(),
             tracing,
             control,
             sandbox,

@@ -4,18 +4,21 @@
 //! `routes` (the routing table and small routes), `call` (a tenant's call
 //! of its handler), `body` (request bodies under their limits), `auth`
 //! (tokens, client addresses), `admin` (the admin API), `usage` (its usage
-//! report), `console` (the web console) and `response` (host-generated
-//! responses).
+//! report), `console` (the web console), `logs` (a tenant's log, from
+//! every live node through `peers`), `client` (HTTP requests out: the CLI's
+//! and to other nodes) and `response` (host-generated responses).
 
 mod admin;
 mod app;
 mod auth;
 mod body;
 mod call;
+pub mod client;
 mod conn;
 pub mod console;
 mod logs;
 pub mod open_files;
+mod peers;
 pub mod response;
 mod routes;
 mod tenant;

@@ -9,7 +9,7 @@
 //! | `GET handlers`, `GET handlers/{h}/versions` | `read` or `deploy` |
 //! | `PUT handlers/{h}` (`?canary=P`), `POST handlers/{h}/activate`, `…/rollback`, `…/promote`, `…/abort` | `deploy` |
 //! | `GET keys`, `POST keys` (an `invoke` key), `DELETE keys/{id}` (an `invoke` key) | `deploy` |
-//! | `GET usage`, `GET logs` | `read` |
+//! | `GET usage`, `GET logs` (every live node's records) | `read` |
 //!
 //! A missing, wrong or revoked key is 401 (slowed like a wrong admin
 //! token); a key without the route's scope is 403.
@@ -65,7 +65,7 @@ impl App {
             return self.usage_report(&req, Some(&tenant)).await;
         }
         if rest == ["logs"] {
-            return self.tenant_logs(&req, &tenant);
+            return self.tenant_logs(&req, &tenant).await;
         }
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();

@@ -2,9 +2,11 @@
 //! status, duration, request id, the limit it hit) and the lines its
 //! handler wrote to stdout and stderr, escaped as the node's log escapes
 //! them, in a buffer of bounded size per tenant (the oldest records
-//! dropped first, and counted). A tenant reads its own through the tenant
-//! API (`GET /tenant/v1/logs`), and can follow it as it grows. Per node:
-//! each node keeps the records of the requests it served.
+//! dropped first, and counted), and in a bound for all tenants together
+//! (past it the tenant holding the most drops its oldest). A tenant reads
+//! its own through the tenant API (`GET /tenant/v1/logs`), and can follow
+//! it as it grows. Per node: each node keeps the records of the requests it
+//! served (the API reads every live node's).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,6 +22,13 @@ pub fn now_ms() -> i64 {
 
 /// Default bytes of records kept per tenant.
 pub const DEFAULT_TENANT_LOG_BYTES: usize = 1 << 20;
+/// Default bytes of records kept for all tenants together: within the
+/// quarter of the process's memory the node's budget leaves as headroom.
+pub const DEFAULT_TENANT_LOGS_TOTAL_BYTES: usize = 64 << 20;
+/// Past the bound for all tenants, the largest logs are cut to this share
+/// of it (7/8) at once, so the search for the largest is not made again
+/// at every record.
+const TOTAL_TRIM: (usize, usize) = (7, 8);
 /// Bytes a record counts beside its text (its fixed fields).
 const RECORD_OVERHEAD: usize = 96;
 
@@ -126,12 +135,42 @@ pub const MAX_FOLLOWERS: usize = 8;
 /// Every tenant's log on this node.
 pub struct TenantLogs {
     capacity: AtomicUsize,
-    tenants: Mutex<HashMap<Arc<str>, Ring>>,
+    total_capacity: AtomicUsize,
+    tenants: Mutex<Rings>,
+}
+
+/// Every tenant's ring, and the bytes of them all.
+#[derive(Default)]
+struct Rings {
+    by_tenant: HashMap<Arc<str>, Ring>,
+    bytes: usize,
+}
+
+impl Rings {
+    fn get(&self, tenant: &str) -> Option<&Ring> {
+        self.by_tenant.get(tenant)
+    }
+
+    /// Drops the oldest records of the largest logs until all of them take
+    /// at most `bytes`.
+    fn trim_to(&mut self, bytes: usize) {
+        while self.bytes > bytes {
+            let Some(largest) = self.by_tenant.values_mut().max_by_key(|r| r.bytes) else { return };
+            let Some(old) = largest.records.pop_front() else { return };
+            largest.bytes -= old.size();
+            largest.dropped += 1;
+            self.bytes -= old.size();
+        }
+    }
 }
 
 impl Default for TenantLogs {
     fn default() -> Self {
-        Self { capacity: AtomicUsize::new(DEFAULT_TENANT_LOG_BYTES), tenants: Mutex::default() }
+        Self {
+            capacity: AtomicUsize::new(DEFAULT_TENANT_LOG_BYTES),
+            total_capacity: AtomicUsize::new(DEFAULT_TENANT_LOGS_TOTAL_BYTES),
+            tenants: Mutex::default(),
+        }
     }
 }
 
@@ -146,7 +185,7 @@ pub struct Follower {
 
 impl Drop for Follower {
     fn drop(&mut self) {
-        if let Some(ring) = self.logs.lock().get_mut(&*self.tenant) {
+        if let Some(ring) = self.logs.lock().by_tenant.get_mut(&*self.tenant) {
             ring.followers = ring.followers.saturating_sub(1);
         }
     }
@@ -168,15 +207,23 @@ impl TenantLogs {
         self.capacity.store(bytes.max(RECORD_OVERHEAD), Ordering::Relaxed);
     }
 
+    /// Bytes of records kept for all tenants together from now on.
+    pub fn set_total_capacity(&self, bytes: usize) {
+        self.total_capacity.store(bytes.max(RECORD_OVERHEAD), Ordering::Relaxed);
+    }
+
     /// Appends `record` (its `seq` is set here) to `tenant`'s log, dropping
-    /// the oldest past the bound.
+    /// the oldest past the tenant's bound, and the largest logs' oldest past
+    /// the bound for all.
     pub fn push(&self, tenant: &Arc<str>, mut record: LogRecord) {
         let capacity = self.capacity.load(Ordering::Relaxed);
+        let total_capacity = self.total_capacity.load(Ordering::Relaxed);
         let grew = {
-            let mut tenants = self.lock();
-            let ring = tenants.entry(Arc::clone(tenant)).or_default();
+            let mut rings = self.lock();
+            let ring = rings.by_tenant.entry(Arc::clone(tenant)).or_default();
             record.seq = ring.next_seq;
             ring.next_seq += 1;
+            let before = ring.bytes;
             ring.bytes += record.size();
             ring.records.push_back(record);
             while ring.bytes > capacity {
@@ -184,7 +231,13 @@ impl TenantLogs {
                 ring.bytes -= old.size();
                 ring.dropped += 1;
             }
-            (ring.followers > 0).then(|| Arc::clone(&ring.grew))
+            let grew = (ring.followers > 0).then(|| Arc::clone(&ring.grew));
+            let after = ring.bytes;
+            rings.bytes = rings.bytes + after - before;
+            if rings.bytes > total_capacity {
+                rings.trim_to(total_capacity / TOTAL_TRIM.1 * TOTAL_TRIM.0);
+            }
+            grew
         };
         if let Some(grew) = grew {
             grew.notify_waiters();
@@ -194,18 +247,18 @@ impl TenantLogs {
     /// A place among `tenant`'s followers, or `None` when it has
     /// [`MAX_FOLLOWERS`] already.
     pub fn follow(self: &Arc<Self>, tenant: &str) -> Option<Follower> {
-        let mut tenants = self.lock();
-        let name: Arc<str> = match tenants.get_key_value(tenant) {
+        let mut rings = self.lock();
+        let name: Arc<str> = match rings.by_tenant.get_key_value(tenant) {
             Some((name, _)) => Arc::clone(name),
             None => tenant.into(),
         };
-        let ring = tenants.entry(Arc::clone(&name)).or_default();
+        let ring = rings.by_tenant.entry(Arc::clone(&name)).or_default();
         if ring.followers >= MAX_FOLLOWERS {
             return None;
         }
         ring.followers += 1;
         let grew = Arc::clone(&ring.grew);
-        drop(tenants);
+        drop(rings);
         Some(Follower { logs: Arc::clone(self), tenant: name, grew })
     }
 
@@ -230,12 +283,20 @@ impl TenantLogs {
         self.lock().get(tenant).map_or(0, |r| r.bytes)
     }
 
-    /// Forgets a deleted tenant's log.
-    pub fn forget(&self, tenant: &str) {
-        self.lock().remove(tenant);
+    /// The bytes all tenants' records take.
+    pub fn total_bytes(&self) -> usize {
+        self.lock().bytes
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<Arc<str>, Ring>> {
+    /// Forgets a deleted tenant's log.
+    pub fn forget(&self, tenant: &str) {
+        let mut rings = self.lock();
+        if let Some(ring) = rings.by_tenant.remove(tenant) {
+            rings.bytes -= ring.bytes;
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Rings> {
         self.tenants.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -276,6 +337,27 @@ mod tests {
         assert!(logs.follow("u").is_some(), "per tenant");
         drop(held);
         assert!(logs.follow("t").is_some(), "places come back");
+    }
+
+    #[test]
+    fn all_tenants_together_stay_within_the_node_bound_the_largest_paying() {
+        let logs = TenantLogs::default();
+        logs.set_capacity(64 << 10);
+        logs.set_total_capacity(100 << 10);
+        let (quiet, loud): (Arc<str>, Arc<str>) = ("quiet".into(), "loud".into());
+        for i in 0..20 {
+            logs.push(&quiet, line("h", &format!("quiet {i}")));
+        }
+        let quiet_bytes = logs.bytes("quiet");
+        for (i, tenant) in (0..3000).map(|i| (i, format!("t{}", i % 30))) {
+            logs.push(&tenant.as_str().into(), line("h", &format!("{i} {}", "x".repeat(200))));
+            logs.push(&loud, line("h", &"y".repeat(300)));
+        }
+        assert!(logs.total_bytes() <= 100 << 10, "{}", logs.total_bytes());
+        assert_eq!(logs.bytes("quiet"), quiet_bytes, "a tenant below its share keeps its records");
+        assert!(logs.read("loud", None, None).dropped > 0, "the largest pays");
+        logs.forget("loud");
+        assert_eq!(logs.total_bytes(), (0..30).map(|i| logs.bytes(&format!("t{i}"))).sum::<usize>() + quiet_bytes, "counted exactly");
     }
 
     #[test]

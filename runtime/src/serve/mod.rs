@@ -101,6 +101,7 @@ impl Gateway {
         outgoing::log_rules(egress.rules());
         let sandbox = Arc::new(Sandbox::new(engine, models.clone(), warm, egress, memory)?);
         sandbox.logs().set_capacity(usize::try_from(config.tenant_log_bytes).unwrap_or(usize::MAX));
+        sandbox.logs().set_total_capacity(usize::try_from(config.tenant_logs_total_mib << 20).unwrap_or(usize::MAX));
         // Per-tenant counters the control plane clears when a tenant is deleted.
         let http_metrics = Arc::new(metrics::HttpMetrics::default());
         let counters: Vec<Arc<dyn metrics::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone(), sandbox.logs().clone()];
@@ -173,11 +174,8 @@ impl Gateway {
             Some(address) => address.clone(),
             None => listener.local_addr()?.to_string(),
         };
-        let node = NodeIdentity {
-            id: config.node_id.clone().unwrap_or_else(host_name),
-            address,
-            devices: config.engine.devices.iter().map(ToString::to_string).collect(),
-        };
+        let node =
+            NodeIdentity { id: config.node_name(), address, devices: config.engine.devices.iter().map(ToString::to_string).collect() };
         let app = Arc::clone(&self.app);
         let load = Box::new(move || NodeLoad {
             queue_depth: app.models.iter().map(|m| m.queue_depth() as u64).sum(),
@@ -376,7 +374,7 @@ fn read_pipeline(path: &std::path::Path) -> Option<Arc<[u8]>> {
 
 /// Traces as `config.traces` says, each model's batches among them.
 fn trace_requests(config: &ServeConfig, models: &Models) -> anyhow::Result<Tracing> {
-    let node = config.node_id.clone().unwrap_or_else(host_name);
+    let node = config.node_name();
     let tracing = Tracing::new(&config.traces, &node)?;
     if let Some(observer) = tracing.batch_observer() {
         for batcher in models.iter() {
@@ -384,16 +382,6 @@ fn trace_requests(config: &ServeConfig, models: &Models) -> anyhow::Result<Traci
         }
     }
     Ok(tracing)
-}
-
-/// This machine's name (a pod's name on Kubernetes), the default node id.
-fn host_name() -> String {
-    std::env::var("HOSTNAME")
-        .ok()
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
-        .map(|name| name.trim().to_owned())
-        .filter(|name| !name.is_empty())
-        .unwrap_or_else(|| "facegate".to_owned())
 }
 
 /// Resolves at the first SIGTERM or SIGINT (Ctrl-C). The handlers are

@@ -409,3 +409,103 @@ fn canaries_split_the_traffic_on_every_node_and_abort() {
         (0..20).all(|_| get(&a, &key, "canary", "attack=panic").0 < 500 && get(&b, &key, "canary", "attack=panic").0 < 500)
     });
 }
+
+/// `tenant`'s log read through `server` with `key` (and `query`): the
+/// records, and the answer's cursor and unreachable nodes.
+fn read_log(server: &Server, key: &str, query: &str) -> (Vec<Value>, String, Option<String>) {
+    let response = crate::harness::client_with_key(key).get(format!("http://{}/tenant/v1/logs?{query}", server.addr)).send().unwrap();
+    assert_eq!(response.status(), 200);
+    let header = |name: &str| response.headers().get(name).map(|v| v.to_str().unwrap().to_owned());
+    let (cursor, unreachable) = (header("x-facegate-logs-cursor").unwrap(), header("x-facegate-logs-unreachable"));
+    let records = response.text().unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (records, cursor, unreachable)
+}
+
+/// The request ids of `n` calls of `tenant`'s `attack` handler on `server`.
+fn calls(server: &Server, key: &str, tenant: &str, n: usize) -> Vec<String> {
+    let client = crate::harness::client_with_key(key);
+    let call = |_| {
+        let response = client.get(format!("http://{}/v1/{tenant}/attack?attack=count", server.addr)).send().unwrap();
+        assert_eq!(response.status(), 200);
+        response.headers()["x-request-id"].to_str().unwrap().to_owned()
+    };
+    (0..n).map(call).collect()
+}
+
+/// A tenant's log in a cluster: read through one node, it holds the
+/// requests every live node served, each naming its node, in time order;
+/// the cursor it returns gives what came after; a follower on one node gets
+/// a request served by the other within a second; and a node that dies is
+/// named as unreadable while the rest is still served.
+#[test]
+fn a_tenants_log_is_read_from_every_live_node() {
+    let pg = ThrowawayPostgres::start().unwrap();
+    let url = pg.url();
+    let (a, _) = node(&url, "node-a");
+    let (b, _) = node(&url, "node-b");
+    a.json(a.admin(Method::POST, "tenants").json(&json!({ "name": "logged", "limits": { "rps": 0 } })));
+    let key = |scopes: &[&str]| {
+        a.json(a.admin(Method::POST, "tenants/logged/keys").json(&json!({ "scopes": scopes })))["key"].as_str().unwrap().to_owned()
+    };
+    let (invoke, read) = (key(&["invoke"]), key(&["read"]));
+    a.json(a.admin(Method::PUT, "tenants/logged/handlers/attack").body(std::fs::read(guest("hostile")).unwrap()));
+    let live = |server: &Server| {
+        let text = crate::harness::anonymous().get(format!("http://{}/metrics", server.addr)).bearer_auth(crate::harness::ADMIN_TOKEN);
+        crate::harness::metric(&text.send().unwrap().text().unwrap(), "facegate_live_nodes")
+    };
+    within(Duration::from_secs(10), "both nodes count two live nodes", || live(&a) == Some(2.0) && live(&b) == Some(2.0));
+    within(Duration::from_secs(10), "B serves the tenant", || served(&b, &invoke, "logged").is_some());
+
+    let (_, start, _) = read_log(&a, &read, "");
+    let mut ids = calls(&a, &invoke, "logged", 3);
+    ids.extend(calls(&b, &invoke, "logged", 3));
+    let (records, cursor, unreachable) = read_log(&a, &read, &format!("since={start}"));
+    assert_eq!(unreachable, None, "both nodes read");
+    let requests: Vec<&Value> = records.iter().filter(|r| r["kind"] == "request").collect();
+    let by_id = |id: &String| requests.iter().find(|r| r["request_id"] == id.as_str()).map(|r| r["node"].as_str().unwrap().to_owned());
+    let nodes: Vec<Option<String>> = ids.iter().map(by_id).collect();
+    let expected: Vec<Option<String>> = ["node-a", "node-a", "node-a", "node-b", "node-b", "node-b"].map(|n| Some(n.to_owned())).into();
+    assert_eq!(nodes, expected, "each request once, named by the node that served it: {records:?}");
+    let times: Vec<i64> = records.iter().map(|r| r["time_ms"].as_i64().unwrap()).collect();
+    assert!(times.is_sorted(), "in time order: {times:?}");
+    assert!(cursor.contains("node-a:") && cursor.contains("node-b:"), "the cursor names both nodes: {cursor}");
+    let (after, _, _) = read_log(&b, &read, &format!("since={cursor}"));
+    assert!(
+        after.iter().all(|r| !ids.contains(&r["request_id"].as_str().unwrap().to_owned())),
+        "nothing twice after the cursor: {after:?}"
+    );
+
+    // Following through A, a request B serves arrives within a second.
+    let follow = crate::harness::client_with_key(&read).get(format!("http://{}/tenant/v1/logs?follow=true&since={cursor}", a.addr));
+    let response = follow.send().unwrap();
+    assert_eq!(response.status(), 200);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(response).lines() {
+            let Ok(line) = line else { return };
+            if tx.send((Instant::now(), serde_json::from_str::<Value>(&line).unwrap())).is_err() {
+                return;
+            }
+        }
+    });
+    let sent = Instant::now();
+    let id = calls(&b, &invoke, "logged", 1).remove(0);
+    let arrived = loop {
+        let (when, record) = rx.recv_timeout(Duration::from_secs(5)).expect("B's record reaches A's follower");
+        if record["kind"] == "request" && record["request_id"] == id.as_str() {
+            assert_eq!(record["node"], "node-b");
+            break when;
+        }
+    };
+    let took = arrived.saturating_duration_since(sent);
+    eprintln!("a request sent to B reached a follower on A {took:?} after it was sent");
+    assert!(took < Duration::from_secs(1), "within a second: {took:?}");
+
+    // B dies: A still answers with its own records and names B as unread.
+    b.kill();
+    let a_id = calls(&a, &invoke, "logged", 1).remove(0);
+    let (records, _, unreachable) = read_log(&a, &read, &format!("since={cursor}"));
+    assert_eq!(unreachable.as_deref(), Some("node-b"), "the dead node is named");
+    assert!(records.iter().any(|r| r["request_id"] == a_id.as_str()), "A's own records still come");
+}
