@@ -21,7 +21,7 @@ use crate::control::keys::Scopes;
 use crate::control::store::StoreError;
 use crate::control::{LiveCanary, Side};
 use crate::metrics::Limit;
-use crate::metrics::logs::LogRecord;
+use crate::metrics::logs::{LogOwner, LogRecord};
 use crate::metrics::trace::RequestTrace;
 use crate::metrics::usage::{BytesOut, Usage, UsageKey};
 use crate::sandbox::handler::Handler;
@@ -43,6 +43,8 @@ struct Call<'a> {
     hit: OnceLock<Limit>,
     /// Whether it reached its handler (was not refused before).
     ran: std::sync::atomic::AtomicBool,
+    /// The tenant's log its records go to (the tenant as it was at the call's start).
+    log: LogOwner,
 }
 
 impl App {
@@ -62,6 +64,7 @@ impl App {
         };
         let found = (key_tenant == tenant).then(|| live.handler(tenant, name)).flatten();
         let canary = found.and_then(|_| live.canary(tenant, name)).cloned();
+        let log = live.tenants.get(tenant).map(|e| LogOwner::new(tenant, &e.incarnation));
         let Some((gate, stable)) = found.map(|(g, h)| (Arc::clone(g), Arc::clone(h))) else {
             server.status(404);
             return response::before_body(response::error(
@@ -89,13 +92,14 @@ impl App {
         server.trace().span("authenticate", (started, Instant::now()), Vec::new);
         // Metered in the minute it started (see crate::metrics::usage).
         let key = UsageKey::new(tenant, name, handler.version, crate::control::store::now_ms());
-        let call = Call { id: &id, key: &key, trace: server.trace(), hit: OnceLock::new(), ran: Default::default() };
+        let log = log.unwrap_or_else(|| LogOwner::new(tenant, ""));
+        let call = Call { id: &id, key: &key, trace: server.trace(), hit: OnceLock::new(), ran: Default::default(), log };
         let response = self.run_handler(&gate, &handler, req, &call).await;
         let status = response.status().as_u16();
         server.status(status);
         let outcome = (status, started.elapsed());
         let record = LogRecord::request((name, handler.version), &id, outcome, call.hit.get().map(|l| l.label()));
-        self.sandbox.logs().push(&handler.tenant, record);
+        self.sandbox.logs().push(&call.log, record);
         // Only what a version answered counts, not a refusal before it ran.
         if let (Some(canary), Some(side)) = (canary, side)
             && call.ran.load(std::sync::atomic::Ordering::Relaxed)
@@ -205,7 +209,8 @@ impl App {
         let deadline = Instant::now() + limits.timeout();
         let sandbox_limits = SandboxLimits { tenant: *limits, max_host_resources: self.config.max_host_resources };
         call.ran.store(true, std::sync::atomic::Ordering::Relaxed);
-        let tag = RequestTag { id: Arc::clone(id), usage: Some((Arc::clone(self.control.meter()), key.clone())), trace: trace.clone() };
+        let usage = Some((Arc::clone(self.control.meter()), key.clone()));
+        let tag = RequestTag { id: Arc::clone(id), usage, trace: trace.clone(), log: call.log.clone() };
         match self.sandbox.handle(handler, req, deadline, sandbox_limits, tag, (instance, tenant_slot, memory, promise)).await {
             Ok(mut response) => {
                 response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));

@@ -27,7 +27,7 @@ use super::response::{self, Body};
 use crate::config::valid_node_id;
 use crate::control::ControlPlane;
 use crate::control::keys::Scopes;
-use crate::metrics::logs::{Follower, LogRecord, MAX_FOLLOWERS, TenantLogs};
+use crate::metrics::logs::{Follower, LogOwner, LogRecord, MAX_FOLLOWERS, TenantLogs};
 use crate::sandbox::handler::valid_name;
 
 /// Longest one follow stays open; the client asks again with `since=`.
@@ -222,8 +222,11 @@ impl App {
         let key = bearer(req).unwrap_or_default().to_owned();
         let peers = if query.local { Vec::new() } else { self.peers(&query) };
         let logs = Arc::clone(self.sandbox.logs());
+        // This creation of the tenant: nothing of a deleted namesake's.
+        let incarnation = self.control.live().tenants.get(tenant).map(|e| e.incarnation.clone());
+        let owner = LogOwner::new(tenant, incarnation.as_deref().unwrap_or_default());
         let mut answer = if query.follow {
-            let Some(follower) = logs.follow(tenant) else {
+            let Some(follower) = logs.follow(&owner) else {
                 let message = format!("this tenant's log has {MAX_FOLLOWERS} followers on this node already");
                 return response::retry_later(StatusCode::TOO_MANY_REQUESTS, "too_many_followers", &message, 5);
             };
@@ -233,12 +236,13 @@ impl App {
                 control: Arc::clone(&self.control),
                 tenant: tenant.to_owned(),
                 key,
-                incarnation: self.control.live().tenants.get(tenant).map(|e| e.incarnation.clone()),
+                incarnation,
+                owner,
                 node: Arc::clone(&self.node),
             };
             self.followed((logs, follower), reader, query, from_peers)
         } else {
-            self.read_logs(tenant, &query, (peers, &key)).await
+            self.read_logs(&owner, &query, (peers, &key)).await
         };
         answer.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(NDJSON));
         answer
@@ -251,10 +255,10 @@ impl App {
     }
 
     /// The tenant's records after the cursor on this node and `peers`, by time.
-    async fn read_logs(&self, tenant: &str, query: &LogQuery, (peers, key): (Vec<Peer>, &str)) -> Response<Body> {
+    async fn read_logs(&self, owner: &LogOwner, query: &LogQuery, (peers, key): (Vec<Peer>, &str)) -> Response<Body> {
         let asked = peers::ask_all(&peers, key, self.config.peer_ca_cert.as_ref()).await;
         let mut from_peers = FromPeers::gather(peers, asked);
-        let read = self.sandbox.logs().read(tenant, query.since.of(&self.node, true), query.handler.as_deref());
+        let read = self.sandbox.logs().read(owner, query.since.of(&self.node, true), query.handler.as_deref());
         let mut merged = Merged::default();
         merged.add(ndjson(&read.records, &self.node).as_bytes());
         let until = Instant::now() + PEER_TIMEOUT;
@@ -277,7 +281,7 @@ impl App {
     /// The tenant's log followed: this node's records and the peers'
     /// streams, as they come.
     fn followed(&self, local: (Arc<TenantLogs>, Follower), reader: Reader, query: LogQuery, from_peers: FromPeers) -> Response<Body> {
-        let dropped = local.0.read_dropped(&reader.tenant) + from_peers.dropped;
+        let dropped = local.0.read_dropped(&reader.owner) + from_peers.dropped;
         let (tx, rx) = mpsc::channel(16);
         let end = Instant::now() + FOLLOW_FOR;
         for (_, answer) in from_peers.answers {
@@ -300,6 +304,8 @@ struct Reader {
     tenant: String,
     key: String,
     incarnation: Option<String>,
+    /// Its log on this node.
+    owner: LogOwner,
     /// This node's id, in each record.
     node: Arc<str>,
 }
@@ -325,7 +331,7 @@ async fn follow((logs, follower): (Arc<TenantLogs>, Follower), reader: Reader, (
         if !reader.may_read() {
             return;
         }
-        let read = logs.read(&reader.tenant, since, query.handler.as_deref());
+        let read = logs.read(&reader.owner, since, query.handler.as_deref());
         if let Some(last) = read.records.last() {
             since = Some(last.seq);
             if tx.send(ndjson(&read.records, &reader.node).into()).await.is_err() {

@@ -132,6 +132,24 @@ struct Ring {
 /// Most followers of one tenant's log on a node at once.
 pub const MAX_FOLLOWERS: usize = 8;
 
+/// Whose log: a tenant as one creation of it (its incarnation). A tenant
+/// deleted and created again under its name has a log of its own: what the
+/// old one's requests still in flight write after the deletion goes where
+/// no reader of the new one looks.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LogOwner(Arc<str>);
+
+impl LogOwner {
+    /// `tenant` as created with `incarnation`.
+    pub fn new(tenant: &str, incarnation: &str) -> Self {
+        Self(format!("{tenant}\0{incarnation}").into())
+    }
+
+    fn tenant(&self) -> &str {
+        self.0.split('\0').next().unwrap_or_default()
+    }
+}
+
 /// Every tenant's log on this node.
 pub struct TenantLogs {
     capacity: AtomicUsize,
@@ -142,20 +160,20 @@ pub struct TenantLogs {
 /// Every tenant's ring, and the bytes of them all.
 #[derive(Default)]
 struct Rings {
-    by_tenant: HashMap<Arc<str>, Ring>,
+    by_owner: HashMap<LogOwner, Ring>,
     bytes: usize,
 }
 
 impl Rings {
-    fn get(&self, tenant: &str) -> Option<&Ring> {
-        self.by_tenant.get(tenant)
+    fn get(&self, owner: &LogOwner) -> Option<&Ring> {
+        self.by_owner.get(owner)
     }
 
     /// Drops the oldest records of the largest logs until all of them take
     /// at most `bytes`.
     fn trim_to(&mut self, bytes: usize) {
         while self.bytes > bytes {
-            let Some(largest) = self.by_tenant.values_mut().max_by_key(|r| r.bytes) else { return };
+            let Some(largest) = self.by_owner.values_mut().max_by_key(|r| r.bytes) else { return };
             let Some(old) = largest.records.pop_front() else { return };
             largest.bytes -= old.size();
             largest.dropped += 1;
@@ -178,14 +196,14 @@ impl Default for TenantLogs {
 /// is given back when it drops.
 pub struct Follower {
     logs: Arc<TenantLogs>,
-    tenant: Arc<str>,
+    owner: LogOwner,
     /// Notified at each of the tenant's new records.
     pub grew: Arc<tokio::sync::Notify>,
 }
 
 impl Drop for Follower {
     fn drop(&mut self) {
-        if let Some(ring) = self.logs.lock().by_tenant.get_mut(&*self.tenant) {
+        if let Some(ring) = self.logs.lock().by_owner.get_mut(&self.owner) {
             ring.followers = ring.followers.saturating_sub(1);
         }
     }
@@ -212,15 +230,15 @@ impl TenantLogs {
         self.total_capacity.store(bytes.max(RECORD_OVERHEAD), Ordering::Relaxed);
     }
 
-    /// Appends `record` (its `seq` is set here) to `tenant`'s log, dropping
+    /// Appends `record` (its `seq` is set here) to `owner`'s log, dropping
     /// the oldest past the tenant's bound, and the largest logs' oldest past
     /// the bound for all.
-    pub fn push(&self, tenant: &Arc<str>, mut record: LogRecord) {
+    pub fn push(&self, owner: &LogOwner, mut record: LogRecord) {
         let capacity = self.capacity.load(Ordering::Relaxed);
         let total_capacity = self.total_capacity.load(Ordering::Relaxed);
         let grew = {
             let mut rings = self.lock();
-            let ring = rings.by_tenant.entry(Arc::clone(tenant)).or_default();
+            let ring = rings.by_owner.entry(owner.clone()).or_default();
             record.seq = ring.next_seq;
             ring.next_seq += 1;
             let before = ring.bytes;
@@ -244,28 +262,24 @@ impl TenantLogs {
         }
     }
 
-    /// A place among `tenant`'s followers, or `None` when it has
+    /// A place among `owner`'s followers, or `None` when it has
     /// [`MAX_FOLLOWERS`] already.
-    pub fn follow(self: &Arc<Self>, tenant: &str) -> Option<Follower> {
+    pub fn follow(self: &Arc<Self>, owner: &LogOwner) -> Option<Follower> {
         let mut rings = self.lock();
-        let name: Arc<str> = match rings.by_tenant.get_key_value(tenant) {
-            Some((name, _)) => Arc::clone(name),
-            None => tenant.into(),
-        };
-        let ring = rings.by_tenant.entry(Arc::clone(&name)).or_default();
+        let ring = rings.by_owner.entry(owner.clone()).or_default();
         if ring.followers >= MAX_FOLLOWERS {
             return None;
         }
         ring.followers += 1;
         let grew = Arc::clone(&ring.grew);
         drop(rings);
-        Some(Follower { logs: Arc::clone(self), tenant: name, grew })
+        Some(Follower { logs: Arc::clone(self), owner: owner.clone(), grew })
     }
 
-    /// `tenant`'s records after `since` (all with `None`), of `handler` only if given.
-    pub fn read(&self, tenant: &str, since: Option<u64>, handler: Option<&str>) -> Read {
-        let tenants = self.lock();
-        let Some(ring) = tenants.get(tenant) else { return Read::default() };
+    /// `owner`'s records after `since` (all with `None`), of `handler` only if given.
+    pub fn read(&self, owner: &LogOwner, since: Option<u64>, handler: Option<&str>) -> Read {
+        let rings = self.lock();
+        let Some(ring) = rings.get(owner) else { return Read::default() };
         // Sequence numbers are consecutive: the first record after `since` is found by index.
         let first = ring.records.front().map_or(0, |r| r.seq);
         let skip = since.map_or(0, |s| usize::try_from((s + 1).saturating_sub(first)).unwrap_or(usize::MAX));
@@ -273,14 +287,14 @@ impl TenantLogs {
         Read { records, dropped: ring.dropped }
     }
 
-    /// Records `tenant` has had dropped to keep the bound.
-    pub fn read_dropped(&self, tenant: &str) -> u64 {
-        self.lock().get(tenant).map_or(0, |r| r.dropped)
+    /// Records `owner` has had dropped to keep the bounds.
+    pub fn read_dropped(&self, owner: &LogOwner) -> u64 {
+        self.lock().get(owner).map_or(0, |r| r.dropped)
     }
 
-    /// The bytes `tenant`'s records take.
-    pub fn bytes(&self, tenant: &str) -> usize {
-        self.lock().get(tenant).map_or(0, |r| r.bytes)
+    /// The bytes `owner`'s records take.
+    pub fn bytes(&self, owner: &LogOwner) -> usize {
+        self.lock().get(owner).map_or(0, |r| r.bytes)
     }
 
     /// The bytes all tenants' records take.
@@ -288,12 +302,16 @@ impl TenantLogs {
         self.lock().bytes
     }
 
-    /// Forgets a deleted tenant's log.
+    /// Forgets a deleted tenant's log (every creation of its name).
     pub fn forget(&self, tenant: &str) {
         let mut rings = self.lock();
-        if let Some(ring) = rings.by_tenant.remove(tenant) {
-            rings.bytes -= ring.bytes;
-        }
+        let mut freed = 0;
+        rings.by_owner.retain(|owner, ring| {
+            let keep = owner.tenant() != tenant;
+            freed += if keep { 0 } else { ring.bytes };
+            keep
+        });
+        rings.bytes -= freed;
     }
 
     fn lock(&self) -> MutexGuard<'_, Rings> {
@@ -315,28 +333,46 @@ mod tests {
         LogRecord::output(0, (handler, 1), "r", text.into())
     }
 
+    fn owner(tenant: &str) -> LogOwner {
+        LogOwner::new(tenant, "first")
+    }
+
     #[test]
     fn a_tenant_reads_its_own_records_after_a_cursor() {
         let logs = TenantLogs::default();
-        let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
+        let (a, b) = (owner("a"), owner("b"));
         logs.push(&a, line("h", "one"));
         logs.push(&a, line("g", "two"));
         logs.push(&b, line("h", "theirs"));
-        let all = logs.read("a", None, None).records;
+        let all = logs.read(&a, None, None).records;
         assert_eq!(all.iter().map(|r| r.line.as_deref().unwrap()).collect::<Vec<_>>(), ["one", "two"]);
-        assert_eq!(logs.read("a", Some(all[0].seq), None).records.len(), 1, "after the cursor");
-        assert_eq!(logs.read("a", None, Some("g")).records.len(), 1, "one handler's");
-        assert!(logs.read("c", None, None).records.is_empty());
+        assert_eq!(logs.read(&a, Some(all[0].seq), None).records.len(), 1, "after the cursor");
+        assert_eq!(logs.read(&a, None, Some("g")).records.len(), 1, "one handler's");
+        assert!(logs.read(&owner("c"), None, None).records.is_empty());
+    }
+
+    #[test]
+    fn a_tenant_created_again_reads_nothing_the_old_one_wrote_after_its_deletion() {
+        let logs = TenantLogs::default();
+        let (old, new) = (LogOwner::new("t", "first"), LogOwner::new("t", "second"));
+        logs.push(&old, line("h", "before"));
+        logs.forget("t");
+        logs.push(&old, line("h", "in flight at the deletion"));
+        logs.push(&new, line("h", "mine"));
+        let read: Vec<String> = logs.read(&new, None, None).records.into_iter().filter_map(|r| r.line).collect();
+        assert_eq!(read, ["mine"]);
+        logs.forget("t");
+        assert_eq!(logs.total_bytes(), 0, "every creation of the name forgotten");
     }
 
     #[test]
     fn followers_are_counted_and_capped() {
         let logs = Arc::new(TenantLogs::default());
-        let held: Vec<Follower> = (0..MAX_FOLLOWERS).map(|_| logs.follow("t").unwrap()).collect();
-        assert!(logs.follow("t").is_none(), "capped");
-        assert!(logs.follow("u").is_some(), "per tenant");
+        let held: Vec<Follower> = (0..MAX_FOLLOWERS).map(|_| logs.follow(&owner("t")).unwrap()).collect();
+        assert!(logs.follow(&owner("t")).is_none(), "capped");
+        assert!(logs.follow(&owner("u")).is_some(), "per tenant");
         drop(held);
-        assert!(logs.follow("t").is_some(), "places come back");
+        assert!(logs.follow(&owner("t")).is_some(), "places come back");
     }
 
     #[test]
@@ -344,32 +380,36 @@ mod tests {
         let logs = TenantLogs::default();
         logs.set_capacity(64 << 10);
         logs.set_total_capacity(100 << 10);
-        let (quiet, loud): (Arc<str>, Arc<str>) = ("quiet".into(), "loud".into());
+        let (quiet, loud) = (owner("quiet"), owner("loud"));
         for i in 0..20 {
             logs.push(&quiet, line("h", &format!("quiet {i}")));
         }
-        let quiet_bytes = logs.bytes("quiet");
+        let quiet_bytes = logs.bytes(&quiet);
         for (i, tenant) in (0..3000).map(|i| (i, format!("t{}", i % 30))) {
-            logs.push(&tenant.as_str().into(), line("h", &format!("{i} {}", "x".repeat(200))));
+            logs.push(&owner(&tenant), line("h", &format!("{i} {}", "x".repeat(200))));
             logs.push(&loud, line("h", &"y".repeat(300)));
         }
         assert!(logs.total_bytes() <= 100 << 10, "{}", logs.total_bytes());
-        assert_eq!(logs.bytes("quiet"), quiet_bytes, "a tenant below its share keeps its records");
-        assert!(logs.read("loud", None, None).dropped > 0, "the largest pays");
+        assert_eq!(logs.bytes(&quiet), quiet_bytes, "a tenant below its share keeps its records");
+        assert!(logs.read(&loud, None, None).dropped > 0, "the largest pays");
         logs.forget("loud");
-        assert_eq!(logs.total_bytes(), (0..30).map(|i| logs.bytes(&format!("t{i}"))).sum::<usize>() + quiet_bytes, "counted exactly");
+        assert_eq!(
+            logs.total_bytes(),
+            (0..30).map(|i| logs.bytes(&owner(&format!("t{i}")))).sum::<usize>() + quiet_bytes,
+            "counted exactly"
+        );
     }
 
     #[test]
     fn a_flood_keeps_the_bound_and_counts_what_it_dropped() {
         let logs = TenantLogs::default();
         logs.set_capacity(4096);
-        let t: Arc<str> = "t".into();
+        let t = owner("t");
         for i in 0..1000 {
             logs.push(&t, line("h", &format!("line {i} {}", "x".repeat(100))));
         }
-        assert!(logs.bytes("t") <= 4096);
-        let read = logs.read("t", None, None);
+        assert!(logs.bytes(&t) <= 4096);
+        let read = logs.read(&t, None, None);
         assert!(read.dropped > 900 && read.records.len() + read.dropped as usize == 1000, "{}", read.dropped);
         assert_eq!(read.records.last().unwrap().seq, 999, "the newest stay");
     }

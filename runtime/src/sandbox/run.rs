@@ -20,7 +20,7 @@ use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 
 use crate::admission::limits::TenantLimits;
 use crate::admission::memory::{MemoryBudget, NodeMemoryExhausted, Refusal};
-use crate::metrics::logs::{LogRecord, TenantLogs};
+use crate::metrics::logs::{LogOwner, LogRecord, TenantLogs};
 use crate::metrics::trace::RequestTrace;
 use crate::metrics::{Limit, LimitHits};
 use crate::sandbox::face_detect::{self, FaceDetectCtx};
@@ -129,6 +129,8 @@ pub struct RequestTag {
     pub usage: Option<(Arc<crate::metrics::usage::Meter>, crate::metrics::usage::UsageKey)>,
     /// Its trace: the instantiation and the guest are spans of it.
     pub trace: RequestTrace,
+    /// The tenant's log its handler's output goes to (this creation of the tenant).
+    pub log: LogOwner,
 }
 
 /// What a client is told of a [`SandboxError`].
@@ -309,7 +311,7 @@ impl Sandbox {
         permits: impl Send + 'static,
     ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
         let (mut store, warm_proxy, served) = self.store_for(handler, deadline, limits);
-        let RequestTag { id: request_id, usage, trace } = tag;
+        let RequestTag { id: request_id, usage, trace, log } = tag;
         trace.set([KeyValue::new("faas.coldstart", warm_proxy.is_none())]);
         if let Some((meter, key)) = usage {
             store.data_mut().face_detect.meter_as(meter, key);
@@ -354,7 +356,7 @@ impl Sandbox {
                 Ok(proxy)
             };
             let result = tokio::time::timeout_at(deadline.into(), run).await;
-            log_output(&handler_ref, &request_id, &store, (&hits, &logs));
+            log_output(&handler_ref, (&request_id, &log), &store, (&hits, &logs));
             let used = store.data().limiter.used();
             store.data_mut().face_detect.settle(used);
             match result {
@@ -652,13 +654,18 @@ fn error_chain(err: &wasmtime::Error) -> String {
 /// the node's log and line by line in its tenant's; counts output dropped
 /// past the cap, and `infer` calls and outgoing connections refused by a
 /// limit.
-fn log_output(handler: &Handler, request_id: &str, store: &Store<RequestState>, (hits, logs): (&LimitHits, &TenantLogs)) {
+fn log_output(
+    handler: &Handler,
+    (request_id, log): (&str, &LogOwner),
+    store: &Store<RequestState>,
+    (hits, logs): (&LimitHits, &TenantLogs),
+) {
     let (bytes, dropped) = store.data().stdio.contents();
     if !bytes.is_empty() {
         tracing::info!(tenant = %handler.tenant, handler = %handler.name, request_id, dropped_bytes = dropped, output = %escape_for_log(&bytes), "guest output");
         let time_ms = crate::metrics::logs::now_ms();
         for line in bytes.split(|b| *b == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
-            logs.push(&handler.tenant, LogRecord::output(time_ms, (&handler.name, handler.version), request_id, escape_for_log(line)));
+            logs.push(log, LogRecord::output(time_ms, (&handler.name, handler.version), request_id, escape_for_log(line)));
         }
     }
     if dropped > 0 {

@@ -179,3 +179,48 @@ fn a_flood_of_output_stays_within_the_bound() {
     let text: usize = records.iter().map(|r| r["line"].as_str().map_or(0, str::len) + r["request_id"].as_str().unwrap().len()).sum();
     assert!(text <= LOG_BYTES as usize, "{text} bytes of text kept");
 }
+
+/// A tenant deleted while one of its requests runs, and created again under
+/// its name: the new tenant's log holds nothing of the old one, not even
+/// that request's record, written after the deletion.
+#[test]
+fn a_tenant_created_again_under_a_deleted_ones_name_reads_nothing_of_it() {
+    let addr = log_gateway().addr;
+    let admin = |method: Method, path: &str| anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(ADMIN_TOKEN);
+    let create = || -> (String, String) {
+        let created = admin(Method::POST, "tenants").json(&json!({ "name": "reborn", "limits": { "rps": 0, "timeout_ms": 10000 } }));
+        assert_eq!(created.send().unwrap().status(), 201);
+        let deployed = admin(Method::PUT, "tenants/reborn/handlers/attack").body(std::fs::read(guest("hostile")).unwrap());
+        assert_eq!(deployed.send().unwrap().status(), 201);
+        let key = |scopes: &[&str]| -> String {
+            let made: Value = admin(Method::POST, "tenants/reborn/keys").json(&json!({ "scopes": scopes })).send().unwrap().json().unwrap();
+            made["key"].as_str().unwrap().to_owned()
+        };
+        (key(&["read"]), key(&["invoke"]))
+    };
+    let (_, first_invoke) = create();
+    let in_flight = std::thread::spawn(move || {
+        let url = format!("http://{addr}/v1/reborn/attack?attack=nap&ms=2000");
+        let response = client_with_key(&first_invoke).get(url).send().unwrap();
+        (response.status().as_u16(), response.headers()["x-request-id"].to_str().unwrap().to_owned())
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let deleted = admin(Method::DELETE, "tenants/reborn").send().unwrap();
+    assert!(deleted.status().is_success(), "{}", deleted.status());
+    let (read, invoke) = create();
+    let (status, old_id) = in_flight.join().unwrap();
+    eprintln!("the deleted tenant's request ended with {status} after the deletion");
+    let mine = client_with_key(&invoke).get(format!("http://{addr}/v1/reborn/attack?attack=count")).send().unwrap();
+    let mine = mine.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let until = Instant::now() + Duration::from_secs(5);
+    let records: Vec<Value> = loop {
+        let text = client_with_key(&read).get(format!("http://{addr}/tenant/v1/logs")).send().unwrap().text().unwrap();
+        let records: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        if records.iter().any(|r| r["request_id"] == mine.as_str()) {
+            break records;
+        }
+        assert!(Instant::now() < until, "the new tenant's own request is logged: {records:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(records.iter().all(|r| r["request_id"] != old_id.as_str()), "nothing of the deleted tenant's: {records:?}");
+}
