@@ -37,6 +37,12 @@ pub const DEFAULT_TENANT_BURST: u32 = 200;
 /// Default largest response body a handler may send, bytes (64 MiB: a
 /// blurred 50-megapixel JPEG, several times over).
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 << 20;
+/// Default versions kept of each handler (rollback reaches back this far).
+pub const DEFAULT_MAX_VERSIONS: u32 = 20;
+/// Default handlers one tenant may have.
+pub const DEFAULT_MAX_HANDLERS: u32 = 32;
+/// Most of either a tenant may be given.
+const MAX_STORED: u32 = 10_000;
 
 /// Declares the tenant limits: `flags` have a `facegate serve` flag (and
 /// environment variable) for every tenant's default; `fixed` ones have a
@@ -160,6 +166,16 @@ tenant_limits! {
         /// between its requests (see `crate::sandbox::warm`).
         instance_reuse: u32 = 1, flag "instance-reuse", env "FACEGATE_INSTANCE_REUSE",
             parser clap::value_parser!(u32).range(1..=i64::from(MAX_INSTANCE_REUSE)), rule within(1, MAX_INSTANCE_REUSE);
+        /// Versions kept of each of the tenant's handlers: an upload past it
+        /// deletes the oldest ones that are neither active nor a canary
+        /// (and the stored components no version uses any more), so what a
+        /// tenant stores stays bounded however often it deploys.
+        max_versions: u32 = DEFAULT_MAX_VERSIONS, flag "max-versions", env "FACEGATE_MAX_VERSIONS",
+            parser clap::value_parser!(u32).range(1..=i64::from(MAX_STORED)), rule within(1, MAX_STORED);
+        /// Handlers the tenant may have; the upload of one more is refused
+        /// (403 `quota_exceeded`).
+        max_handlers: u32 = DEFAULT_MAX_HANDLERS, flag "max-handlers", env "FACEGATE_MAX_HANDLERS",
+            parser clap::value_parser!(u32).range(1..=i64::from(MAX_STORED)), rule within(1, MAX_STORED);
     }
     fixed {
         /// Share of device time when tenants compete (the fair queue's

@@ -110,6 +110,8 @@ pub struct ControlPlane {
     alive_nodes: RwLock<Arc<[NodeRow]>>,
     /// What this node's requests used, until written (see [`usage`]).
     meter: Arc<crate::metrics::usage::Meter>,
+    /// Tenants with an upload in progress here (one each at a time).
+    uploading: upload::Uploading,
 }
 
 impl ControlPlane {
@@ -167,6 +169,7 @@ impl ControlPlane {
             alive_nodes: RwLock::new(Arc::from(Vec::new())),
             // A restarted node writes under a new name: its numbers start again.
             meter: crate::metrics::usage::Meter::new(store::new_incarnation()?),
+            uploading: upload::Uploading::default(),
         };
         control.refresh(&mut **control.db(), Vec::new(), Compile::Now)?;
         Ok(control)
@@ -298,6 +301,23 @@ impl ControlPlane {
         Ok(())
     }
 
+    /// Deletes a handler's versions past the tenant's `max_versions` (see
+    /// [`Store::prune_versions`]) and this node's cached artifacts of the
+    /// components they freed. The upload is stored either way: a failure
+    /// here is logged, and the next upload prunes again.
+    fn prune(&self, db: &mut dyn Store, (tenant, handler): (&str, &str), max_versions: u32) {
+        match db.prune_versions(tenant, handler, max_versions as usize) {
+            Ok(pruned) if !pruned.versions.is_empty() => {
+                for sha in &pruned.components {
+                    self.cache.discard(sha, &self.engine_id);
+                }
+                tracing::info!(tenant, handler, versions = ?pruned.versions, components = pruned.components.len(), max_versions, "old versions deleted");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(tenant, handler, error = %e, "old versions not deleted"),
+        }
+    }
+
     /// Whether uploads are refused as busy now (see [`CompilePool::is_full`]).
     pub fn uploads_busy(&self) -> bool {
         self.compile.is_full()
@@ -326,12 +346,15 @@ impl ControlPlane {
                 "{tenant}/{handler} has no active version for a canary to run beside; deploy it first"
             )));
         }
-        let outgoing_http = {
+        let limits = {
             let live = self.live();
             let entry = live.tenants.get(tenant).ok_or_else(|| StoreError::NotFound(format!("no tenant {tenant:?}")))?;
-            entry.gate.limits.outgoing_http
+            entry.gate.limits
         };
+        let outgoing_http = limits.outgoing_http;
         validate::check_header(&bytes).map_err(StoreError::Invalid)?;
+        let _uploading = self.uploading.begin(tenant)?;
+        check_handler_quota(&mut **self.db(), tenant, &handler, limits.max_handlers)?;
         let upload = Upload {
             sandbox: Arc::clone(&self.sandbox),
             cache: self.cache.clone(),
@@ -346,6 +369,8 @@ impl ControlPlane {
         let prepared = self.compile.run(move || upload.prepare()).map_err(compile_refusal)??;
         // A grant changed while this compiled: the refresh links it anew (see `refresh`).
         let mut db = self.db();
+        // Again under the store's lock: another upload may have added a handler meanwhile.
+        check_handler_quota(&mut **db, tenant, &handler, limits.max_handlers)?;
         let (sha256, component) = (prepared.sha256, prepared.component);
         let artifact = prepared.shared.as_ref();
         let version =
@@ -355,6 +380,7 @@ impl ControlPlane {
         if let Release::Canary { percent, abort } = release {
             db.set_canary(tenant, &handler, Some(Canary { version, percent, abort }))?;
         }
+        self.prune(&mut **db, (tenant, &handler), limits.max_versions);
         // Matched by version: served only if active, or the canary.
         let preloaded = vec![Arc::new(linked)];
         self.refresh_after_commit(&mut **db, preloaded);
@@ -478,6 +504,16 @@ pub enum Release {
         /// When a node ends it by itself.
         abort: Option<AbortRule>,
     },
+}
+
+/// Refuses the first version of a new handler when `tenant` has
+/// `max_handlers` already.
+fn check_handler_quota(db: &mut dyn Store, tenant: &str, handler: &str, max_handlers: u32) -> StoreResult<()> {
+    let handlers = db.handlers(tenant)?;
+    if handlers.len() >= max_handlers as usize && !handlers.iter().any(|(name, _)| name == handler) {
+        return Err(StoreError::Quota(format!("tenant {tenant:?} has {} handlers, its most (max_handlers)", handlers.len())));
+    }
+    Ok(())
 }
 
 /// The server's defaults must themselves be a valid tenant's limits.

@@ -82,3 +82,51 @@ impl Upload {
         compose::plug_pipeline(&self.bytes, pipeline).map(Bytes::from).map_err(StoreError::Invalid)
     }
 }
+
+/// The tenants with an upload in progress on this node: one at a time
+/// each, so that no tenant holds more than one of the compile pool's
+/// places, however many it sends at once.
+#[derive(Default)]
+pub(super) struct Uploading(std::sync::Mutex<std::collections::HashSet<String>>);
+
+impl Uploading {
+    /// `tenant`'s place until the guard drops, or a refusal while it has one.
+    pub fn begin(&self, tenant: &str) -> StoreResult<UploadGuard<'_>> {
+        if !self.lock().insert(tenant.to_owned()) {
+            return Err(StoreError::TooMany(format!("an upload of tenant {tenant:?} is in progress on this node; one at a time")));
+        }
+        Ok(UploadGuard { uploading: self, tenant: tenant.to_owned() })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A tenant's upload in progress (see [`Uploading`]).
+pub(super) struct UploadGuard<'a> {
+    uploading: &'a Uploading,
+    tenant: String,
+}
+
+impl Drop for UploadGuard<'_> {
+    fn drop(&mut self) {
+        self.uploading.lock().remove(&self.tenant);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tenant_uploads_one_at_a_time_others_meanwhile() {
+        let uploading = Uploading::default();
+        let first = uploading.begin("acme").unwrap();
+        assert!(matches!(uploading.begin("acme"), Err(StoreError::TooMany(_))), "a second of the same tenant waits");
+        let other = uploading.begin("globex");
+        assert!(other.is_ok(), "another tenant goes on");
+        drop(first);
+        assert!(uploading.begin("acme").is_ok(), "the place comes back");
+    }
+}

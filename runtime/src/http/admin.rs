@@ -265,6 +265,8 @@ pub(super) fn store_error(e: &StoreError) -> Response<Body> {
         StoreError::Conflict(m) => response::error(StatusCode::CONFLICT, "conflict", m),
         StoreError::Invalid(m) => response::error(StatusCode::BAD_REQUEST, "invalid", m),
         StoreError::Forbidden(m) => response::error(StatusCode::FORBIDDEN, "forbidden", m),
+        StoreError::Quota(m) => response::error(StatusCode::FORBIDDEN, "quota_exceeded", m),
+        StoreError::TooMany(m) => response::retry_later(StatusCode::TOO_MANY_REQUESTS, "upload_in_progress", m, 2),
         StoreError::Busy(m) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "busy", m, 5),
         StoreError::Unavailable(_) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", &e.to_string(), 5),
         StoreError::Internal(err) => {

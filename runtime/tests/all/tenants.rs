@@ -188,3 +188,32 @@ fn the_cli_deploys_with_a_tenants_key() {
     assert_eq!(code, 1, "an invoke key deploys nothing: {out}");
     assert!(out.contains("403") && out.contains("deploy"), "{out}");
 }
+
+/// What a tenant stores through its deploy key stays bounded: past its
+/// `max_versions` an upload deletes the oldest versions (never the active
+/// one), and past its `max_handlers` a new handler is refused.
+#[test]
+fn a_tenants_versions_and_handlers_stay_within_its_quota() {
+    let keys = tenant_with_keys("quota", &[&["deploy"]]);
+    let deploy = keys[0].0.clone();
+    let _ = gateway();
+    let limits = json!({ "max_versions": 2, "max_handlers": 1 });
+    let patched = anonymous().patch(url("/admin/v1/tenants/quota")).bearer_auth(ADMIN_TOKEN).json(&limits).send().unwrap();
+    assert_eq!(patched.status(), 200);
+    let upload =
+        |handler: &str, file: &str| tenant_call(&deploy, Method::PUT, &format!("handlers/{handler}"), std::fs::read(guest(file)).unwrap());
+    for file in ["detect", "blur", "detect", "blur"] {
+        assert_eq!(upload("faces", file).status(), 201);
+    }
+    let versions: Value = tenant_call(&deploy, Method::GET, "handlers/faces/versions", Vec::new()).json().unwrap();
+    let kept: Vec<i64> = versions["versions"].as_array().unwrap().iter().map(|v| v["version"].as_i64().unwrap()).collect();
+    assert_eq!((kept, versions["active_version"].as_i64()), (vec![3, 4], Some(4)), "{versions}");
+    let rolled: Value = tenant_call(&deploy, Method::POST, "handlers/faces/rollback", Vec::new()).json().unwrap();
+    assert_eq!(rolled["active_version"], 3, "rollback reaches the versions kept: {rolled}");
+    // The active version is never pruned: 3 stays, 4 goes.
+    assert_eq!(upload("faces?activate=false", "detect").status(), 201);
+    let versions: Value = tenant_call(&deploy, Method::GET, "handlers/faces/versions", Vec::new()).json().unwrap();
+    let kept: Vec<i64> = versions["versions"].as_array().unwrap().iter().map(|v| v["version"].as_i64().unwrap()).collect();
+    assert_eq!(kept, [3, 5], "{versions}");
+    assert_eq!(status_and_code(upload("second", "detect")), (403, "quota_exceeded".into()), "one handler at most");
+}

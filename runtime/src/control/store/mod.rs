@@ -43,6 +43,12 @@ pub enum StoreError {
     /// The caller may not do this (a tenant's key past its scope).
     #[error("{0}")]
     Forbidden(String),
+    /// A tenant's quota (its handlers) is used up.
+    #[error("{0}")]
+    Quota(String),
+    /// Too many of the caller's own at once (its uploads); retry shortly.
+    #[error("{0}")]
+    TooMany(String),
     /// The gateway cannot take this now (uploads compiling); retry later.
     #[error("{0}")]
     Busy(String),
@@ -259,6 +265,11 @@ pub trait Store: Send {
     fn share_artifact(&mut self, _component_sha256: &str, _artifact: &SharedArtifact) -> StoreResult<()> {
         Ok(())
     }
+    /// Deletes `tenant`/`handler`'s oldest versions so that at most `keep`
+    /// remain, never the active one or the canary's (see
+    /// [`versions_past`]), and the components no version uses any more
+    /// (a shared store's artifacts with them).
+    fn prune_versions(&mut self, tenant: &str, handler: &str, keep: usize) -> StoreResult<Pruned>;
     /// A tenant's handlers with their active versions.
     fn handlers(&mut self, tenant: &str) -> StoreResult<Vec<(String, Option<i64>)>>;
     /// A handler's versions (oldest first) and its active version.
@@ -297,6 +308,23 @@ pub trait Store: Send {
 
     /// Forgets usage in buckets before `before_ms`.
     fn prune_usage(&mut self, before_ms: i64) -> StoreResult<()>;
+}
+
+/// What [`Store::prune_versions`] deleted.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Pruned {
+    /// The versions, oldest first.
+    pub versions: Vec<i64>,
+    /// The components (SHA-256, hex) no version uses any more.
+    pub components: Vec<String>,
+}
+
+/// Of `versions` (oldest first), those to delete so that at most `keep`
+/// remain, oldest first, never one of `spared` (the active version, a
+/// canary's): these stay even past `keep`.
+pub fn versions_past(versions: &[i64], keep: usize, spared: &[i64]) -> Vec<i64> {
+    let excess = versions.len().saturating_sub(keep);
+    versions.iter().copied().filter(|v| !spared.contains(v)).take(excess).collect()
 }
 
 /// The version a rollback goes to: the newest one older than the active one.

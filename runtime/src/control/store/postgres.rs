@@ -23,7 +23,7 @@ use super::{
     ActiveHandler, ActiveKeyRow, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError, StoreResult,
     TenantRow, VersionRow, new_incarnation, now,
 };
-use super::{Canary, canary_of, usage_columns, usage_from, usage_values};
+use super::{Canary, Pruned, canary_of, usage_columns, usage_from, usage_values, versions_past};
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::{Scopes, sha256_hex};
 use crate::metrics::usage::{Delta, Usage, UsageKey};
@@ -480,6 +480,42 @@ impl Store for PgStore {
             return Err(StoreError::Internal(anyhow::anyhow!("component {sha256} is corrupt: sha256 {actual}")));
         }
         Ok(bytes)
+    }
+
+    fn prune_versions(&mut self, tenant: &str, handler: &str, keep: usize) -> StoreResult<Pruned> {
+        self.write(|tx| {
+            let found = tx
+                .query_opt(
+                    "SELECT active_version, canary_version FROM handlers WHERE tenant = $1 AND name = $2 FOR UPDATE",
+                    &[&tenant, &handler],
+                )
+                .map_err(db_error)?;
+            let Some(row) = found else { return Ok(Pruned::default()) };
+            let spared: Vec<i64> = [row.get::<_, Option<i64>>(0), row.get::<_, Option<i64>>(1)].into_iter().flatten().collect();
+            let rows = tx
+                .query("SELECT version FROM versions WHERE tenant = $1 AND handler = $2 ORDER BY version", &[&tenant, &handler])
+                .map_err(db_error)?;
+            let doomed = versions_past(&rows.iter().map(|r| r.get(0)).collect::<Vec<i64>>(), keep, &spared);
+            if doomed.is_empty() {
+                return Ok(Pruned::default());
+            }
+            let deleted = tx
+                .query(
+                    "DELETE FROM versions WHERE tenant = $1 AND handler = $2 AND version = ANY($3) RETURNING component_sha256",
+                    &[&tenant, &handler, &doomed],
+                )
+                .map_err(db_error)?;
+            let shas: Vec<String> = deleted.iter().map(|r| r.get(0)).collect();
+            // Their artifacts go with them (ON DELETE CASCADE).
+            let freed = tx
+                .query(
+                    "DELETE FROM components c WHERE c.sha256 = ANY($1)
+                     AND NOT EXISTS (SELECT 1 FROM versions v WHERE v.component_sha256 = c.sha256) RETURNING c.sha256",
+                    &[&shas],
+                )
+                .map_err(db_error)?;
+            Ok(Pruned { versions: doomed, components: freed.iter().map(|r| r.get(0)).collect() })
+        })
     }
 
     fn shared_artifact(&mut self, component_sha256: &str, engine: &str) -> StoreResult<Option<SharedArtifact>> {

@@ -11,7 +11,7 @@ use super::{
     ActiveHandler, ActiveKeyRow, DB_FILE, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow,
     VersionRow, new_incarnation, now,
 };
-use super::{Canary, canary_of, usage_columns, usage_from, usage_values};
+use super::{Canary, Pruned, canary_of, usage_columns, usage_from, usage_values, versions_past};
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
 use crate::control::keys::Scopes;
@@ -333,6 +333,48 @@ impl Store for SqliteStore {
 
     fn component(&mut self, sha256: &str) -> StoreResult<Vec<u8>> {
         Ok(self.blobs.read_verified(&self.blobs.component_path(sha256), sha256)?)
+    }
+
+    fn prune_versions(&mut self, tenant: &str, handler: &str, keep: usize) -> StoreResult<Pruned> {
+        let tx = self.conn.transaction()?;
+        let spared: Option<(Option<i64>, Option<i64>)> = tx
+            .query_row(
+                "SELECT active_version, canary_version FROM handlers WHERE tenant = ?1 AND name = ?2",
+                params![tenant, handler],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        let Some((active, canary)) = spared else { return Ok(Pruned::default()) };
+        let versions: Vec<i64> = {
+            let mut stmt = tx.prepare("SELECT version FROM versions WHERE tenant = ?1 AND handler = ?2 ORDER BY version")?;
+            stmt.query_map(params![tenant, handler], |r| r.get(0))?.collect::<Result<_, _>>()?
+        };
+        let doomed = versions_past(&versions, keep, &[active, canary].into_iter().flatten().collect::<Vec<_>>());
+        let mut shas = Vec::new();
+        for version in &doomed {
+            let sha: String = tx.query_row(
+                "DELETE FROM versions WHERE tenant = ?1 AND handler = ?2 AND version = ?3 RETURNING component_sha256",
+                params![tenant, handler, version],
+                |r| r.get(0),
+            )?;
+            shas.push(sha);
+        }
+        tx.commit()?;
+        let mut components = Vec::new();
+        for sha in shas {
+            let used: Option<i64> =
+                self.conn.query_row("SELECT 1 FROM versions WHERE component_sha256 = ?1 LIMIT 1", [&sha], |r| r.get(0)).optional()?;
+            if used.is_none() && !components.contains(&sha) {
+                // Best effort: the rows are gone; a file left behind is only space.
+                if let Err(e) = std::fs::remove_file(self.blobs.component_path(&sha))
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    tracing::warn!(sha256 = %sha, error = %e, "cannot remove a component no version uses");
+                }
+                components.push(sha);
+            }
+        }
+        Ok(Pruned { versions: doomed, components })
     }
 
     fn handlers(&mut self, tenant: &str) -> StoreResult<Vec<(String, Option<i64>)>> {

@@ -343,3 +343,32 @@ fn a_canary_is_kept_with_its_rule_and_ended() {
         assert!(s.canaries().unwrap().is_empty(), "{kind}");
     }
 }
+
+#[test]
+fn the_oldest_versions_past_the_quota_are_pruned_never_the_active_one_or_a_canary() {
+    assert_eq!(versions_past(&[1, 2, 3, 4, 5], 3, &[1]), [2, 3], "the active one stays, the next oldest go");
+    assert_eq!(versions_past(&[1, 2, 3], 3, &[]), Vec::<i64>::new());
+    assert_eq!(versions_past(&[1, 2, 3], 1, &[1, 3]), [2], "spared ones stay even past the quota");
+    for mut store in stores("prune") {
+        let s = &mut *store;
+        let kind = s.describe();
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        let parts: Vec<Vec<u8>> = (0..5).map(|i| format!("component {i}").into_bytes()).collect();
+        let shas: Vec<String> = parts.iter().map(|p| sha256_hex(p)).collect();
+        // Versions 1 to 5 of `h` (1 active, 2 a canary); version 3's component is `other`'s too.
+        s.add_version(version("acme", "other", &parts[1], &shas[1], true)).unwrap();
+        for (i, part) in [0, 4, 1, 2, 3].into_iter().enumerate() {
+            s.add_version(version("acme", "h", &parts[part], &shas[part], i == 0)).unwrap();
+        }
+        s.set_canary("acme", "h", Some(Canary { version: 2, percent: 10, abort: None })).unwrap();
+        let pruned = s.prune_versions("acme", "h", 3).unwrap();
+        assert_eq!(pruned.versions, [3, 4], "{kind}: the oldest beside the active one (1) and the canary (2)");
+        assert_eq!(pruned.components, [shas[2].clone()], "{kind}: version 4's component; version 3's is still used");
+        let left: Vec<i64> = s.versions("acme", "h").unwrap().0.iter().map(|v| v.version).collect();
+        assert_eq!(left, [1, 2, 5], "{kind}");
+        assert_eq!(s.component(&shas[1]).unwrap(), parts[1], "{kind}: a component still in use stays");
+        assert!(s.component(&shas[2]).is_err(), "{kind}: a component no version uses is gone");
+        assert!(s.check().unwrap().is_empty(), "{kind}");
+        assert_eq!(s.prune_versions("acme", "nosuch", 1).unwrap(), Pruned::default(), "{kind}");
+    }
+}
