@@ -325,7 +325,7 @@ fn a_component_past_the_upload_limit_gets_413() {
 }
 
 /// Past the compile pool's bound — one compile thread here: one upload
-/// compiling, two waiting — an upload is refused 503 `busy` with
+/// compiling, two waiting, of three tenants — an upload is refused 503 `busy` with
 /// `Retry-After`, from its head alone (before its body is read); the three
 /// in the pool are all stored. A gateway of its own, whose pool only this
 /// test fills.
@@ -336,18 +336,21 @@ fn an_upload_past_the_compile_bound_gets_503_busy() {
     let addr = crate::harness::start(config);
     let admin_at =
         |method: Method, path: &str| anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(ADMIN_TOKEN);
-    assert_eq!(admin_json(admin_at(Method::POST, "tenants").json(&json!({ "name": "t" }))).0, 201);
+    // Three tenants: a tenant has one upload at a time on a node.
+    for tenant in ["t", "u", "v"] {
+        assert_eq!(admin_json(admin_at(Method::POST, "tenants").json(&json!({ "name": tenant }))).0, 201);
+    }
     // Only a head: the gateway answers at once if it refuses, else waits for the body.
     let head = format!(
         "PUT /admin/v1/tenants/t/handlers/probe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: 1000000\r\nConnection: close\r\n\r\n"
     );
     let (refusal, stored) = std::thread::scope(|s| {
         // Three different components (the same bytes again might not be compiled again).
-        let uploads: Vec<_> = ["detect", "blur", "crop"]
+        let uploads: Vec<_> = [("t", "detect"), ("u", "blur"), ("v", "crop")]
             .into_iter()
-            .map(|name| {
+            .map(|(tenant, name)| {
                 let admin_at = &admin_at;
-                s.spawn(move || admin_json(admin_at(Method::PUT, &format!("tenants/t/handlers/{name}")).body(component(name))))
+                s.spawn(move || admin_json(admin_at(Method::PUT, &format!("tenants/{tenant}/handlers/{name}")).body(component(name))))
             })
             .collect();
         let mut refusal = None;
@@ -523,4 +526,34 @@ fn metrics() -> String {
 fn gateway_default_concurrency() -> u64 {
     let config = crate::harness::config(std::path::PathBuf::from("/nonexistent"), None);
     u64::from(config.limits.max_concurrency)
+}
+
+/// Two uploads of one tenant at once: one is stored, the other gets 429
+/// `upload_in_progress` (so one tenant takes at most one of the compile
+/// pool's places), while another tenant's upload at the same time is
+/// stored. A gateway of its own: nothing cached, each upload compiles.
+#[test]
+fn a_tenants_second_upload_at_once_gets_429_another_tenants_goes_on() {
+    let addr = crate::harness::start(crate::harness::config(crate::harness::fresh_dir("uploads-at-once"), None));
+    let admin_at =
+        |method: Method, path: &str| anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(ADMIN_TOKEN);
+    for tenant in ["twice", "meanwhile"] {
+        assert_eq!(admin_json(admin_at(Method::POST, "tenants").json(&json!({ "name": tenant }))).0, 201);
+    }
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let uploads: Vec<_> = [("twice", "detect"), ("twice", "blur"), ("meanwhile", "crop")]
+            .into_iter()
+            .map(|(tenant, name)| {
+                let admin_at = &admin_at;
+                s.spawn(move || admin_json(admin_at(Method::PUT, &format!("tenants/{tenant}/handlers/{name}")).body(component(name))))
+            })
+            .collect();
+        uploads.into_iter().map(|u| u.join().unwrap()).collect()
+    });
+    let mut twice: Vec<u16> = answers[..2].iter().map(|(status, _)| *status).collect();
+    twice.sort_unstable();
+    assert_eq!(twice, [201, 429], "{answers:?}");
+    let refused = answers[..2].iter().find(|(status, _)| *status == 429).map(|(_, body)| body["error"]["code"].clone());
+    assert_eq!(refused, Some(json!("upload_in_progress")), "{answers:?}");
+    assert_eq!(answers[2].0, 201, "another tenant's upload goes on: {answers:?}");
 }
