@@ -120,7 +120,7 @@ fn tls() -> &'static (SocketAddr, CertificateDer<'static>) {
 
 /// A TCP connection to `addr` from the loopback address `source` (each
 /// address has its own per-address cap).
-fn connect_from(source: &str, addr: SocketAddr) -> TcpStream {
+pub(crate) fn connect_from(source: &str, addr: SocketAddr) -> TcpStream {
     connect_with(addr, |socket| socket.bind(SocketAddr::new(source.parse().unwrap(), 0)).unwrap())
 }
 
