@@ -541,6 +541,9 @@ async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
             eprintln!("error ({status}): {}", value["error"]["message"].as_str().unwrap_or("the gateway refused"));
             return Ok(1);
         }
+        if let Some(given) = response.headers().get("x-facegate-logs-cursor").and_then(|v| v.to_str().ok()) {
+            cursor.absorb(given).context("the gateway's cursor")?;
+        }
         let mut body = response.into_body();
         let mut pending = Vec::new();
         while let Some(frame) = body.frame().await {
@@ -578,13 +581,23 @@ impl Cursor {
             }
             return Ok(Self { given: given.map(str::to_owned), nodes: Default::default() });
         };
-        let mut nodes = std::collections::BTreeMap::new();
-        for pair in given.split(',') {
-            let parsed = pair.rsplit_once(':').and_then(|(n, s)| Some((n.to_owned(), s.parse().ok()?)));
-            let (node, seq) = parsed.with_context(|| format!("--since: {pair:?} is not node:seq"))?;
-            nodes.insert(node, seq);
+        let mut cursor = Self::default();
+        cursor.absorb(given).context("--since")?;
+        Ok(cursor)
+    }
+
+    /// Takes in a cursor the gateway gave (`x-facegate-logs-cursor`: the
+    /// node asked named where a bare `seq` was sent), each node's furthest kept.
+    fn absorb(&mut self, text: &str) -> anyhow::Result<()> {
+        for pair in text.split(',').filter(|p| !p.is_empty()) {
+            let parsed = pair.rsplit_once(':').and_then(|(n, s)| Some((n, s.parse::<u64>().ok()?)));
+            let (node, seq) =
+                parsed.filter(|(n, _)| crate::config::valid_node_id(n)).with_context(|| format!("{pair:?} is not node:seq"))?;
+            let at = self.nodes.entry(node.to_owned()).or_insert(seq);
+            *at = (*at).max(seq);
         }
-        Ok(Self { given: None, nodes })
+        self.given = None;
+        Ok(())
     }
 }
 

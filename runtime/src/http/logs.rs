@@ -32,12 +32,15 @@ use crate::sandbox::handler::valid_name;
 
 /// Longest one follow stays open; the client asks again with `since=`.
 const FOLLOW_FOR: Duration = Duration::from_secs(60);
+/// How often a follow checks its reader may still read, records or not.
+const RECHECK_EVERY: Duration = Duration::from_secs(1);
 /// The header that says how many records the tenant has had dropped (on
 /// the nodes read).
 const DROPPED_HEADER: &str = "x-facegate-logs-dropped";
 /// The header naming the live nodes that could not be read.
 const UNREACHABLE_HEADER: &str = "x-facegate-logs-unreachable";
-/// The header with the cursor after the records returned (a read).
+/// The header with the cursor after the records returned (a read), or
+/// where a follow starts.
 const CURSOR_HEADER: &str = "x-facegate-logs-cursor";
 /// The content type: one JSON record a line.
 const NDJSON: &str = "application/x-ndjson";
@@ -70,6 +73,16 @@ impl Cursor {
     /// The last `seq` read of `node` (`here` when it is the node asked).
     fn of(&self, node: &str, here: bool) -> Option<u64> {
         self.nodes.get(node).copied().or(self.here.filter(|_| here))
+    }
+
+    /// The cursor with a bare `seq` written as `node`'s (the node asked),
+    /// so that what it returns names that node.
+    fn resolved(&self, node: &str) -> Self {
+        let mut cursor = Self { nodes: self.nodes.clone(), here: None };
+        if let Some(seq) = self.here {
+            cursor.nodes.entry(node.to_owned()).or_insert(seq);
+        }
+        cursor
     }
 
     fn advance(&mut self, node: &str, seq: u64) {
@@ -154,10 +167,13 @@ struct Merged {
 }
 
 impl Merged {
-    /// Adds every line of `text` that is a record.
-    fn add(&mut self, text: &[u8]) {
+    /// Adds every line of `text` that is a record of `node` (a node asked at
+    /// a wrong address, this one's own say, gives none of another's).
+    fn add(&mut self, text: &[u8], node: &str) {
         for line in text.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
-            if let Ok(stamp) = serde_json::from_slice::<Stamp>(line) {
+            if let Ok(stamp) = serde_json::from_slice::<Stamp>(line)
+                && stamp.node == node
+            {
                 self.lines.push((stamp, line.to_vec()));
             }
         }
@@ -260,15 +276,15 @@ impl App {
         let mut from_peers = FromPeers::gather(peers, asked);
         let read = self.sandbox.logs().read(owner, query.since.of(&self.node, true), query.handler.as_deref());
         let mut merged = Merged::default();
-        merged.add(ndjson(&read.records, &self.node).as_bytes());
+        merged.add(ndjson(&read.records, &self.node).as_bytes(), &self.node);
         let until = Instant::now() + PEER_TIMEOUT;
         for (peer, answer) in std::mem::take(&mut from_peers.answers) {
             match peers::read_all(answer, until).await {
-                Ok(text) => merged.add(&text),
+                Ok(text) => merged.add(&text, &peer.id),
                 Err(why) => from_peers.unreachable(peer.id, &why),
             }
         }
-        let (body, cursor) = merged.into_answer(query.since.clone());
+        let (body, cursor) = merged.into_answer(query.since.resolved(&self.node));
         let mut answer = response::text(NDJSON, String::from_utf8_lossy(&body).into_owned());
         set_header(&mut answer, DROPPED_HEADER, (read.dropped + from_peers.dropped).to_string());
         set_header(&mut answer, CURSOR_HEADER, cursor.to_string());
@@ -282,14 +298,17 @@ impl App {
     /// streams, as they come.
     fn followed(&self, local: (Arc<TenantLogs>, Follower), reader: Reader, query: LogQuery, from_peers: FromPeers) -> Response<Body> {
         let dropped = local.0.read_dropped(&reader.owner) + from_peers.dropped;
+        // Where the follow starts, the asked node named: a client resumes from it.
+        let cursor = query.since.resolved(&self.node);
         let (tx, rx) = mpsc::channel(16);
         let end = Instant::now() + FOLLOW_FOR;
-        for (_, answer) in from_peers.answers {
-            tokio::spawn(peers::pump(answer, tx.clone(), end));
+        for (peer, answer) in from_peers.answers {
+            tokio::spawn(peers::pump(answer, (peer.id, tx.clone()), end));
         }
         tokio::spawn(follow(local, reader, (query, end), tx));
         let mut answer = Response::new(Lines(rx).boxed_unsync());
         set_header(&mut answer, DROPPED_HEADER, dropped.to_string());
+        set_header(&mut answer, CURSOR_HEADER, cursor.to_string());
         if !from_peers.unreachable.is_empty() {
             set_header(&mut answer, UNREACHABLE_HEADER, from_peers.unreachable.join(","));
         }
@@ -340,6 +359,8 @@ async fn follow((logs, follower): (Arc<TenantLogs>, Follower), reader: Reader, (
         }
         tokio::select! {
             () = &mut changed => {}
+            // Checked again now and then: a tenant deleted writes nothing to wake us.
+            () = tokio::time::sleep(RECHECK_EVERY) => {}
             () = tokio::time::sleep_until(end.into()) => return,
             () = tx.closed() => return,
         }
@@ -382,6 +403,7 @@ mod tests {
         assert_eq!(LogQuery::parse("since=node-a%3A41%2Cnode-b%3A7").unwrap().since, cursor, "percent-encoded");
         let bare = Cursor::parse("41").unwrap();
         assert_eq!((bare.of("me", true), bare.of("other", false)), (Some(41), None), "a bare seq is the asked node's");
+        assert_eq!(bare.resolved("me").to_string(), "me:41", "and the cursor returned names it");
         assert!(Cursor::parse("bad node:1").is_err() && Cursor::parse("a:b").is_err());
         let q = LogQuery { handler: Some("h".into()), since: cursor, follow: true, local: false };
         assert_eq!(q.for_peer("node-b"), "local=true&handler=h&since=7&follow=true");
@@ -391,8 +413,8 @@ mod tests {
     #[test]
     fn nodes_records_merge_by_time_and_advance_the_cursor() {
         let mut merged = Merged::default();
-        merged.add(b"{\"node\":\"b\",\"seq\":3,\"time_ms\":20}\n{\"node\":\"b\",\"seq\":4,\"time_ms\":40}\n");
-        merged.add(b"{\"node\":\"a\",\"seq\":9,\"time_ms\":30}\nnot a record\n");
+        merged.add(b"{\"node\":\"b\",\"seq\":3,\"time_ms\":20}\n{\"node\":\"b\",\"seq\":4,\"time_ms\":40}\n", "b");
+        merged.add(b"{\"node\":\"a\",\"seq\":9,\"time_ms\":30}\nnot a record\n{\"node\":\"b\",\"seq\":5,\"time_ms\":1}\n", "a");
         let (body, cursor) = merged.into_answer(Cursor::parse("a:8,c:1").unwrap());
         let order: Vec<u64> = String::from_utf8(body)
             .unwrap()

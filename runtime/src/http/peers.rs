@@ -96,9 +96,10 @@ pub(super) async fn read_all(response: Response<Incoming>, until: Instant) -> Re
     }
 }
 
-/// Passes a peer's followed log on to `tx`, whole lines only, until it
-/// ends, `until`, or the reader goes.
-pub(super) async fn pump(response: Response<Incoming>, tx: mpsc::Sender<Bytes>, until: Instant) {
+/// Passes a peer's followed log on to `tx`, whole lines of `node`'s
+/// records only (a node asked at a wrong address gives none of another's),
+/// until it ends, `until`, or the reader goes.
+pub(super) async fn pump(response: Response<Incoming>, (node, tx): (String, mpsc::Sender<Bytes>), until: Instant) {
     let mut body = response.into_body();
     let mut pending = Vec::new();
     loop {
@@ -117,10 +118,28 @@ pub(super) async fn pump(response: Response<Incoming>, tx: mpsc::Sender<Bytes>, 
             continue;
         };
         let lines: Vec<u8> = pending.drain(..=end).collect();
-        if tx.send(lines.into()).await.is_err() {
+        let kept = of_node(&lines, &node);
+        if !kept.is_empty() && tx.send(kept.into()).await.is_err() {
             return;
         }
     }
+}
+
+/// The lines of `text` that are records of `node`, each with its newline.
+fn of_node(text: &[u8], node: &str) -> Vec<u8> {
+    #[derive(serde::Deserialize)]
+    struct Named<'a> {
+        #[serde(borrow)]
+        node: std::borrow::Cow<'a, str>,
+    }
+    let mut kept = Vec::with_capacity(text.len());
+    for line in text.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+        if serde_json::from_slice::<Named<'_>>(line).is_ok_and(|r| r.node == node) {
+            kept.extend_from_slice(line);
+            kept.push(b'\n');
+        }
+    }
+    kept
 }
 
 #[cfg(test)]
@@ -137,6 +156,12 @@ mod tests {
             started_at: 0,
             heartbeat_at: 0,
         }
+    }
+
+    #[test]
+    fn only_the_asked_nodes_records_pass() {
+        let text = b"{\"node\":\"b\",\"seq\":1}\n{\"node\":\"a\",\"seq\":2}\nnot json\n{\"node\":\"b\",\"seq\":3}\n";
+        assert_eq!(of_node(text, "b"), b"{\"node\":\"b\",\"seq\":1}\n{\"node\":\"b\",\"seq\":3}\n");
     }
 
     #[test]

@@ -122,7 +122,6 @@ struct Ring {
     bytes: usize,
     /// Records dropped to stay within the bound, since start.
     dropped: u64,
-    next_seq: u64,
     /// Woken at each of this tenant's records (its followers wait on it).
     grew: Arc<tokio::sync::Notify>,
     /// Followers now.
@@ -152,9 +151,21 @@ impl LogOwner {
 
 /// Every tenant's log on this node.
 pub struct TenantLogs {
+    /// The next record's `seq` (see [`seq_base`]).
+    next_seq: std::sync::atomic::AtomicU64,
     capacity: AtomicUsize,
     total_capacity: AtomicUsize,
     tenants: Mutex<Rings>,
+}
+
+/// Where this process's `seq`s start: the time in ms × 1024. One counter
+/// for every log, so a log made again (its tenant forgotten and back)
+/// continues past every `seq` of the one before; and a restarted node
+/// starts past every `seq` it gave before (the old process would have
+/// needed 1024 records a ms all its life to reach it): a reader's cursor
+/// from before skips nothing. Below 2^53, so exact in JavaScript too.
+fn seq_base() -> u64 {
+    u64::try_from(now_ms()).unwrap_or(0).saturating_mul(1024)
 }
 
 /// Every tenant's ring, and the bytes of them all.
@@ -170,21 +181,43 @@ impl Rings {
     }
 
     /// Drops the oldest records of the largest logs until all of them take
-    /// at most `bytes`.
+    /// at most `bytes`: every log above a common level is cut to it (the
+    /// level found once, not the largest log again at every record), and
+    /// logs left empty with no follower are forgotten.
     fn trim_to(&mut self, bytes: usize) {
-        while self.bytes > bytes {
-            let Some(largest) = self.by_owner.values_mut().max_by_key(|r| r.bytes) else { return };
-            let Some(old) = largest.records.pop_front() else { return };
-            largest.bytes -= old.size();
-            largest.dropped += 1;
-            self.bytes -= old.size();
+        let level = water_level(self.by_owner.values().map(|r| r.bytes).collect(), bytes);
+        for ring in self.by_owner.values_mut() {
+            while ring.bytes > level {
+                let Some(old) = ring.records.pop_front() else { break };
+                ring.bytes -= old.size();
+                ring.dropped += 1;
+                self.bytes -= old.size();
+            }
+        }
+        self.by_owner.retain(|_, ring| !ring.records.is_empty() || ring.followers > 0);
+    }
+}
+
+/// The largest level such that `sizes`, each cut to it, sum to at most
+/// `total`.
+fn water_level(mut sizes: Vec<usize>, total: usize) -> usize {
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let mut rest: usize = sizes.iter().sum();
+    for (k, &size) in sizes.iter().enumerate() {
+        rest -= size;
+        // The k + 1 largest cut to one level, the rest as they are.
+        let level = total.saturating_sub(rest) / (k + 1);
+        if sizes.get(k + 1).is_none_or(|&next| level >= next) {
+            return level;
         }
     }
+    0
 }
 
 impl Default for TenantLogs {
     fn default() -> Self {
         Self {
+            next_seq: std::sync::atomic::AtomicU64::new(seq_base()),
             capacity: AtomicUsize::new(DEFAULT_TENANT_LOG_BYTES),
             total_capacity: AtomicUsize::new(DEFAULT_TENANT_LOGS_TOTAL_BYTES),
             tenants: Mutex::default(),
@@ -239,8 +272,8 @@ impl TenantLogs {
         let grew = {
             let mut rings = self.lock();
             let ring = rings.by_owner.entry(owner.clone()).or_default();
-            record.seq = ring.next_seq;
-            ring.next_seq += 1;
+            // Taken under the lock: a ring's records stay in `seq` order.
+            record.seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
             let before = ring.bytes;
             ring.bytes += record.size();
             ring.records.push_back(record);
@@ -280,9 +313,8 @@ impl TenantLogs {
     pub fn read(&self, owner: &LogOwner, since: Option<u64>, handler: Option<&str>) -> Read {
         let rings = self.lock();
         let Some(ring) = rings.get(owner) else { return Read::default() };
-        // Sequence numbers are consecutive: the first record after `since` is found by index.
-        let first = ring.records.front().map_or(0, |r| r.seq);
-        let skip = since.map_or(0, |s| usize::try_from((s + 1).saturating_sub(first)).unwrap_or(usize::MAX));
+        // In `seq` order: the first record after `since` is found by bisection.
+        let skip = since.map_or(0, |s| ring.records.partition_point(|r| r.seq <= s));
         let records = ring.records.iter().skip(skip).filter(|r| handler.is_none_or(|h| r.handler == h)).cloned().collect();
         Read { records, dropped: ring.dropped }
     }
@@ -366,6 +398,25 @@ mod tests {
     }
 
     #[test]
+    fn a_log_made_again_continues_past_every_seq_of_the_one_before() {
+        let logs = TenantLogs::default();
+        let t = owner("t");
+        (0..100).for_each(|i| logs.push(&t, line("h", &format!("{i}"))));
+        let cursor = logs.read(&t, None, None).records.last().unwrap().seq;
+        logs.forget("t"); // as a restarted node starts empty
+        logs.push(&t, line("h", "after"));
+        let after = logs.read(&t, Some(cursor), None).records;
+        assert_eq!(after.len(), 1, "an old cursor skips nothing of the new log");
+    }
+
+    #[test]
+    fn the_water_level_cuts_the_largest_first() {
+        assert_eq!(water_level(vec![100, 10, 10], 60), 40);
+        assert!(water_level(vec![30, 30], 100) >= 30, "already within: nothing cut");
+        assert_eq!(water_level(vec![50, 50, 1], 41), 20);
+    }
+
+    #[test]
     fn followers_are_counted_and_capped() {
         let logs = Arc::new(TenantLogs::default());
         let held: Vec<Follower> = (0..MAX_FOLLOWERS).map(|_| logs.follow(&owner("t")).unwrap()).collect();
@@ -411,6 +462,8 @@ mod tests {
         assert!(logs.bytes(&t) <= 4096);
         let read = logs.read(&t, None, None);
         assert!(read.dropped > 900 && read.records.len() + read.dropped as usize == 1000, "{}", read.dropped);
-        assert_eq!(read.records.last().unwrap().seq, 999, "the newest stay");
+        let (first, last) = (read.records[0].seq, read.records.last().unwrap().seq);
+        assert_eq!(last - first + 1, read.records.len() as u64, "consecutive: the newest stay");
+        assert!(logs.read(&t, Some(u64::MAX), None).records.is_empty(), "a cursor past the end reads nothing, never overflows");
     }
 }

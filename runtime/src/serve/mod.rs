@@ -172,7 +172,13 @@ impl Gateway {
         let config = &self.app.config;
         let address = match &config.advertise {
             Some(address) => address.clone(),
-            None => listener.local_addr()?.to_string(),
+            None => {
+                let local = listener.local_addr()?;
+                if local.ip().is_unspecified() && config.store.is_some() {
+                    tracing::warn!(address = %local, "no --advertise: other nodes cannot reach this one at an unspecified address (a tenant's log read through them misses this node's records); set --advertise");
+                }
+                local.to_string()
+            }
         };
         let node =
             NodeIdentity { id: config.node_name(), address, devices: config.engine.devices.iter().map(ToString::to_string).collect() };
