@@ -31,7 +31,11 @@ fn node(url: &str, id: &str) -> (Server, PathBuf) {
 
 /// [`node`] with more arguments.
 fn node_with(url: &str, id: &str, extra: &[&str]) -> (Server, PathBuf) {
-    let data = fresh_dir(&format!("cluster-{id}"));
+    // A directory of its own for each node started: the tests run at once,
+    // each with its own `node-a`.
+    static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let data = fresh_dir(&format!("cluster-{id}-{n}"));
     let stale_after = if id == "node-a" { "5" } else { "300" };
     let mut args = vec!["--store", url, "--node-id", id, "--stale-after-s", stale_after];
     args.extend_from_slice(extra);
