@@ -15,6 +15,7 @@ use hyper::{Method, Request, StatusCode, Uri};
 use serde_json::{Value, json};
 
 use crate::admission::limits::LimitOverrides;
+use crate::http::LogCursor;
 use crate::http::client::send;
 
 /// Where the admin API is and how to print.
@@ -519,7 +520,8 @@ async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
     let Some(key) = args.client.key.as_deref() else {
         bail!("logs are read with a tenant's key that has the read scope: give --key or FACEGATE_KEY")
     };
-    let mut cursor = Cursor::parse(args.since.as_deref())?;
+    let parsed = args.since.as_deref().map(LogCursor::parse).transpose();
+    let mut cursor = parsed.map_err(|e| anyhow::anyhow!("--since: {e}"))?.unwrap_or_default();
     loop {
         let mut query: Vec<String> = args.handler.iter().map(|h| format!("handler={h}")).collect();
         query.extend(cursor.query());
@@ -542,7 +544,7 @@ async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
             return Ok(1);
         }
         if let Some(given) = response.headers().get("x-facegate-logs-cursor").and_then(|v| v.to_str().ok()) {
-            cursor.absorb(given).context("the gateway's cursor")?;
+            cursor.absorb(&LogCursor::parse(given).map_err(|e| anyhow::anyhow!("the gateway's cursor: {e}"))?);
         }
         let mut body = response.into_body();
         let mut pending = Vec::new();
@@ -552,7 +554,9 @@ async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
             while let Some(end) = pending.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = pending.drain(..=end).collect();
                 if let Ok(record) = serde_json::from_slice::<Value>(&line) {
-                    cursor.advance(&record);
+                    if let (Some(node), Some(seq)) = (record["node"].as_str(), record["seq"].as_u64()) {
+                        cursor.advance(node, seq);
+                    }
                     print_record(&record, args.client.json);
                 }
             }
@@ -560,60 +564,6 @@ async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
         if !args.follow {
             return Ok(0);
         }
-    }
-}
-
-/// Where `facegate logs` is in a tenant's log: the last `seq` printed of
-/// each node, or what `--since` said until a record comes.
-#[derive(Debug, Default)]
-struct Cursor {
-    given: Option<String>,
-    nodes: std::collections::BTreeMap<String, u64>,
-}
-
-impl Cursor {
-    /// `--since`: a `node:seq,…` cursor is taken apart (records advance it
-    /// node by node); a bare `seq` is sent as given until a record comes.
-    fn parse(given: Option<&str>) -> anyhow::Result<Self> {
-        let Some(given) = given.filter(|g| g.contains(':')) else {
-            if let Some(bare) = given {
-                bare.parse::<u64>().with_context(|| format!("--since {bare:?}: give node:seq pairs or a record's seq"))?;
-            }
-            return Ok(Self { given: given.map(str::to_owned), nodes: Default::default() });
-        };
-        let mut cursor = Self::default();
-        cursor.absorb(given).context("--since")?;
-        Ok(cursor)
-    }
-
-    /// Takes in a cursor the gateway gave (`x-facegate-logs-cursor`: the
-    /// node asked named where a bare `seq` was sent), each node's furthest kept.
-    fn absorb(&mut self, text: &str) -> anyhow::Result<()> {
-        for pair in text.split(',').filter(|p| !p.is_empty()) {
-            let parsed = pair.rsplit_once(':').and_then(|(n, s)| Some((n, s.parse::<u64>().ok()?)));
-            let (node, seq) =
-                parsed.filter(|(n, _)| crate::config::valid_node_id(n)).with_context(|| format!("{pair:?} is not node:seq"))?;
-            let at = self.nodes.entry(node.to_owned()).or_insert(seq);
-            *at = (*at).max(seq);
-        }
-        self.given = None;
-        Ok(())
-    }
-}
-
-impl Cursor {
-    /// Notes a record printed (its `node` and `seq`).
-    fn advance(&mut self, record: &Value) {
-        if let (Some(node), Some(seq)) = (record["node"].as_str(), record["seq"].as_u64()) {
-            let at = self.nodes.entry(node.to_owned()).or_insert(seq);
-            *at = (*at).max(seq);
-        }
-    }
-
-    /// The `since=` parameter, if any (node ids need no escaping; ':' and ',' are escaped).
-    fn query(&self) -> Option<String> {
-        let pairs: Vec<String> = self.nodes.iter().map(|(node, seq)| format!("{node}%3A{seq}")).collect();
-        if pairs.is_empty() { self.given.as_ref().map(|g| format!("since={g}")) } else { Some(format!("since={}", pairs.join("%2C"))) }
     }
 }
 

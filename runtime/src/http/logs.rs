@@ -47,7 +47,7 @@ const NDJSON: &str = "application/x-ndjson";
 
 /// Where a reader is in a tenant's log: the last `seq` it has of each node.
 #[derive(Debug, Default, Clone, PartialEq)]
-struct Cursor {
+pub struct Cursor {
     nodes: BTreeMap<String, u64>,
     /// A bare number: the last `seq` of the node asked.
     here: Option<u64>,
@@ -55,7 +55,7 @@ struct Cursor {
 
 impl Cursor {
     /// `node:seq` pairs joined by commas, or one bare `seq` of the node asked.
-    fn parse(value: &str) -> Result<Self, String> {
+    pub fn parse(value: &str) -> Result<Self, String> {
         if let Ok(seq) = value.parse() {
             return Ok(Self { here: Some(seq), ..Self::default() });
         }
@@ -85,9 +85,28 @@ impl Cursor {
         cursor
     }
 
-    fn advance(&mut self, node: &str, seq: u64) {
+    /// Notes `node`'s record `seq` as read (each node's furthest kept).
+    pub fn advance(&mut self, node: &str, seq: u64) {
         let at = self.nodes.entry(node.to_owned()).or_insert(seq);
         *at = (*at).max(seq);
+    }
+}
+
+impl Cursor {
+    /// Takes in another cursor (the gateway's `x-facegate-logs-cursor`),
+    /// each node's furthest kept; a bare `seq` gives way to it.
+    pub fn absorb(&mut self, other: &Self) {
+        other.nodes.iter().for_each(|(node, seq)| self.advance(node, *seq));
+        self.here = self.here.filter(|_| other.nodes.is_empty());
+    }
+
+    /// The `since=` parameter for it, if it says anything (`:` and `,` escaped).
+    pub fn query(&self) -> Option<String> {
+        match self.here {
+            Some(seq) if self.nodes.is_empty() => Some(format!("since={seq}")),
+            _ if self.nodes.is_empty() => None,
+            _ => Some(format!("since={}", self.to_string().replace(':', "%3A").replace(',', "%2C"))),
+        }
     }
 }
 

@@ -17,6 +17,7 @@ pub mod client;
 mod conn;
 pub mod console;
 mod logs;
+pub use logs::Cursor as LogCursor;
 pub mod open_files;
 mod peers;
 pub mod response;

@@ -42,6 +42,12 @@ fn node_with(url: &str, id: &str, extra: &[&str]) -> (Server, PathBuf) {
     (Server::start_with(&data, &args), data)
 }
 
+/// The live nodes `server` counts (`facegate_live_nodes`).
+fn live(server: &Server) -> Option<f64> {
+    let text = crate::harness::anonymous().get(format!("http://{}/metrics", server.addr)).bearer_auth(crate::harness::ADMIN_TOKEN);
+    crate::harness::metric(&text.send().unwrap().text().unwrap(), "facegate_live_nodes")
+}
+
 fn ready(server: &Server) -> u16 {
     crate::harness::anonymous().get(format!("http://{}/readyz", server.addr)).send().unwrap().status().as_u16()
 }
@@ -303,10 +309,6 @@ fn a_tenants_concurrency_is_shared_among_the_live_nodes() {
     a.json(a.admin(Method::POST, "tenants").json(&json!({ "name": "shared", "limits": { "max_concurrency": 4, "rps": 0.0 } })));
     let key = a.json(a.admin(Method::POST, "tenants/shared/keys"))["key"].as_str().unwrap().to_owned();
     a.json(a.admin(Method::PUT, "tenants/shared/handlers/attack").body(std::fs::read(guest("hostile")).unwrap()));
-    let live = |server: &Server| {
-        let text = crate::harness::anonymous().get(format!("http://{}/metrics", server.addr)).bearer_auth(crate::harness::ADMIN_TOKEN);
-        crate::harness::metric(&text.send().unwrap().text().unwrap(), "facegate_live_nodes")
-    };
     within(Duration::from_secs(10), "both nodes count two live nodes", || live(&a) == Some(2.0) && live(&b) == Some(2.0));
     within(Duration::from_secs(10), "B serves the tenant", || served(&b, &key, "shared").is_some());
 
@@ -453,10 +455,6 @@ fn a_tenants_log_is_read_from_every_live_node() {
     };
     let (invoke, read) = (key(&["invoke"]), key(&["read"]));
     a.json(a.admin(Method::PUT, "tenants/logged/handlers/attack").body(std::fs::read(guest("hostile")).unwrap()));
-    let live = |server: &Server| {
-        let text = crate::harness::anonymous().get(format!("http://{}/metrics", server.addr)).bearer_auth(crate::harness::ADMIN_TOKEN);
-        crate::harness::metric(&text.send().unwrap().text().unwrap(), "facegate_live_nodes")
-    };
     within(Duration::from_secs(10), "both nodes count two live nodes", || live(&a) == Some(2.0) && live(&b) == Some(2.0));
     within(Duration::from_secs(10), "B serves the tenant", || served(&b, &invoke, "logged").is_some());
 
