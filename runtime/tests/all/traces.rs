@@ -338,9 +338,13 @@ fn a_refusal_is_a_failed_span_naming_the_limit() {
         .post(format!("http://{}/v1/demo/detect", gateway.addr))
         .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
         .body(vec![0u8; harness::MAX_BODY_BYTES + 1])
-        .send()
-        .unwrap();
-    assert_eq!(response.status(), 413);
+        .send();
+    // The 413 comes from the head; a client still sending more than the
+    // closing connection drains (1 MiB) may see the reset instead. The
+    // trace below says 413 either way.
+    if let Ok(response) = response {
+        assert_eq!(response.status(), 413);
+    }
     let spans = gateway.receiver.wait_for("the refused request's spans", |spans| {
         let ours = |name: &str| spans.iter().any(|s| hex(&s.trace_id) == trace_id && s.name == name);
         ours("read body") && ours("POST /v1/{tenant}/{handler}")
