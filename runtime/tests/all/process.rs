@@ -140,18 +140,14 @@ impl Server {
 
     /// Calls t/h; returns the status and the version that answered.
     pub fn call(&self, key: &str) -> (u16, Option<i64>) {
-        let response = client_with_key(key).post(format!("http://{}/v1/t/h", self.addr)).body(image("grace_hopper.jpg")).send().unwrap();
-        let version = response.headers().get("x-facegate-handler-version").map(|v| v.to_str().unwrap().parse().unwrap());
-        (response.status().as_u16(), version)
+        answered(client_with_key(key).post(format!("http://{}/v1/t/h", self.addr)).body(image("grace_hopper.jpg")))
     }
 
     /// What t/h answers to a GET (no image, so no inference: a quick look at
     /// which version this node serves, even on a loaded machine): the status
     /// and the version that answered.
     pub fn probe(&self, key: &str) -> (u16, Option<i64>) {
-        let response = client_with_key(key).get(format!("http://{}/v1/t/h", self.addr)).send().unwrap();
-        let version = response.headers().get("x-facegate-handler-version").map(|v| v.to_str().unwrap().parse().unwrap());
-        (response.status().as_u16(), version)
+        answered(client_with_key(key).get(format!("http://{}/v1/t/h", self.addr)))
     }
 
     /// Starts an upload of t/h over a raw socket: the head and `sent` bytes of `body`.
@@ -165,6 +161,18 @@ impl Server {
         stream.write_all(&body[..sent]).unwrap();
         stream
     }
+}
+
+/// Sends `request` and reads its whole answer (the guest streams the body
+/// after the head and holds its tenant's slot until it is done, so the
+/// next call does not overlap it): the status and the version that
+/// answered.
+fn answered(request: reqwest::blocking::RequestBuilder) -> (u16, Option<i64>) {
+    let response = request.send().unwrap();
+    let version = response.headers().get("x-facegate-handler-version").map(|v| v.to_str().unwrap().parse().unwrap());
+    let status = response.status().as_u16();
+    let _ = response.bytes();
+    (status, version)
 }
 
 impl Drop for Server {
