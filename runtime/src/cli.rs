@@ -536,6 +536,12 @@ async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
             .header(hyper::header::AUTHORIZATION, format!("Bearer {key}"))
             .body(Full::new(Bytes::new()))?;
         let response = send(&uri, request, args.client.ca_cert.as_deref()).await.with_context(|| format!("cannot reach {url}"))?;
+        if args.follow && response.status() == hyper::StatusCode::TOO_MANY_REQUESTS {
+            // Past the tenant's API rate: a follower waits its turn, as told.
+            let seconds = response.headers().get(hyper::header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(1u64);
+            tokio::time::sleep(std::time::Duration::from_secs(seconds.clamp(1, 60))).await;
+            continue;
+        }
         if !response.status().is_success() {
             let status = response.status().as_u16();
             let bytes = response.into_body().collect().await?.to_bytes();

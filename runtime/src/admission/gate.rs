@@ -18,6 +18,9 @@ pub struct TenantGate {
     pub rate: Arc<TokenBucket>,
     /// Concurrent-request slots: this node's share of the tenant's concurrency.
     pub concurrency: Arc<ConcurrencyGate>,
+    /// Tenant-API calls on this node (not a share: every node a log read
+    /// asks counts it).
+    pub api: Arc<TokenBucket>,
 }
 
 /// This node's share of a tenant's rate limit, burst and concurrency when
@@ -37,6 +40,7 @@ impl TenantGate {
         let (rps, burst, concurrency) = node_share(&self.limits, nodes);
         self.rate.reconfigure(rps, burst);
         self.concurrency.resize(concurrency);
+        self.api.reconfigure(self.limits.api_rps, self.limits.api_burst());
     }
 }
 
@@ -46,10 +50,17 @@ impl TenantGate {
 /// new concurrency at once.
 pub(crate) fn new_gate(limits: TenantLimits, old: Option<&TenantGate>, nodes: usize) -> TenantGate {
     let gate = match old {
-        Some(old) => TenantGate { rate: Arc::clone(&old.rate), concurrency: Arc::clone(&old.concurrency), limits },
+        Some(old) => {
+            TenantGate { rate: Arc::clone(&old.rate), concurrency: Arc::clone(&old.concurrency), api: Arc::clone(&old.api), limits }
+        }
         None => {
             let (rps, burst, concurrency) = node_share(&limits, nodes);
-            TenantGate { rate: Arc::new(TokenBucket::new(rps, burst)), concurrency: Arc::new(ConcurrencyGate::new(concurrency)), limits }
+            TenantGate {
+                rate: Arc::new(TokenBucket::new(rps, burst)),
+                concurrency: Arc::new(ConcurrencyGate::new(concurrency)),
+                api: Arc::new(TokenBucket::new(limits.api_rps, limits.api_burst())),
+                limits,
+            }
         }
     };
     gate.share_among(nodes);
@@ -227,6 +238,15 @@ mod tests {
         let more: Vec<_> = (0..5).map(|_| gate.try_acquire().unwrap()).collect();
         assert_eq!((gate.in_use(), more.len(), held.len()), (8, 5, 3));
         assert!(gate.try_acquire().is_none());
+    }
+
+    #[test]
+    fn the_tenant_api_bucket_is_each_nodes_whole_and_kept_across_changes() {
+        let gate = new_gate(TenantLimits { api_rps: 2.0, ..TenantLimits::default() }, None, 4);
+        let taken = std::iter::from_fn(|| gate.api.try_take().ok()).take(100).count();
+        assert_eq!(taken, 10, "five seconds of 2/s, on each of four nodes alike");
+        let changed = new_gate(TenantLimits { api_rps: 3.0, ..TenantLimits::default() }, Some(&gate), 4);
+        assert!(changed.api.try_take().is_err(), "a limit change refills nothing");
     }
 
     fn limits(rps: f64, burst: u32, max_concurrency: u32) -> TenantLimits {

@@ -34,6 +34,10 @@ pub const DEFAULT_TENANT_MAX_CONCURRENCY: u32 = 32;
 pub const DEFAULT_TENANT_RPS: f64 = 100.0;
 /// Default token-bucket size of one tenant.
 pub const DEFAULT_TENANT_BURST: u32 = 200;
+/// Default calls per second of one tenant to the tenant API, on each node.
+pub const DEFAULT_TENANT_API_RPS: f64 = 20.0;
+/// Seconds of a tenant's API rate its bucket holds (the burst).
+const API_BURST_SECONDS: f64 = 5.0;
 /// Default largest response body a handler may send, bytes (64 MiB: a
 /// blurred 50-megapixel JPEG, several times over).
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 << 20;
@@ -149,6 +153,12 @@ tenant_limits! {
         /// Requests that may arrive at once above the sustained rate (the
         /// token bucket's size).
         burst: u32 = DEFAULT_TENANT_BURST, flag "tenant-burst", env "FACEGATE_TENANT_BURST", rule at_least(1);
+        /// Calls per second the tenant's keys may make to the tenant API
+        /// (`/tenant/v1/`: deploys, listings, usage, logs) on each node,
+        /// with five seconds' worth at once (0: unlimited); more get 429
+        /// `api_rate_limited`. Each node counts its own, unlike `rps`: a
+        /// log read asks every live node, and each one counts it.
+        api_rps: f64 = DEFAULT_TENANT_API_RPS, flag "tenant-api-rps", env "FACEGATE_TENANT_API_RPS", rule rate;
         /// Largest request body, bytes; larger bodies get 413. The server's
         /// value is also every tenant's ceiling.
         max_body_bytes: usize = DEFAULT_MAX_BODY_BYTES, flag "max-body-bytes", env "FACEGATE_MAX_BODY_BYTES", rule up_to_default(1);
@@ -191,6 +201,13 @@ impl TenantLimits {
     /// The request deadline as a duration.
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms)
+    }
+
+    /// The tenant API's token-bucket size: five seconds of `api_rps`, at
+    /// least one call.
+    pub fn api_burst(&self) -> u32 {
+        // `as` saturates: a huge rate is a bucket of u32::MAX, never a panic.
+        (self.api_rps * API_BURST_SECONDS).ceil().max(1.0) as u32
     }
 }
 
@@ -235,6 +252,8 @@ fn rate(v: f64, _: f64) -> Result<(), String> {
 pub enum Limit {
     /// The tenant's token bucket (429).
     Rate,
+    /// The tenant's tenant-API token bucket on this node (429).
+    ApiRate,
     /// The tenant's requests in flight (429).
     Concurrency,
     /// No instance slot free for the tenant: pool full, or its fair share taken (503).
@@ -272,6 +291,7 @@ impl Limit {
     pub fn label(self) -> &'static str {
         match self {
             Limit::Rate => "rate",
+            Limit::ApiRate => "api_rate",
             Limit::Concurrency => "concurrency",
             Limit::Instances => "instances",
             Limit::BodySize => "body_size",
@@ -332,6 +352,12 @@ mod tests {
         let defaults = TenantLimits::default();
         assert_eq!(defaults.validate(&LimitOverrides::default()), Ok(()));
         assert_eq!((defaults.memory_mib, defaults.timeout_ms, defaults.instance_reuse), (256, 10_000, 1));
+    }
+
+    #[test]
+    fn the_api_burst_is_five_seconds_of_the_rate_and_never_overflows() {
+        let with = |api_rps| TenantLimits { api_rps, ..TenantLimits::default() }.api_burst();
+        assert_eq!((with(20.0), with(0.5), with(0.001), with(1e300)), (100, 3, 1, u32::MAX));
     }
 
     #[test]

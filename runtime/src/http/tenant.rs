@@ -12,7 +12,8 @@
 //! | `GET usage`, `GET logs` (every live node's records) | `read` |
 //!
 //! A missing, wrong or revoked key is 401 (slowed like a wrong admin
-//! token); a key without the route's scope is 403.
+//! token); a key without the route's scope is 403. A tenant's calls past
+//! its `api_rps` on this node are 429 `api_rate_limited`.
 
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
@@ -25,6 +26,7 @@ use super::response::{self, Body};
 use crate::control::ControlPlane;
 use crate::control::keys::Scopes;
 use crate::control::store::StoreError;
+use crate::metrics::Limit;
 
 /// Largest body of a tenant's call that uploads nothing (JSON of a few fields).
 const SMALL_BODY_BYTES: usize = 64 << 10;
@@ -45,12 +47,19 @@ fn required(method: &Method, rest: &[&str]) -> Option<Scopes> {
 impl App {
     /// Serves one tenant API request (`rest` is the path after `/tenant/v1/`).
     pub(super) async fn tenant_api(&self, rest: &[&str], req: Request<Incoming>) -> Response<Body> {
-        let found = self.control.live().authenticate(bearer(&req)).map(|(tenant, scopes)| (tenant.to_owned(), scopes));
+        let live = self.control.live();
+        let found = live.authenticate(bearer(&req)).map(|(tenant, scopes)| (tenant.to_owned(), scopes));
         let Some((tenant, scopes)) = found else {
             let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
             refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
             return self.token_failures.slowed("tenant", &req, response::before_body(refusal)).await;
         };
+        // Every call a key makes counts, refused or not: what a flood of
+        // them costs this node (and, for log reads, every node) is bounded.
+        if let Some(Err(wait)) = live.tenants.get(&tenant).map(|entry| entry.gate.api.try_take()) {
+            return self.api_rate_limited(&tenant, wait);
+        }
+        drop(live);
         let method = req.method().clone();
         let Some(needed) = required(&method, rest) else {
             let path = format!("/tenant/v1/{}", rest.join("/"));
@@ -72,6 +81,18 @@ impl App {
         let upload = method == Method::PUT;
         let max_body = if upload { self.config.max_component_bytes } else { SMALL_BODY_BYTES };
         self.store_op(req, (upload, max_body), move |control, body| tenant_op(control, &tenant, (&method, &path, &query), body)).await
+    }
+}
+
+impl App {
+    /// The answer to a tenant whose tenant-API bucket on this node is empty
+    /// for another `wait`; counted as a limit hit.
+    fn api_rate_limited(&self, tenant: &str, wait: std::time::Duration) -> Response<Body> {
+        self.hits().hit(tenant, Limit::ApiRate);
+        // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
+        let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
+        let message = "the tenant's calls to the tenant API on this node are past its api_rps";
+        response::before_body(response::retry_later(StatusCode::TOO_MANY_REQUESTS, "api_rate_limited", message, seconds))
     }
 }
 

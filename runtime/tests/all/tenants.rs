@@ -217,3 +217,44 @@ fn a_tenants_versions_and_handlers_stay_within_its_quota() {
     assert_eq!(kept, [3, 5], "{versions}");
     assert_eq!(status_and_code(upload("second", "detect")), (403, "quota_exceeded".into()), "one handler at most");
 }
+
+/// A tenant's keys flooding the tenant API are refused past its `api_rps`
+/// (429 `api_rate_limited` + `Retry-After`, counted), log reads included;
+/// its invocations (another bucket) and another tenant's API calls go on.
+#[test]
+fn a_flood_of_tenant_api_calls_is_refused_past_its_rate_and_costs_no_one_else() {
+    let keys = tenant_with_keys("apiflood", &[&["deploy", "read"], &["invoke"]]);
+    let ((manage, _), (invoke, _)) = (keys[0].clone(), keys[1].clone());
+    let calm = tenant_with_keys("apicalm", &[&["deploy", "read"]]).remove(0).0;
+    let admin = |method: Method, path: &str| anonymous().request(method, url(&format!("/admin/v1/{path}"))).bearer_auth(ADMIN_TOKEN);
+    assert_eq!(admin(Method::PATCH, "tenants/apiflood").json(&json!({ "api_rps": 1 })).send().unwrap().status(), 200);
+    assert_eq!(
+        admin(Method::PUT, "tenants/apiflood/handlers/faces").body(std::fs::read(guest("detect")).unwrap()).send().unwrap().status(),
+        201
+    );
+
+    // api_rps 1: a bucket of five, then one a second.
+    let started = std::time::Instant::now();
+    let answers: Vec<Response> =
+        (0..24).map(|i| tenant_call(&manage, Method::GET, if i % 2 == 0 { "handlers" } else { "logs" }, Vec::new())).collect();
+    let elapsed = started.elapsed().as_secs_f64();
+    let served = answers.iter().filter(|r| r.status() == 200).count();
+    assert!((5..=5 + elapsed.ceil() as usize).contains(&served), "{served} served in {elapsed:.1} s");
+    let refused = answers.into_iter().find(|r| r.status() == 429).expect("the flood is refused");
+    let wait: u32 = refused.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(wait >= 1, "Retry-After {wait}");
+    assert_eq!(status_and_code(refused), (429, "api_rate_limited".into()));
+
+    // Its handler still answers (requests have a bucket of their own), and
+    // another tenant's API calls are served.
+    assert_eq!(detect(&invoke, "apiflood", "faces").status(), 200);
+    for _ in 0..10 {
+        assert_eq!(tenant_call(&calm, Method::GET, "handlers", Vec::new()).status(), 200);
+    }
+    let metrics = anonymous().get(url("/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
+    let hits = crate::harness::metric(&metrics, "facegate_limit_hits_total{tenant=\"apiflood\",limit=\"api_rate\"}");
+    assert!(hits.is_some_and(|n| n >= 1.0), "{hits:?}");
+    // The bucket fills again: a call a second later is served.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    assert_eq!(tenant_call(&manage, Method::GET, "handlers", Vec::new()).status(), 200);
+}
