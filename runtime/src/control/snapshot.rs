@@ -265,8 +265,9 @@ impl ControlPlane {
 
 impl ControlPlane {
     /// Puts a canary into `live` beside its handler's active version: the
-    /// one served before if it is the same version (its counts kept), else
-    /// loaded. Returns the component to compile when it is not ready yet
+    /// one served before if it is the same version (its counts kept while
+    /// the active version is the same too), else loaded. Returns the
+    /// component to compile when it is not ready yet
     /// (the canary waits; the active version serves all).
     fn canary_into(
         &self,
@@ -279,10 +280,13 @@ impl ControlPlane {
         let entry = live.tenants.get_mut(&version.tenant).filter(|e| e.handlers.contains_key(&version.handler))?;
         let outgoing_http = entry.gate.limits.outgoing_http;
         let same = |h: &Arc<Handler>| h.version == version.version && h.sha256 == version.sha256 && h.outgoing_http == outgoing_http;
+        // The counts compare the canary with the version served beside it:
+        // another active version starts both afresh.
+        let stable = entry.handlers.get(&version.handler).map(|h| h.version);
         let before = old
             .tenants
             .get(&version.tenant)
-            .filter(|e| e.incarnation == entry.incarnation)
+            .filter(|e| e.incarnation == entry.incarnation && e.handlers.get(&version.handler).map(|h| h.version) == stable)
             .and_then(|e| e.canaries.get(&version.handler))
             .filter(|c| same(&c.handler));
         let (handler, counts) = match before {

@@ -258,3 +258,43 @@ fn a_flood_of_tenant_api_calls_is_refused_past_its_rate_and_costs_no_one_else() 
     std::thread::sleep(std::time::Duration::from_millis(1100));
     assert_eq!(tenant_call(&manage, Method::GET, "handlers", Vec::new()).status(), 200);
 }
+
+/// A canary's abort rule compares it with the version active now:
+/// activating another version during the canary counts both sides afresh,
+/// so a stable version's old failures do not hide the canary's.
+#[test]
+fn a_canarys_abort_rule_counts_afresh_when_the_active_version_changes() {
+    let (invoke, _) = tenant_with_keys("recount", &[&["invoke"]]).remove(0);
+    let admin = |method: Method, path: &str| {
+        anonymous().request(method, url(&format!("/admin/v1/tenants/recount/{path}"))).bearer_auth(ADMIN_TOKEN)
+    };
+    let upload = |query: &str, file: &str| {
+        let response = admin(Method::PUT, &format!("handlers/h{query}")).body(std::fs::read(guest(file)).unwrap()).send().unwrap();
+        assert_eq!(response.status(), 201, "{:?}", response.text());
+    };
+    upload("", "hostile");
+    upload("?canary=50&abort_margin=0.2&abort_after=10", "hostile");
+    upload("?activate=false", "detect");
+    let canary = || admin(Method::GET, "handlers/h/versions").send().unwrap().json::<Value>().unwrap()["canary"].clone();
+    let calls = |n: usize| -> Vec<u16> {
+        let url = url("/v1/recount/h?attack=panic");
+        (0..n).map(|_| client_with_key(&invoke).get(&url).send().unwrap().status().as_u16()).collect()
+    };
+    // Versions 1 and 2 (both hostile) fail alike: no abort.
+    assert!(calls(300).iter().all(|&s| s == 500));
+    assert_eq!(canary()["version"], 2, "both sides fail alike");
+    // Version 3 (detect: a GET is a 4xx) active: the stable side is
+    // healthy from now on; the canary fails on. Counted with version 1's
+    // ~150 failures, the stable side would still fail 80 % after 40 more
+    // calls, and the canary would run on.
+    let activated = admin(Method::POST, "handlers/h/activate").json(&json!({ "version": 3 })).send().unwrap();
+    assert_eq!(activated.status(), 200);
+    assert_eq!(canary()["version"], 2, "activating another version keeps the canary");
+    let statuses = calls(40);
+    assert!(statuses.iter().all(|&s| s == 500 || (400..500).contains(&s)), "{statuses:?}");
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !canary().is_null() {
+        assert!(std::time::Instant::now() < until, "the canary is aborted on its own failures: {statuses:?}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
