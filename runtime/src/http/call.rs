@@ -123,14 +123,8 @@ impl App {
         let (limits, tenant) = (&gate.limits, &handler.tenant);
         if let Err(wait) = gate.rate.try_take() {
             self.refused(call, ("admit", admitting), tenant, Limit::Rate);
-            // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
-            let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
-            return response::before_body(response::retry_later(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limited",
-                "the tenant's request rate is exceeded",
-                seconds,
-            ));
+            let message = "the tenant's request rate is exceeded";
+            return response::before_body(response::retry_after_wait(StatusCode::TOO_MANY_REQUESTS, "rate_limited", message, wait));
         }
         // The tenant's slot is taken before the body is read (a slow upload
         // holds one of the tenant's own slots); the slots live as long as

@@ -90,9 +90,7 @@ impl Cursor {
         let at = self.nodes.entry(node.to_owned()).or_insert(seq);
         *at = (*at).max(seq);
     }
-}
 
-impl Cursor {
     /// Takes in another cursor (the gateway's `x-facegate-logs-cursor`),
     /// each node's furthest kept; a bare `seq` gives way to it.
     pub fn absorb(&mut self, other: &Self) {

@@ -38,6 +38,13 @@ pub fn retry_later(status: StatusCode, code: &str, message: &str, seconds: u32) 
     response
 }
 
+/// [`retry_later`] after a token bucket's `wait`: whole seconds, rounded
+/// up, at least one.
+pub fn retry_after_wait(status: StatusCode, code: &str, message: &str, wait: std::time::Duration) -> Response<Body> {
+    // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
+    retry_later(status, code, message, wait.as_secs_f64().ceil().max(1.0) as u32)
+}
+
 /// Marks a response given before the request's body was read: on HTTP/1
 /// the connection is then closed and the response says so (`App::route`).
 #[derive(Debug, Clone, Copy)]

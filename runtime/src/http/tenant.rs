@@ -82,17 +82,13 @@ impl App {
         let max_body = if upload { self.config.max_component_bytes } else { SMALL_BODY_BYTES };
         self.store_op(req, (upload, max_body), move |control, body| tenant_op(control, &tenant, (&method, &path, &query), body)).await
     }
-}
 
-impl App {
     /// The answer to a tenant whose tenant-API bucket on this node is empty
     /// for another `wait`; counted as a limit hit.
     fn api_rate_limited(&self, tenant: &str, wait: std::time::Duration) -> Response<Body> {
         self.hits().hit(tenant, Limit::ApiRate);
-        // `as` saturates: a huge wait becomes u32::MAX seconds, never a panic.
-        let seconds = wait.as_secs_f64().ceil().max(1.0) as u32;
         let message = "the tenant's calls to the tenant API on this node are past its api_rps";
-        response::before_body(response::retry_later(StatusCode::TOO_MANY_REQUESTS, "api_rate_limited", message, seconds))
+        response::before_body(response::retry_after_wait(StatusCode::TOO_MANY_REQUESTS, "api_rate_limited", message, wait))
     }
 }
 
