@@ -35,6 +35,10 @@
 //! | `fetch-many`  | `n` (default 8, at most 64) outgoing `GET`s of `url`, each sent once the one before has its head, all kept open, then each body read | 200, JSON: how many ended each way (`ok: STATUS` or the error code) |
 //! | `lift`        | one `infer` call with `mib` (default 64) MiB of data       | 500 `resource_limit` past the host's per-call cap |
 //!
+//! Any attack also takes `linger=MS` (at most 10000): once its answer is
+//! sent in full, the handler keeps running `MS` milliseconds before it
+//! returns (work after the answer, which holds the call's slots).
+//!
 //! `error-code` answers through the `wasi:http` response outparam itself
 //! (the SDK's handlers never send an error code), so it is read from the
 //! raw query before the SDK sees the request.
@@ -110,6 +114,10 @@ impl facegate_guest_sdk::wasi::exports::http::incoming_handler::Guest for Hostil
             Some(mib) => ResponseOutparam::set(out, Err(ErrorCode::InternalError(Some("\u{1}".repeat(mib * MIB))))),
             None => facegate_guest_sdk::http::serve::<Hostile>(request, out),
         }
+        if let Some(ms) = query_number(&query, "linger") {
+            use facegate_guest_sdk::wasi::clocks::monotonic_clock::subscribe_duration;
+            subscribe_duration(ms.min(10_000) * 1_000_000).block();
+        }
     }
 }
 
@@ -117,12 +125,19 @@ facegate_guest_sdk::wasi::http::proxy::export!(Hostile);
 
 /// For `attack=error-code`: its `mib` (default 8); `None` for other attacks.
 fn error_code_mib(path_with_query: &str) -> Option<usize> {
-    let (_, query) = path_with_query.split_once('?')?;
-    let pairs: Vec<(&str, &str)> = query.split('&').filter_map(|pair| pair.split_once('=')).collect();
-    pairs
-        .iter()
-        .any(|&pair| pair == ("attack", "error-code"))
-        .then(|| pairs.iter().find(|(key, _)| *key == "mib").and_then(|(_, v)| v.parse().ok()).unwrap_or(8))
+    let error_code = query_pairs(path_with_query).any(|pair| pair == ("attack", "error-code"));
+    error_code.then(|| query_number(path_with_query, "mib").map_or(8, |mib| mib as usize))
+}
+
+/// The raw query's `key`, when it is a number.
+fn query_number(path_with_query: &str, key: &str) -> Option<u64> {
+    query_pairs(path_with_query).find(|(k, _)| *k == key)?.1.parse().ok()
+}
+
+/// The raw query's `key=value` pairs (read before the SDK sees the request).
+fn query_pairs(path_with_query: &str) -> impl Iterator<Item = (&str, &str)> {
+    let query = path_with_query.split_once('?').map_or("", |(_, query)| query);
+    query.split('&').filter_map(|pair| pair.split_once('='))
 }
 
 /// Counts forever; `black_box` keeps the optimiser from removing the loop.

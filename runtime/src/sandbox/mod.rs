@@ -1,9 +1,11 @@
 //! Running tenants' code: the one wasmtime engine ([`engine`]), a deployed
-//! handler version ([`handler`]), one request (`run`: [`Sandbox`]), what
-//! its store holds ([`state`], [`stdio`], [`instance_memory`], [`outgoing`],
+//! handler version ([`handler`]), one request (`run`: [`Sandbox`]), whose
+//! answer ends with its guest ([`answer_end`]), what its store holds
+//! ([`state`], [`stdio`], [`instance_memory`], [`outgoing`],
 //! [`face_detect`]), instances kept warm between requests ([`warm`]), and
 //! compiling uploads off the request path ([`compile`]).
 
+pub mod answer_end;
 pub mod compile;
 pub mod engine;
 pub mod face_detect;

@@ -23,6 +23,7 @@ use crate::admission::memory::{MemoryBudget, NodeMemoryExhausted, Refusal};
 use crate::metrics::logs::{LogOwner, LogRecord, TenantLogs};
 use crate::metrics::trace::RequestTrace;
 use crate::metrics::{Limit, LimitHits};
+use crate::sandbox::answer_end;
 use crate::sandbox::face_detect::{self, FaceDetectCtx};
 use crate::sandbox::handler::Handler;
 use crate::sandbox::instance_memory::{InstanceLimiter, MemoryLimitExceeded};
@@ -300,7 +301,9 @@ impl Sandbox {
     /// Runs `request` through `handler` under `limits`, stopping the guest
     /// at `deadline`; `tag` names it in the logs and says where its usage is
     /// metered. `permits` (instance and tenant slots) are held until the
-    /// guest is gone.
+    /// guest is gone, and the answer ends only then (see
+    /// [`crate::sandbox::answer_end`]): a failure is answered once the
+    /// guest is stopped, a body's last bytes are sent once it has returned.
     pub async fn handle(
         &self,
         handler: &Arc<Handler>,
@@ -310,6 +313,7 @@ impl Sandbox {
         tag: RequestTag,
         permits: impl Send + 'static,
     ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
+        let method = request.method().clone();
         let (mut store, warm_proxy, served) = self.store_for(handler, deadline, limits);
         let RequestTag { id: request_id, usage, trace, log } = tag;
         trace.set([KeyValue::new("faas.coldstart", warm_proxy.is_none())]);
@@ -327,11 +331,14 @@ impl Sandbox {
         let (handler_ref, hits, budget) = (Arc::clone(handler), Arc::clone(&self.hits), Arc::clone(&self.warm));
         let logs = Arc::clone(&self.logs);
         let memory = Arc::clone(&self.memory);
+        let (gone_tx, gone) = tokio::sync::oneshot::channel::<()>();
         // The guest runs in its own task so it can keep streaming the body
         // after the response head is sent; it is bounded by the same deadline.
         let task = tokio::spawn(async move {
-            // The instance slot is held until the guest and its store are gone
-            // (declared first, dropped last) or the store is kept warm.
+            // The slots are held until the guest and its store are gone or
+            // the store is kept warm (declared first, dropped last); then
+            // the answer may end (`gone` is dropped after them).
+            let _gone = gone_tx;
             let _permits = permits;
             let mut store = store;
             let run = async {
@@ -374,18 +381,17 @@ impl Sandbox {
         // are then skipped before they reach a device.
         let mut task = AbortOnDrop::new(task);
         let timeout = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout_at(deadline.into(), rx).await {
-            Ok(Ok(Ok(response))) => {
-                // Refused: dropping the task's guard stops the guest.
-                let response = cap_response(response, limits.tenant.max_response_bytes, &self.hits, &handler.tenant)?;
-                // The guest may still be streaming the body: let it run.
-                task.detach();
-                Ok(response)
-            }
-            Ok(Ok(Err(code))) => Err(SandboxError::Guest(guest_text(&code))),
-            Ok(Err(_)) => Err(task_outcome(task.join().await, timeout)),
-            Err(_) => Err(SandboxError::Timeout(timeout)),
-        }
+        let failure = match tokio::time::timeout_at(deadline.into(), rx).await {
+            Ok(Ok(Ok(response))) => match cap_response(response, limits.tenant.max_response_bytes, &self.hits, &handler.tenant) {
+                Ok(response) => return Ok(ended_with_guest(response, &method, task, gone).await),
+                Err(refused) => refused,
+            },
+            Ok(Ok(Err(code))) => SandboxError::Guest(guest_text(&code)),
+            Ok(Err(_)) => return Err(task_outcome(task.join().await, timeout)),
+            Err(_) => SandboxError::Timeout(timeout),
+        };
+        task.stop().await;
+        Err(failure)
     }
 
     /// A warm instance of `handler` made ready for this request, or a fresh
@@ -491,6 +497,28 @@ fn keep_warm(
     }
 }
 
+/// The guest's `response`, to a request of `method`, made to end once the
+/// guest's `task` is gone (see [`crate::sandbox::answer_end`]): a body
+/// hyper would never send is dropped (a guest still writing it sees it
+/// closed) and the guest awaited; any other is passed on with its last
+/// frame held, the guest left to stream it.
+async fn ended_with_guest<T>(
+    response: hyper::Response<HyperOutgoingBody>,
+    method: &hyper::Method,
+    mut task: AbortOnDrop<T>,
+    gone: answer_end::GuestGone,
+) -> hyper::Response<HyperOutgoingBody> {
+    if answer_end::is_bodiless(method, &response) {
+        let (parts, body) = response.into_parts();
+        drop(body);
+        let _ = task.join().await;
+        let empty = http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync();
+        return hyper::Response::from_parts(parts, empty);
+    }
+    task.detach();
+    answer_end::after_guest(response, gone)
+}
+
 /// Aborts the guest's task when dropped, unless detached or joined.
 struct AbortOnDrop<T> {
     handle: tokio::task::JoinHandle<T>,
@@ -504,6 +532,12 @@ impl<T> AbortOnDrop<T> {
 
     fn detach(&mut self) {
         self.armed = false;
+    }
+
+    /// Stops the guest and waits until its task (and what it holds) is gone.
+    async fn stop(&mut self) {
+        self.handle.abort();
+        let _ = self.join().await;
     }
 
     async fn join(&mut self) -> Result<T, tokio::task::JoinError> {

@@ -511,6 +511,24 @@ fn tenant_state_follows_limit_changes_and_deletion() {
     assert_eq!(client_with_key(&key).get(url("/v1/follow/attack?attack=panic")).send().unwrap().status(), 404);
 }
 
+/// A client that reads each answer in full and then sends its next call is
+/// never refused by its own finished calls, at a concurrency of one, though
+/// the handler keeps running 300 ms after each answer is written: an
+/// answer ends only once its handler has returned and its slot is free.
+#[test]
+fn a_call_read_in_full_leaves_its_slot_free_for_the_next() {
+    let key = tenant_with_key("one-by-one", json!({ "max_concurrency": 1 }));
+    assert_eq!(upload("one-by-one", "attack", component("hostile"), true).0, 201);
+    let client = client_with_key(&key);
+    let lingering = url("/v1/one-by-one/attack?attack=count&linger=300");
+    for method in [Method::GET, Method::GET, Method::HEAD, Method::GET] {
+        let response = client.request(method.clone(), &lingering).send().unwrap();
+        let status = response.status().as_u16();
+        let body = response.text().unwrap();
+        assert_eq!(status, 200, "{method} answered {body}");
+    }
+}
+
 /// A refusal's status and JSON error code.
 fn refusal(response: reqwest::blocking::Response) -> (u16, String) {
     let status = response.status().as_u16();

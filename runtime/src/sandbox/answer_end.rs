@@ -1,0 +1,187 @@
+//! An answer ends only once its handler has: the last bytes of a handler's
+//! body (or the body's end, when its length is not declared) are held
+//! until the guest's task is gone and with it the call's slots (the
+//! tenant's concurrency slot, the instance slot, its memory charge).
+//!
+//! Why: a client that reads an answer in full and sends its next call at
+//! once must find its earlier call's slots free. Without the hold, the
+//! guest's return, its log capture and its store's teardown race the
+//! client's next call, and a tenant at its concurrency limit is refused
+//! (429 `concurrency_limited`) by its own finished calls on a busy node.
+//! A handler that keeps running after its body is written delays its
+//! answer's end (up to its deadline), which is what it costs the tenant.
+//!
+//! hyper ends an HTTP/1 body of declared length on its last byte without
+//! asking for the body's end, so the frame that completes a declared
+//! length is held, not only the end. Bodies hyper never sends (HEAD, 204,
+//! 304, a declared length of 0) are dropped before the head is answered
+//! (see [`is_bodiless`]).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, SizeHint};
+use tokio::sync::oneshot;
+use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
+
+/// Sent (by being dropped) when the guest's task is gone.
+pub type GuestGone = oneshot::Receiver<()>;
+
+/// A frame of the handler's body, as hyper polls it.
+type Polled = Option<Result<Frame<Bytes>, wasmtime_wasi_http::Error>>;
+
+/// Holds the last frame of a handler's body until its guest is gone.
+struct EndsWithGuest<B> {
+    body: B,
+    gone: Option<GuestGone>,
+    /// Bytes still to come of a declared length.
+    remaining: Option<u64>,
+    /// The last frame, held until `gone` resolves.
+    last: Option<Polled>,
+}
+
+/// `response` whose body's last frame waits for `gone` (see the module).
+pub fn after_guest(response: hyper::Response<HyperOutgoingBody>, gone: GuestGone) -> hyper::Response<HyperOutgoingBody> {
+    let remaining = declared_length(&response);
+    response.map(|body| EndsWithGuest { body, gone: Some(gone), remaining, last: None }.boxed_unsync())
+}
+
+/// Whether hyper sends no body with this answer to a request of `method`:
+/// it would then drop the body unpolled, so its end says nothing.
+pub fn is_bodiless(method: &hyper::Method, response: &hyper::Response<HyperOutgoingBody>) -> bool {
+    let status = response.status();
+    method == hyper::Method::HEAD
+        || status.is_informational()
+        || status == hyper::StatusCode::NO_CONTENT
+        || status == hyper::StatusCode::NOT_MODIFIED
+        || declared_length(response) == Some(0)
+}
+
+/// The body length the handler declared in `Content-Length`, if it did.
+fn declared_length<B>(response: &hyper::Response<B>) -> Option<u64> {
+    response.headers().get(hyper::header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+impl<B> EndsWithGuest<B> {
+    /// Whether `frame` ends the body: its end, trailers, or the data that
+    /// completes a declared length. An error is passed on at once.
+    fn is_last(&mut self, frame: &Polled) -> bool {
+        match frame {
+            None => true,
+            Some(Err(_)) => false,
+            Some(Ok(frame)) => match (frame.data_ref(), self.remaining.as_mut()) {
+                (Some(data), Some(remaining)) => {
+                    *remaining = remaining.saturating_sub(data.len() as u64);
+                    *remaining == 0
+                }
+                (Some(_), None) => false,
+                (None, _) => frame.is_trailers(),
+            },
+        }
+    }
+}
+
+impl<B> Body for EndsWithGuest<B>
+where
+    B: Body<Data = Bytes, Error = wasmtime_wasi_http::Error> + Unpin,
+{
+    type Data = Bytes;
+    type Error = wasmtime_wasi_http::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Polled> {
+        let this = self.get_mut();
+        if this.last.is_none() {
+            let frame = ready!(Pin::new(&mut this.body).poll_frame(cx));
+            if !this.is_last(&frame) {
+                return Poll::Ready(frame);
+            }
+            this.last = Some(frame);
+        }
+        if let Some(gone) = this.gone.as_mut() {
+            // Dropped or sent: either way the guest's task has ended.
+            let _ = ready!(Pin::new(gone).poll(cx));
+            this.gone = None;
+        }
+        Poll::Ready(this.last.take().flatten())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A body of the chunks the test sends, ending when the sender goes.
+    struct Fed(tokio::sync::mpsc::Receiver<Bytes>);
+
+    impl Body for Fed {
+        type Data = Bytes;
+        type Error = wasmtime_wasi_http::Error;
+
+        fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Polled> {
+            self.get_mut().0.poll_recv(cx).map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+        }
+    }
+
+    /// An answer (declaring `declared` bytes, if given) whose body the test
+    /// feeds, and the guest's end it waits for.
+    fn answer(declared: Option<usize>) -> (tokio::sync::mpsc::Sender<Bytes>, oneshot::Sender<()>, hyper::Response<HyperOutgoingBody>) {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
+        let mut response = hyper::Response::new(Fed(rx).boxed_unsync());
+        if let Some(length) = declared {
+            response.headers_mut().insert(hyper::header::CONTENT_LENGTH, length.into());
+        }
+        let (gone_tx, gone_rx) = oneshot::channel();
+        (tx, gone_tx, after_guest(response, gone_rx))
+    }
+
+    /// The next frame's data, or `None` when none comes within 100 ms.
+    async fn next(body: &mut HyperOutgoingBody) -> Option<Option<Bytes>> {
+        let frame = tokio::time::timeout(Duration::from_millis(100), body.frame()).await.ok()?;
+        Some(frame.map(|f| f.unwrap().into_data().unwrap()))
+    }
+
+    #[tokio::test]
+    async fn the_byte_completing_a_declared_length_waits_for_the_guest() {
+        let (tx, gone, response) = answer(Some(6));
+        let mut body = response.into_body();
+        tx.send(Bytes::from_static(b"abc")).await.unwrap();
+        assert_eq!(next(&mut body).await, Some(Some(Bytes::from_static(b"abc"))), "earlier frames pass at once");
+        tx.send(Bytes::from_static(b"def")).await.unwrap();
+        assert_eq!(next(&mut body).await, None, "the last frame is held while the guest runs");
+        drop(gone);
+        assert_eq!(next(&mut body).await, Some(Some(Bytes::from_static(b"def"))), "and sent once it is gone");
+        drop(tx);
+        assert_eq!(next(&mut body).await, Some(None));
+    }
+
+    #[tokio::test]
+    async fn a_body_of_unknown_length_ends_once_the_guest_is_gone() {
+        let (tx, gone, response) = answer(None);
+        let mut body = response.into_body();
+        tx.send(Bytes::from_static(b"abc")).await.unwrap();
+        assert_eq!(next(&mut body).await, Some(Some(Bytes::from_static(b"abc"))));
+        drop(tx);
+        assert_eq!(next(&mut body).await, None, "the end is held while the guest runs");
+        gone.send(()).unwrap();
+        assert_eq!(next(&mut body).await, Some(None));
+    }
+
+    #[test]
+    fn bodies_hyper_never_sends_are_told() {
+        let (_, _, mut response) = answer(Some(0));
+        assert!(is_bodiless(&hyper::Method::GET, &response));
+        response.headers_mut().insert(hyper::header::CONTENT_LENGTH, 5.into());
+        assert!(!is_bodiless(&hyper::Method::GET, &response));
+        assert!(is_bodiless(&hyper::Method::HEAD, &response));
+        *response.status_mut() = hyper::StatusCode::NO_CONTENT;
+        assert!(is_bodiless(&hyper::Method::GET, &response));
+    }
+}
