@@ -13,9 +13,13 @@
 //!
 //! hyper ends an HTTP/1 body of declared length on its last byte without
 //! asking for the body's end, so the frame that completes a declared
-//! length is held, not only the end. Bodies hyper never sends (HEAD, 204,
-//! 304, a declared length of 0) are dropped before the head is answered
-//! (see [`is_bodiless`]).
+//! length is held, not only the end. An error in the body (the response
+//! cap, a guest's abort) is held too, so a retry finds the slots free.
+//! Whatever is held, the body behind it is dropped at once: a guest that
+//! writes on (past its length, after an error) sees it closed instead of
+//! waiting for room that no one makes. Bodies hyper never sends (HEAD,
+//! 204, 304, a declared length of 0) are dropped before the head is
+//! answered (see [`is_bodiless`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -35,7 +39,8 @@ type Polled = Option<Result<Frame<Bytes>, wasmtime_wasi_http::Error>>;
 
 /// Holds the last frame of a handler's body until its guest is gone.
 struct EndsWithGuest<B> {
-    body: B,
+    /// The handler's body, until its last frame is taken.
+    body: Option<B>,
     gone: Option<GuestGone>,
     /// Bytes still to come of a declared length.
     remaining: Option<u64>,
@@ -46,7 +51,7 @@ struct EndsWithGuest<B> {
 /// `response` whose body's last frame waits for `gone` (see the module).
 pub fn after_guest(response: hyper::Response<HyperOutgoingBody>, gone: GuestGone) -> hyper::Response<HyperOutgoingBody> {
     let remaining = declared_length(&response);
-    response.map(|body| EndsWithGuest { body, gone: Some(gone), remaining, last: None }.boxed_unsync())
+    response.map(|body| EndsWithGuest { body: Some(body), gone: Some(gone), remaining, last: None }.boxed_unsync())
 }
 
 /// Whether hyper sends no body with this answer to a request of `method`:
@@ -60,18 +65,32 @@ pub fn is_bodiless(method: &hyper::Method, response: &hyper::Response<HyperOutgo
         || declared_length(response) == Some(0)
 }
 
+/// A bodiless answer (see [`is_bodiless`]) to a request of `method`, its
+/// body dropped (a guest still writing it sees it closed) for an empty
+/// one. A `Content-Length` is kept for HEAD only: on any other bodiless
+/// answer hyper would drop it anyway, with a warning in the operator's
+/// log for each answer whose length is not 0.
+pub fn emptied(response: hyper::Response<HyperOutgoingBody>, method: &hyper::Method) -> hyper::Response<HyperOutgoingBody> {
+    let (mut parts, body) = response.into_parts();
+    drop(body);
+    if method != hyper::Method::HEAD {
+        parts.headers.remove(hyper::header::CONTENT_LENGTH);
+    }
+    let empty = http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync();
+    hyper::Response::from_parts(parts, empty)
+}
+
 /// The body length the handler declared in `Content-Length`, if it did.
 fn declared_length<B>(response: &hyper::Response<B>) -> Option<u64> {
     response.headers().get(hyper::header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
 impl<B> EndsWithGuest<B> {
-    /// Whether `frame` ends the body: its end, trailers, or the data that
-    /// completes a declared length. An error is passed on at once.
+    /// Whether `frame` ends the body: its end, an error, trailers, or the
+    /// data that completes a declared length.
     fn is_last(&mut self, frame: &Polled) -> bool {
         match frame {
-            None => true,
-            Some(Err(_)) => false,
+            None | Some(Err(_)) => true,
             Some(Ok(frame)) => match (frame.data_ref(), self.remaining.as_mut()) {
                 (Some(data), Some(remaining)) => {
                     *remaining = remaining.saturating_sub(data.len() as u64);
@@ -94,10 +113,12 @@ where
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Polled> {
         let this = self.get_mut();
         if this.last.is_none() {
-            let frame = ready!(Pin::new(&mut this.body).poll_frame(cx));
+            let Some(body) = this.body.as_mut() else { return Poll::Ready(None) };
+            let frame = ready!(Pin::new(body).poll_frame(cx));
             if !this.is_last(&frame) {
                 return Poll::Ready(frame);
             }
+            this.body = None;
             this.last = Some(frame);
         }
         if let Some(gone) = this.gone.as_mut() {
@@ -109,7 +130,7 @@ where
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        self.body.as_ref().map_or_else(SizeHint::default, Body::size_hint)
     }
 }
 
@@ -118,70 +139,97 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    /// A body of the chunks the test sends, ending when the sender goes.
-    struct Fed(tokio::sync::mpsc::Receiver<Bytes>);
+    /// What the test's guest writes: a chunk, or a failure of its body.
+    type Written = Result<&'static str, ()>;
+
+    /// A body of what the test writes, ending when the writer goes.
+    struct Fed(tokio::sync::mpsc::Receiver<Written>);
 
     impl Body for Fed {
         type Data = Bytes;
         type Error = wasmtime_wasi_http::Error;
 
         fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Polled> {
-            self.get_mut().0.poll_recv(cx).map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+            let written = ready!(self.get_mut().0.poll_recv(cx));
+            let failed = wasmtime_wasi_http::Error::HttpResponseBodySize(None);
+            Poll::Ready(written.map(|w| w.map(|chunk| Frame::data(Bytes::from_static(chunk.as_bytes()))).map_err(|()| failed)))
         }
     }
 
     /// An answer (declaring `declared` bytes, if given) whose body the test
-    /// feeds, and the guest's end it waits for.
-    fn answer(declared: Option<usize>) -> (tokio::sync::mpsc::Sender<Bytes>, oneshot::Sender<()>, hyper::Response<HyperOutgoingBody>) {
-        let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
+    /// writes, and the guest's end it waits for.
+    fn answer(declared: Option<usize>) -> (tokio::sync::mpsc::Sender<Written>, oneshot::Sender<()>, HyperOutgoingBody) {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
         let mut response = hyper::Response::new(Fed(rx).boxed_unsync());
         if let Some(length) = declared {
             response.headers_mut().insert(hyper::header::CONTENT_LENGTH, length.into());
         }
         let (gone_tx, gone_rx) = oneshot::channel();
-        (tx, gone_tx, after_guest(response, gone_rx))
+        (tx, gone_tx, after_guest(response, gone_rx).into_body())
     }
 
-    /// The next frame's data, or `None` when none comes within 100 ms.
-    async fn next(body: &mut HyperOutgoingBody) -> Option<Option<Bytes>> {
+    /// The next frame as text (`Err` for an error, `None` at the end), or
+    /// `None` when none comes within 100 ms.
+    async fn next(body: &mut HyperOutgoingBody) -> Option<Option<Result<String, ()>>> {
         let frame = tokio::time::timeout(Duration::from_millis(100), body.frame()).await.ok()?;
-        Some(frame.map(|f| f.unwrap().into_data().unwrap()))
+        let text = |frame: Frame<Bytes>| String::from_utf8(frame.into_data().unwrap().to_vec()).unwrap();
+        Some(frame.map(|f| f.map(text).map_err(|_| ())))
+    }
+
+    fn data(text: &str) -> Option<Option<Result<String, ()>>> {
+        Some(Some(Ok(text.to_owned())))
     }
 
     #[tokio::test]
-    async fn the_byte_completing_a_declared_length_waits_for_the_guest() {
-        let (tx, gone, response) = answer(Some(6));
-        let mut body = response.into_body();
-        tx.send(Bytes::from_static(b"abc")).await.unwrap();
-        assert_eq!(next(&mut body).await, Some(Some(Bytes::from_static(b"abc"))), "earlier frames pass at once");
-        tx.send(Bytes::from_static(b"def")).await.unwrap();
+    async fn the_bytes_completing_a_declared_length_wait_for_the_guest() {
+        let (tx, gone, mut body) = answer(Some(6));
+        tx.send(Ok("abc")).await.unwrap();
+        assert_eq!(next(&mut body).await, data("abc"), "earlier frames pass at once");
+        tx.send(Ok("def")).await.unwrap();
         assert_eq!(next(&mut body).await, None, "the last frame is held while the guest runs");
+        assert!(tx.is_closed(), "the body behind it is closed: a guest writing past its length is not kept waiting");
         drop(gone);
-        assert_eq!(next(&mut body).await, Some(Some(Bytes::from_static(b"def"))), "and sent once it is gone");
-        drop(tx);
+        assert_eq!(next(&mut body).await, data("def"), "and sent once the guest is gone");
         assert_eq!(next(&mut body).await, Some(None));
     }
 
     #[tokio::test]
     async fn a_body_of_unknown_length_ends_once_the_guest_is_gone() {
-        let (tx, gone, response) = answer(None);
-        let mut body = response.into_body();
-        tx.send(Bytes::from_static(b"abc")).await.unwrap();
-        assert_eq!(next(&mut body).await, Some(Some(Bytes::from_static(b"abc"))));
+        let (tx, gone, mut body) = answer(None);
+        tx.send(Ok("abc")).await.unwrap();
+        assert_eq!(next(&mut body).await, data("abc"));
         drop(tx);
         assert_eq!(next(&mut body).await, None, "the end is held while the guest runs");
         gone.send(()).unwrap();
         assert_eq!(next(&mut body).await, Some(None));
     }
 
+    #[tokio::test]
+    async fn an_error_in_the_body_waits_for_the_guest_and_closes_the_body() {
+        let (tx, gone, mut body) = answer(Some(6));
+        tx.send(Ok("abc")).await.unwrap();
+        tx.send(Err(())).await.unwrap();
+        assert_eq!(next(&mut body).await, data("abc"));
+        assert_eq!(next(&mut body).await, None, "the error is held while the guest runs");
+        assert!(tx.is_closed(), "and the guest sees its body closed");
+        drop(gone);
+        assert_eq!(next(&mut body).await, Some(Some(Err(()))));
+    }
+
     #[test]
     fn bodies_hyper_never_sends_are_told() {
-        let (_, _, mut response) = answer(Some(0));
+        let mut response = hyper::Response::new(http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync());
+        response.headers_mut().insert(hyper::header::CONTENT_LENGTH, 0.into());
         assert!(is_bodiless(&hyper::Method::GET, &response));
         response.headers_mut().insert(hyper::header::CONTENT_LENGTH, 5.into());
         assert!(!is_bodiless(&hyper::Method::GET, &response));
         assert!(is_bodiless(&hyper::Method::HEAD, &response));
+        let head = emptied(response, &hyper::Method::HEAD);
+        assert!(head.headers().contains_key(hyper::header::CONTENT_LENGTH), "HEAD keeps the length it announces");
+        let mut response = head;
         *response.status_mut() = hyper::StatusCode::NO_CONTENT;
         assert!(is_bodiless(&hyper::Method::GET, &response));
+        let response = emptied(response, &hyper::Method::GET);
+        assert!(!response.headers().contains_key(hyper::header::CONTENT_LENGTH), "no length on a 204");
     }
 }

@@ -509,11 +509,9 @@ async fn ended_with_guest<T>(
     gone: answer_end::GuestGone,
 ) -> hyper::Response<HyperOutgoingBody> {
     if answer_end::is_bodiless(method, &response) {
-        let (parts, body) = response.into_parts();
-        drop(body);
+        let response = answer_end::emptied(response, method);
         let _ = task.join().await;
-        let empty = http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync();
-        return hyper::Response::from_parts(parts, empty);
+        return response;
     }
     task.detach();
     answer_end::after_guest(response, gone)

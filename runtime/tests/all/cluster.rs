@@ -72,8 +72,7 @@ fn status(server: &Server, method: Method, path: &str) -> (u16, Value) {
 /// What `tenant`'s hostile handler `attack` on `server` says its instance
 /// has served (`attack=count`); `None` unless it answered 200.
 fn served(server: &Server, key: &str, tenant: &str) -> Option<u64> {
-    // An instance goes back to its handler just after its body is sent.
-    std::thread::sleep(Duration::from_millis(150));
+    // No wait: an answer ends once its instance is back with its handler.
     let response =
         crate::harness::client_with_key(key).get(format!("http://{}/v1/{tenant}/attack?attack=count", server.addr)).send().unwrap();
     if response.status() != 200 {
