@@ -76,12 +76,16 @@ pub fn emptied(response: hyper::Response<HyperOutgoingBody>, method: &hyper::Met
     if method != hyper::Method::HEAD {
         parts.headers.remove(hyper::header::CONTENT_LENGTH);
     }
-    let empty = http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync();
-    hyper::Response::from_parts(parts, empty)
+    hyper::Response::from_parts(parts, empty())
+}
+
+/// A body of nothing, as a handler's body.
+fn empty() -> HyperOutgoingBody {
+    http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync()
 }
 
 /// The body length the handler declared in `Content-Length`, if it did.
-fn declared_length<B>(response: &hyper::Response<B>) -> Option<u64> {
+pub(super) fn declared_length<B>(response: &hyper::Response<B>) -> Option<u64> {
     response.headers().get(hyper::header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
@@ -218,7 +222,7 @@ mod tests {
 
     #[test]
     fn bodies_hyper_never_sends_are_told() {
-        let mut response = hyper::Response::new(http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync());
+        let mut response = hyper::Response::new(empty());
         response.headers_mut().insert(hyper::header::CONTENT_LENGTH, 0.into());
         assert!(is_bodiless(&hyper::Method::GET, &response));
         response.headers_mut().insert(hyper::header::CONTENT_LENGTH, 5.into());

@@ -103,8 +103,7 @@ fn cap_response(
     hits: &Arc<LimitHits>,
     tenant: &Arc<str>,
 ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
-    let declared = response.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|length| length > max as u64) {
+    if answer_end::declared_length(&response).is_some_and(|length| length > max as u64) {
         return Err(SandboxError::ResponseTooLarge(max));
     }
     let (hits, tenant) = (Arc::clone(hits), Arc::clone(tenant));
