@@ -344,6 +344,9 @@ def cross_check(docs, source, secrets, gpu_expected):
                         err(f"{cname}: env {e['name']} uses key {ref['key']!r}, not in Secret {ref['name']!r}")
                 defined.add(e["name"])
                 env[e["name"]] = value
+            per_ip = env.get("FACEGATE_MAX_CONNECTIONS_PER_IP", "256")
+            if not (per_ip.isdigit() and int(per_ip) > 0):
+                err(f"{cname}: FACEGATE_MAX_CONNECTIONS_PER_IP must be a cap above 0, not {per_ip!r} (0 lets one address fill the listener)")
             pre = (((c.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command") or []
             sleep = int(pre[-1]) if pre and pre[0].endswith("sleep") and pre[-1].isdigit() else 0
             grace = pod.get("terminationGracePeriodSeconds", 30)

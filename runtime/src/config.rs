@@ -700,6 +700,17 @@ mod tests {
         assert_eq!(config.max_connection_age(), None, "0: no age limit");
     }
 
+    /// The shipped Kubernetes manifest keeps a per-address cap on (pods
+    /// behind a proxy see few addresses: a higher one, never none).
+    #[test]
+    fn the_k8s_manifest_caps_connections_per_address() {
+        let manifest = include_str!("../../deploy/k8s/base/deployment.yaml");
+        let mut lines = manifest.lines().skip_while(|l| l.trim() != "- name: FACEGATE_MAX_CONNECTIONS_PER_IP").skip(1);
+        let value = lines.next().and_then(|l| l.trim().strip_prefix("value:")).map(|v| v.trim().trim_matches('"'));
+        let cap: Option<u32> = value.and_then(|v| v.parse().ok());
+        assert!(cap.is_some_and(|cap| cap > 0 && cap < DEFAULT_MAX_CONNECTIONS), "FACEGATE_MAX_CONNECTIONS_PER_IP is {value:?}");
+    }
+
     #[test]
     #[allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
     fn secrets_are_long_enough_and_one_per_purpose() {

@@ -33,7 +33,16 @@ const ATTACKS: &[(&str, Attack)] = &[
     ("slow bodies", Attack::SlowBody),
     ("idle connections", Attack::Idle),
     ("uploads compiling", Attack::Upload),
+    ("stalled uploads, 1 tenant", Attack::StalledUploads { tenants: 1 }),
+    ("stalled uploads, 4 tenants", Attack::StalledUploads { tenants: 4 }),
+    ("key churn", Attack::KeyChurn),
 ];
+
+/// The hostile tenants the seed adds (the first two also have keys in use).
+const HOSTILE_TENANTS: [&str; 4] = ["evil", "evil2", "evil3", "evil4"];
+
+/// What each stalled upload declares: the default largest component.
+const STALLED_UPLOAD_BYTES: usize = 64 << 20;
 
 /// Admin token of the bench's gateway (uploads go through the admin API).
 const ADMIN_TOKEN: &str = "bench-admin-token-0123456789";
@@ -65,6 +74,12 @@ enum Attack {
     Idle,
     /// New versions of a handler uploaded through the admin API, back to back.
     Upload,
+    /// Uploads of [`STALLED_UPLOAD_BYTES`] through the admin API, the
+    /// clients split among `tenants` hostile tenants, each sending all but
+    /// its last byte and then waiting; refused ones try again at once.
+    StalledUploads { tenants: usize },
+    /// Keys of `evil` created and revoked through the admin API, back to back.
+    KeyChurn,
 }
 
 /// Runs the suite and prints its table.
@@ -93,21 +108,26 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
         config.attackers,
         round.as_secs_f64()
     );
-    println!("{:<24} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}", "attack", "alone r/s", "beside r/s", "tput", "p99 alone", "p99 bes.", "p99");
+    println!(
+        "{:<26} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8} {:>9}",
+        "attack", "alone r/s", "beside r/s", "tput", "p99 alone", "p99 bes.", "p99", "RSS +MiB"
+    );
     measure_gateway(&demo, &models, images, NEIGHBOUR_CONCURRENCY, Duration::from_secs_f64(config.warmup), config.side).await;
     for (name, attack) in ATTACKS.iter().filter(|(name, _)| config.only.as_deref().is_none_or(|only| name.contains(only))) {
-        let (mut alone, mut beside) = (LoopStats::default(), LoopStats::default());
+        let (mut alone, mut beside, mut growth) = (LoopStats::default(), LoopStats::default(), 0);
         for _ in 0..rounds {
             alone.merge(measure_gateway(&demo, &models, images, NEIGHBOUR_CONCURRENCY, round, config.side).await.0);
             let stop = Arc::new(AtomicBool::new(false));
+            let rss = RssPeak::start(&stop);
             let attackers = start_attack(*attack, addr, &evil, &component, config.attackers, &stop);
             beside.merge(measure_gateway(&demo, &models, images, NEIGHBOUR_CONCURRENCY, round, config.side).await.0);
             stop.store(true, Ordering::SeqCst);
             for task in attackers {
                 task.abort();
             }
+            growth = growth.max(rss.growth_mib());
         }
-        print_comparison(name, &alone.summarize(round * rounds), &beside.summarize(round * rounds));
+        print_comparison(name, (&alone.summarize(round * rounds), &beside.summarize(round * rounds)), Some(growth));
     }
     if config.only.as_deref().is_none_or(|only| HOARDING.contains(only)) {
         connection_hoarding(&demo, &models, images, config, round).await?;
@@ -118,9 +138,11 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
 
 /// One row of the table: the neighbour `alone` and `beside` an attack, the
 /// ratios beside ÷ alone, then any failed neighbour requests or clients.
-fn print_comparison(name: &str, alone: &Measurement, beside: &Measurement) {
+/// `rss_growth_mib`: the bench process's (the gateway's) peak RSS beside the attack over before it, if measured.
+fn print_comparison(name: &str, (alone, beside): (&Measurement, &Measurement), rss_growth_mib: Option<u64>) {
+    let rss = rss_growth_mib.map_or_else(|| "-".to_owned(), |g| g.to_string());
     println!(
-        "{name:<24} {:>10.2} {:>10.2} {:>9.3} {:>9.1} {:>9.1} {:>8.3}",
+        "{name:<26} {:>10.2} {:>10.2} {:>9.3} {:>9.1} {:>9.1} {:>8.3} {rss:>9}",
         alone.throughput,
         beside.throughput,
         beside.throughput / alone.throughput,
@@ -153,7 +175,7 @@ fn seed_with_attacker(seed_dir: &Path, hostile: &Path) -> anyhow::Result<std::pa
             std::fs::copy(handler.path(), to.join(handler.file_name()))?;
         }
     }
-    for tenant in ["evil", "evil2"] {
+    for tenant in HOSTILE_TENANTS {
         std::fs::create_dir_all(seed.join(tenant))?;
         std::fs::copy(hostile, seed.join(tenant).join("attack.wasm"))
             .with_context(|| format!("{} (run deploy/scripts/build-guests.sh)", hostile.display()))?;
@@ -174,10 +196,11 @@ fn start_attack(
         .map(|i| {
             let tenant = match attack {
                 Attack::Hold { tenants } => i % tenants.clamp(1, keys.len()),
+                Attack::StalledUploads { tenants } => i % tenants.clamp(1, HOSTILE_TENANTS.len()),
                 _ => 0,
             };
-            let (stop, key, component) = (Arc::clone(stop), keys[tenant].clone(), component.clone());
-            let name = ["evil", "evil2"][tenant];
+            let (stop, key, component) = (Arc::clone(stop), keys[tenant.min(keys.len() - 1)].clone(), component.clone());
+            let name = HOSTILE_TENANTS[tenant];
             tokio::spawn(async move {
                 match attack {
                     Attack::Query(query) => query_loop(addr, (name, &key), query, &stop).await,
@@ -185,6 +208,8 @@ fn start_attack(
                     Attack::SlowBody => slow_body_loop(addr, &key, &stop).await,
                     Attack::Idle => idle_loop(addr, &stop).await,
                     Attack::Upload => upload_loop(addr, component, &stop).await,
+                    Attack::StalledUploads { .. } => stalled_upload_loop(addr, name, &stop).await,
+                    Attack::KeyChurn => key_churn_loop(addr, &stop).await,
                 }
             })
         })
@@ -263,6 +288,100 @@ async fn upload_loop(addr: SocketAddr, component: Bytes, stop: &AtomicBool) {
     }
 }
 
+/// Opens an upload of [`STALLED_UPLOAD_BYTES`] to `tenant` through the admin
+/// API; refused before its body, opens the next at once; admitted, sends
+/// all but its last byte and waits until the gateway gives up on it.
+async fn stalled_upload_loop(addr: SocketAddr, tenant: &str, stop: &AtomicBool) {
+    let head = format!(
+        "PUT /admin/v1/tenants/{tenant}/handlers/stalled HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: {STALLED_UPLOAD_BYTES}\r\n\r\n"
+    );
+    let chunk = vec![0u8; 1 << 20];
+    while !stop.load(Ordering::SeqCst) {
+        let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        if stream.write_all(head.as_bytes()).await.is_err() {
+            continue;
+        }
+        // An answer before the body is a refusal; none within 100 ms, admitted.
+        let mut answer = [0u8; 512];
+        if let Ok(read) = tokio::time::timeout(Duration::from_millis(100), tokio::io::AsyncReadExt::read(&mut stream, &mut answer)).await {
+            if read.is_ok_and(|n| n > 0) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            continue;
+        }
+        let mut left = STALLED_UPLOAD_BYTES - 1;
+        while left > 0 && !stop.load(Ordering::SeqCst) {
+            let n = left.min(chunk.len());
+            if stream.write_all(&chunk[..n]).await.is_err() {
+                break;
+            }
+            left -= n;
+        }
+        while !stop.load(Ordering::SeqCst) && stream.try_read(&mut answer).is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Creates a key of `evil` and revokes it, back to back, through the admin API.
+async fn key_churn_loop(addr: SocketAddr, stop: &AtomicBool) {
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let keys = format!("http://{addr}/admin/v1/tenants/evil/keys");
+    while !stop.load(Ordering::SeqCst) {
+        let request = hyper::Request::post(&keys).header(hyper::header::AUTHORIZATION, format!("Bearer {ADMIN_TOKEN}"));
+        let Ok(req) = request.body(Full::default()) else { return };
+        let Ok(resp) = client.request(req).await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let body = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        let id = serde_json::from_slice::<serde_json::Value>(&body).ok().and_then(|v| v["id"].as_str().map(str::to_owned));
+        let Some(id) = id else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let request = hyper::Request::delete(format!("{keys}/{id}")).header(hyper::header::AUTHORIZATION, format!("Bearer {ADMIN_TOKEN}"));
+        if let Ok(req) = request.body(Full::default()) {
+            let _ = client.request(req).await.map(|resp| resp.into_body().collect());
+        }
+    }
+}
+
+/// The peak resident memory of this process (the gateway runs in it) over
+/// what it was when sampling started, sampled every 10 ms until `stop`.
+struct RssPeak {
+    before: u64,
+    peak: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl RssPeak {
+    fn start(stop: &Arc<AtomicBool>) -> Self {
+        let (before, peak) = (rss_mib(), Arc::new(std::sync::atomic::AtomicU64::new(0)));
+        let (stop, sampled) = (Arc::clone(stop), Arc::clone(&peak));
+        tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                sampled.fetch_max(rss_mib(), Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        Self { before, peak }
+    }
+
+    fn growth_mib(&self) -> u64 {
+        self.peak.load(Ordering::SeqCst).saturating_sub(self.before)
+    }
+}
+
+/// This process's resident memory, MiB (0 where /proc is not there).
+fn rss_mib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok());
+    kib.unwrap_or(0) / 1024
+}
+
 /// The connection-hoarding row (`--only` matches its name).
 const HOARDING: &str = "connection hoarding";
 
@@ -324,7 +443,7 @@ async fn connection_hoarding(
         }
     }
     let window = round * config.rounds.max(1);
-    print_comparison(HOARDING, &alone.summarize(window), &beside.summarize(window));
+    print_comparison(HOARDING, (&alone.summarize(window), &beside.summarize(window)), None);
     let mut served: Vec<Duration> = newcomers.iter().filter_map(|n| n.as_ref().ok().copied()).collect();
     served.sort();
     let refused: Vec<&String> = newcomers.iter().filter_map(|n| n.as_ref().err()).collect();

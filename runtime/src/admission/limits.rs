@@ -45,7 +45,9 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 << 20;
 pub const DEFAULT_MAX_VERSIONS: u32 = 20;
 /// Default handlers one tenant may have.
 pub const DEFAULT_MAX_HANDLERS: u32 = 32;
-/// Most of either a tenant may be given.
+/// Default unrevoked API keys one tenant may have.
+pub const DEFAULT_MAX_KEYS: u32 = 100;
+/// Most versions, handlers or keys a tenant may be given.
 const MAX_STORED: u32 = 10_000;
 
 /// Declares the tenant limits: `flags` have a `facegate serve` flag (and
@@ -185,6 +187,11 @@ tenant_limits! {
         /// Handlers the tenant may have; the upload of one more is refused
         /// (403 `quota_exceeded`).
         max_handlers: u32 = DEFAULT_MAX_HANDLERS, flag "max-handlers", env "FACEGATE_MAX_HANDLERS",
+            parser clap::value_parser!(u32).range(1..=i64::from(MAX_STORED)), rule within(1, MAX_STORED);
+        /// API keys the tenant may have that are not revoked (its invoke,
+        /// deploy and read keys together); creating one more is refused
+        /// (403 `quota_exceeded`) until one is revoked.
+        max_keys: u32 = DEFAULT_MAX_KEYS, flag "max-keys", env "FACEGATE_MAX_KEYS",
             parser clap::value_parser!(u32).range(1..=i64::from(MAX_STORED)), rule within(1, MAX_STORED);
     }
     fixed {

@@ -26,6 +26,10 @@ use super::store::{ActiveHandler, SharedArtifact, Store, StoreError, StoreResult
 use super::{ControlPlane, keys, validate};
 use crate::sandbox::handler::Handler;
 
+/// Whom the node's memory budget charges for compiling a component
+/// deployed through another node (no tenant's call waits for it).
+const PRECOMPILE_OWNER: &str = "(precompile)";
+
 /// Whether loading a handler may compile its component there and then.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Compile {
@@ -90,6 +94,14 @@ impl ControlPlane {
             Err(StoreError::Unavailable(_)) => self.compile_db().component(sha256)?,
             read => read?,
         };
+        // Charged to the node as a compile of its size; refused (the node is
+        // short of memory now), it is asked for again by a later sync.
+        let node: std::sync::Arc<str> = std::sync::Arc::from(PRECOMPILE_OWNER);
+        let _compiling = self
+            .sandbox
+            .memory()
+            .charge(&node, crate::sandbox::compile::memory_estimate(bytes.len()))
+            .map_err(|e| StoreError::NoMemory(format!("{e}: compiling {sha256} later")))?;
         let (_, artifact) = self.compile_component(sha256, &bytes).map_err(|e| StoreError::Invalid(e.to_string()))?;
         // A compile the cache cannot keep would be compiled again by every sync.
         let artifact =

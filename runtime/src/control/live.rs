@@ -1,6 +1,8 @@
 //! The snapshot the data plane reads ([`Live`]): tenants with their
 //! admission gates and active handlers, and the active API keys. Built by
-//! `ControlPlane::refresh` and swapped in whole; never changed in place.
+//! `ControlPlane::refresh` and swapped in whole; never changed in place. A
+//! key created or revoked on this node swaps in a copy with only its key
+//! map changed ([`Live::with_keys`]): the tenants are shared, not rebuilt.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,6 +16,7 @@ use crate::admission::gate::TenantGate;
 use crate::sandbox::handler::Handler;
 
 /// One tenant in the live snapshot.
+#[derive(Clone)]
 pub struct TenantEntry {
     /// Which creation of a tenant of this name (see `store::new_incarnation`).
     pub incarnation: String,
@@ -97,18 +100,25 @@ impl LiveCanary {
     }
 }
 
+/// An unrevoked key: whose it is, its secret's digest and its scopes.
 pub(super) struct ActiveKey {
     pub(super) tenant: String,
     pub(super) secret_sha256: [u8; 32],
     pub(super) scopes: Scopes,
 }
 
+/// The active keys by id. Entries are shared, so a copy with one key more
+/// or less costs a table of pointers, not a copy of every key.
+pub(super) type KeyMap = HashMap<Arc<str>, Arc<ActiveKey>>;
+
 /// What the data plane serves: an immutable snapshot, swapped on change.
+/// Its parts are shared between snapshots: a change of keys only copies
+/// the key map.
 #[derive(Default)]
 pub struct Live {
     /// Tenants by name.
-    pub tenants: HashMap<String, TenantEntry>,
-    pub(super) keys: HashMap<String, ActiveKey>,
+    pub tenants: Arc<HashMap<String, TenantEntry>>,
+    pub(super) keys: Arc<KeyMap>,
 }
 
 /// Compared against when a key id is unknown, so both paths hash once.
@@ -144,6 +154,24 @@ impl Live {
     /// Handlers served, all tenants.
     pub fn handler_count(&self) -> usize {
         self.tenants.values().map(|t| t.handlers.len()).sum()
+    }
+
+    /// This snapshot's tenants and handlers with its keys changed by
+    /// `change`.
+    pub(super) fn with_keys(&self, change: impl FnOnce(&mut KeyMap)) -> Self {
+        let mut keys = KeyMap::clone(&self.keys);
+        change(&mut keys);
+        Self { tenants: Arc::clone(&self.tenants), keys: Arc::new(keys) }
+    }
+
+    /// The tenants of a snapshot being built (not shared yet: never copied).
+    pub(super) fn tenants_mut(&mut self) -> &mut HashMap<String, TenantEntry> {
+        Arc::make_mut(&mut self.tenants)
+    }
+
+    /// The keys of a snapshot being built (not shared yet: never copied).
+    pub(super) fn keys_mut(&mut self) -> &mut KeyMap {
+        Arc::make_mut(&mut self.keys)
     }
 
     /// Applies this node's share among `nodes` live nodes to every tenant's gate.

@@ -35,6 +35,7 @@ use bytes::Bytes;
 use self::keys::{NewKey, Scopes};
 use self::store::{AbortRule, ActiveHandler, Canary, KeyRow, NewVersion, NodeRow, Store, StoreError, StoreResult};
 use self::upload::Upload;
+pub use self::upload::{Change, ChangePlace, UploadHold};
 use crate::admission::limits::{LimitOverrides, TenantLimits};
 use crate::metrics::TenantCounters;
 use crate::sandbox::Sandbox;
@@ -101,6 +102,8 @@ pub struct ControlPlane {
     pipeline: Option<Arc<[u8]>>,
     artifact_key: Option<ArtifactKey>,
     live: RwLock<Arc<Live>>,
+    /// Held by every swap of `live`, taken under `db` (see `change_keys`).
+    swap: Mutex<()>,
     /// Live nodes of the cluster (this one included), from the heartbeats:
     /// each enforces its share of a tenant's rate and concurrency.
     nodes: AtomicUsize,
@@ -110,8 +113,8 @@ pub struct ControlPlane {
     alive_nodes: RwLock<Arc<[NodeRow]>>,
     /// What this node's requests used, until written (see [`usage`]).
     meter: Arc<crate::metrics::usage::Meter>,
-    /// Tenants with an upload in progress here (one each at a time).
-    uploading: upload::Uploading,
+    /// Tenants with a change in progress here (one each at a time).
+    changes: upload::Changes,
 }
 
 impl ControlPlane {
@@ -164,12 +167,13 @@ impl ControlPlane {
             pipeline,
             artifact_key,
             live: RwLock::new(Arc::new(Live::default())),
+            swap: Mutex::new(()),
             nodes: AtomicUsize::new(1),
             node_watch: Mutex::default(),
             alive_nodes: RwLock::new(Arc::from(Vec::new())),
             // A restarted node writes under a new name: its numbers start again.
             meter: crate::metrics::usage::Meter::new(store::new_incarnation()?),
-            uploading: upload::Uploading::default(),
+            changes: upload::Changes::default(),
         };
         control.refresh(&mut **control.db(), Vec::new(), Compile::Now)?;
         Ok(control)
@@ -279,13 +283,22 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// Creates an API key of `scopes` for `tenant`.
+    /// Creates an API key of `scopes` for `tenant`, unless it has
+    /// `max_keys` unrevoked keys already (403 `quota_exceeded`, counted in
+    /// the store's transaction). The snapshot gains the key, and nothing
+    /// else is rebuilt, after the store's lock is released.
     pub fn create_key(&self, tenant: &str, scopes: Scopes) -> StoreResult<CreatedKey> {
         let NewKey { id, key, secret_sha256 } = keys::generate()?;
+        let digest = keys::digest_from_hex(&secret_sha256)
+            .ok_or_else(|| StoreError::Internal(anyhow::anyhow!("a new key's digest is not 64 hex digits")))?;
         let mut db = self.db();
-        let created_at = db.insert_key(tenant, &id, &secret_sha256, scopes)?;
-        self.refresh_after_commit(&mut **db, Vec::new());
-        Ok(CreatedKey { tenant: tenant.to_owned(), id, key, created_at, scopes })
+        let max_keys = self.defaults.with(&db.tenant(tenant)?.overrides).max_keys;
+        let commit = db.insert_key(tenant, &id, &secret_sha256, scopes, max_keys)?;
+        let active = Arc::new(live::ActiveKey { tenant: tenant.to_owned(), secret_sha256: digest, scopes });
+        self.change_keys(db, commit.generation, |keys| {
+            keys.insert(Arc::from(id.as_str()), active);
+        });
+        Ok(CreatedKey { tenant: tenant.to_owned(), id, key, created_at: commit.at, scopes })
     }
 
     /// A tenant's keys (ids and dates only).
@@ -293,11 +306,15 @@ impl ControlPlane {
         self.db().keys(tenant)
     }
 
-    /// Revokes a key; requests with it are refused from now on.
+    /// Revokes a key; requests with it are refused from now on (on this
+    /// node before this returns; on the others at their next sync). Only
+    /// the snapshot's key map changes, after the store's lock is released.
     pub fn revoke_key(&self, tenant: &str, id: &str) -> StoreResult<()> {
         let mut db = self.db();
-        db.revoke_key(tenant, id)?;
-        self.refresh_after_commit(&mut **db, Vec::new());
+        let commit = db.revoke_key(tenant, id)?;
+        self.change_keys(db, commit.generation, |keys| {
+            keys.remove(id);
+        });
         Ok(())
     }
 
@@ -323,17 +340,34 @@ impl ControlPlane {
         self.compile.is_full()
     }
 
+    /// `tenant`'s one change place on this node (see [`Change`]), taken by
+    /// the APIs before they read a change's body; refused 429 while the
+    /// tenant has another change in progress here.
+    pub fn begin_change(&self, tenant: &str, change: Change) -> StoreResult<ChangePlace> {
+        self.changes.begin(tenant, change)
+    }
+
     /// Validates, compiles and stores a new version of a handler; activates it if asked.
     /// The heavy part runs on the compile pool (see `upload`), under its budget.
     /// Takes the upload's buffer as it arrived: it moves to the compile thread without a copy.
+    /// For callers that hold nothing yet (seeding): the tenant's place and
+    /// the body's charge are taken here.
     pub fn deploy(&self, tenant: &str, handler: &str, bytes: Bytes, activate: bool) -> StoreResult<Deployed> {
-        self.release(tenant, handler, bytes, if activate { Release::Activate } else { Release::Store })
+        let place = self.begin_change(tenant, Change::Upload)?;
+        let memory = self.sandbox.memory().charge(&Arc::from(tenant), bytes.len()).map_err(no_memory)?;
+        self.release(tenant, handler, bytes, (if activate { Release::Activate } else { Release::Store }, UploadHold { place, memory }))
     }
 
     /// Stores `bytes` as a new version of `tenant`'s `handler` and releases
     /// it as `release` says: active, stored only, or a canary beside the
-    /// active version (which there must be).
-    pub fn release(&self, tenant: &str, handler: &str, bytes: Bytes, release: Release) -> StoreResult<Deployed> {
+    /// active version (which there must be). `hold` is what the upload
+    /// holds already (its tenant's place, its body's memory charge): the
+    /// charge grows to the compile's estimate before it starts, and both go
+    /// with the compile job.
+    pub fn release(&self, tenant: &str, handler: &str, bytes: Bytes, (release, mut hold): (Release, UploadHold)) -> StoreResult<Deployed> {
+        if hold.place.tenant() != tenant {
+            return Err(StoreError::Internal(anyhow::anyhow!("an upload of {tenant:?} came with {:?}'s place", hold.place.tenant())));
+        }
         let activate = release == Release::Activate;
         if let Release::Canary { percent, .. } = release
             && !(1..=99).contains(&percent)
@@ -353,8 +387,10 @@ impl ControlPlane {
         };
         let outgoing_http = limits.outgoing_http;
         validate::check_header(&bytes).map_err(StoreError::Invalid)?;
-        let _uploading = self.uploading.begin(tenant)?;
+        let imports_pipeline = validate::check_interface(&bytes).map_err(StoreError::Invalid)?;
         check_handler_quota(&mut **self.db(), tenant, &handler, limits.max_handlers)?;
+        let pipeline = imports_pipeline.then(|| self.pipeline.as_ref().map_or(0, |p| p.len()));
+        hold.memory.resize(crate::sandbox::compile::upload_memory_estimate(bytes.len(), pipeline)).map_err(no_memory)?;
         let upload = Upload {
             sandbox: Arc::clone(&self.sandbox),
             cache: self.cache.clone(),
@@ -363,10 +399,17 @@ impl ControlPlane {
             handler: handler.clone(),
             outgoing_http,
             bytes,
+            imports_pipeline,
             pipeline: self.pipeline.clone(),
             artifact_key: self.artifact_key.clone(),
         };
-        let prepared = self.compile.run(move || upload.prepare()).map_err(compile_refusal)??;
+        // The hold goes with the job: a compile past the budget keeps the
+        // tenant's place and its charge until it ends.
+        let (prepared, mut hold) = self.compile.run(move || (upload.prepare(), hold)).map_err(compile_refusal)?;
+        let prepared = prepared?;
+        // From here on the upload holds what is stored, its component (a
+        // charge that shrinks is never refused).
+        let _ = hold.memory.resize(prepared.component.len());
         // A grant changed while this compiled: the refresh links it anew (see `refresh`).
         let mut db = self.db();
         // Again under the store's lock: another upload may have added a handler meanwhile.
@@ -404,12 +447,12 @@ impl ControlPlane {
     pub fn promote(&self, tenant: &str, handler: &str) -> StoreResult<Activated> {
         let no_canary = || StoreError::NotFound(format!("{tenant}/{handler} has no canary"));
         let canary = self.db().canary(tenant, handler)?.ok_or_else(no_canary)?;
-        let sha256 = self.version_sha256(&mut **self.db(), tenant, handler, canary.version)?;
+        let row = self.version_row(&mut **self.db(), tenant, handler, canary.version)?;
         let still = |db: &mut dyn Store| match db.canary(tenant, handler)? {
             Some(now) if now.version == canary.version => Ok(()),
             _ => Err(StoreError::Conflict(format!("{tenant}/{handler}'s canary (version {}) ended meanwhile", canary.version))),
         };
-        let activated = self.activate_compiled_if(tenant, handler, (canary.version, &sha256), still)?;
+        let activated = self.activate_compiled_if(tenant, handler, &row, still)?;
         tracing::info!(tenant, handler, version = canary.version, "canary promoted");
         Ok(activated)
     }
@@ -431,49 +474,55 @@ impl ControlPlane {
     /// Makes `version` active. It is loaded before the switch: if it cannot
     /// be served, nothing changes.
     pub fn activate(&self, tenant: &str, handler: &str, version: i64) -> StoreResult<Activated> {
-        let sha256 = self.version_sha256(&mut **self.db(), tenant, handler, version)?;
-        self.activate_compiled(tenant, handler, version, &sha256)
+        let row = self.version_row(&mut **self.db(), tenant, handler, version)?;
+        self.activate_compiled(tenant, handler, &row)
     }
 
     /// Activates the newest version older than the active one.
     pub fn rollback(&self, tenant: &str, handler: &str) -> StoreResult<Activated> {
-        let (target, sha256) = {
+        let row = {
             let mut db = self.db();
             let target = store::rollback_target(&mut **db, tenant, handler)?;
-            (target, self.version_sha256(&mut **db, tenant, handler, target)?)
+            self.version_row(&mut **db, tenant, handler, target)?
         };
-        self.activate_compiled(tenant, handler, target, &sha256)
+        self.activate_compiled(tenant, handler, &row)
     }
 
-    /// The component digest of a stored version (a version's component never changes).
-    fn version_sha256(&self, db: &mut dyn Store, tenant: &str, handler: &str, version: i64) -> StoreResult<String> {
+    /// A stored version's row: its component's digest and size (a
+    /// version's component never changes).
+    fn version_row(&self, db: &mut dyn Store, tenant: &str, handler: &str, version: i64) -> StoreResult<store::VersionRow> {
         let (versions, _) = db.versions(tenant, handler)?;
-        let row = versions
+        versions
             .into_iter()
             .find(|v| v.version == version)
-            .ok_or_else(|| StoreError::NotFound(format!("{tenant}/{handler} has no version {version}")))?;
-        Ok(row.sha256)
+            .ok_or_else(|| StoreError::NotFound(format!("{tenant}/{handler} has no version {version}")))
     }
 
     /// Compiles the version's component if this node has no artifact for
     /// it, on the compile pool with its budget and outside the store's lock
     /// (other admin calls and the sync go on meanwhile), then links it and
     /// switches under the lock.
-    fn activate_compiled(&self, tenant: &str, handler: &str, version: i64, sha256: &str) -> StoreResult<Activated> {
-        self.activate_compiled_if(tenant, handler, (version, sha256), |_| Ok(()))
+    fn activate_compiled(&self, tenant: &str, handler: &str, row: &store::VersionRow) -> StoreResult<Activated> {
+        self.activate_compiled_if(tenant, handler, row, |_| Ok(()))
     }
 
     /// [`ControlPlane::activate_compiled`], switching only if `check` (run
     /// under the store's lock, just before) holds. A canary of the version
-    /// made active ends: it is the active version now.
+    /// made active ends: it is the active version now. Loading (or
+    /// compiling) the component is charged to the tenant on the node's
+    /// memory budget while it runs, as a compile of its size.
     fn activate_compiled_if(
         &self,
         tenant: &str,
         handler: &str,
-        (version, sha256): (i64, &str),
+        row: &store::VersionRow,
         check: impl FnOnce(&mut dyn Store) -> StoreResult<()>,
     ) -> StoreResult<Activated> {
+        let (version, sha256) = (row.version, row.sha256.as_str());
+        let estimate = crate::sandbox::compile::memory_estimate(usize::try_from(row.size).unwrap_or(usize::MAX));
+        let loading = self.sandbox.memory().charge(&Arc::from(tenant), estimate).map_err(no_memory)?;
         let component = self.compile_off_lock(sha256)?;
+        drop(loading);
         let mut db = self.db();
         check(&mut **db)?;
         let outgoing_http = self.defaults.with(&db.tenant(tenant)?.overrides).outgoing_http;
@@ -543,6 +592,11 @@ pub fn check_store(url: Option<&str>, data_dir: &Path) -> anyhow::Result<CheckRe
     }
     let temp_files = if url.is_none() { Blobs::open(data_dir)?.tmp_files()?.len() } else { 0 };
     Ok(CheckReport { ok: problems.is_empty(), problems, versions: versions.len(), temp_files })
+}
+
+/// A memory-budget refusal as the store's error: 503 `overloaded`, retry shortly.
+fn no_memory(refusal: crate::admission::memory::Refusal) -> StoreError {
+    StoreError::NoMemory(format!("{refusal}: the upload does not fit now; retry shortly"))
 }
 
 /// A compile-pool refusal as the store's error: busy or too slow is 503

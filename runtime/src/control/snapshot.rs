@@ -5,13 +5,13 @@
 //! or recreated, idle instances past their time).
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::components::Compile;
 use super::keys;
-use super::live::{ActiveKey, Live, LiveCanary, TenantEntry};
+use super::live::{ActiveKey, KeyMap, Live, LiveCanary, TenantEntry};
 use super::store::{self, Canary, NodeRow, Store, StoreResult, now_ms};
 use super::{ControlPlane, sync};
 use crate::admission::gate::new_gate;
@@ -96,7 +96,7 @@ impl ControlPlane {
     /// the new one starts afresh, and none of the old one's handlers is
     /// served to it.
     fn forget_gone(&self, old: &Live, incarnations: &HashMap<&str, &str>) {
-        for (name, entry) in &old.tenants {
+        for (name, entry) in old.tenants.iter() {
             if incarnations.get(name.as_str()) != Some(&entry.incarnation.as_str()) {
                 self.forget_tenant(name, entry);
             }
@@ -139,11 +139,11 @@ impl ControlPlane {
             .map(|(name, _)| name.clone())
             .collect();
         for name in changed {
-            if let Some(entry) = live.tenants.remove(&name) {
+            if let Some(entry) = live.tenants_mut().remove(&name) {
                 tracing::info!(tenant = %name, "tenant deleted or created again while the snapshot was read; it follows at the next sync");
                 self.forget_tenant(&name, &entry);
             }
-            live.keys.retain(|_, key| key.tenant != name);
+            live.keys_mut().retain(|_, key| key.tenant != name);
         }
         Ok(())
     }
@@ -182,11 +182,40 @@ impl ControlPlane {
     /// After a change is committed: the change stands whatever happens next,
     /// so a snapshot that cannot be rebuilt now (the store went away) is
     /// logged, not reported as the change failing; the sync thread retries
-    /// (the generation it holds is still the old one).
+    /// (the generation it holds is still the old one). It never compiles:
+    /// the caller holds the store's lock, and what this node has not
+    /// compiled (a version deployed through another node) is left to the
+    /// sync's compile thread, asked for at the next sync.
     pub(super) fn refresh_after_commit(&self, db: &mut dyn Store, preloaded: Vec<Arc<Handler>>) {
-        if let Err(e) = self.refresh(db, preloaded, Compile::Now) {
-            tracing::warn!(error = %e, "change stored; the snapshot follows when the store answers again");
+        match self.refresh(db, preloaded, Compile::Later) {
+            Ok(to_compile) if !to_compile.is_empty() => self.recheck_soon(),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "change stored; the snapshot follows when the store answers again"),
         }
+    }
+
+    /// Applies a key change this node committed at `generation` to the
+    /// snapshot, after the store's lock `db` is released: only the key map
+    /// is copied (see [`Live::with_keys`]); tenants, gates and handlers are
+    /// shared. The swap lock is taken before `db` is released, so key
+    /// changes apply in the order they committed, and a rebuild (which
+    /// swaps under the same lock, and reads the store under `db`) never
+    /// swaps in an older view after a newer change. If the snapshot was the
+    /// store just before this change, it is the store at `generation` now:
+    /// the sync finds nothing to rebuild.
+    pub(super) fn change_keys(&self, db: MutexGuard<'_, Box<dyn Store>>, generation: i64, change: impl FnOnce(&mut KeyMap)) {
+        let swapping = self.swapping();
+        drop(db);
+        let next = Arc::new(self.live().with_keys(change));
+        *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = next;
+        let _ = self.generation.compare_exchange(generation - 1, generation, Ordering::AcqRel, Ordering::Acquire);
+        drop(swapping);
+    }
+
+    /// The lock every swap of the snapshot holds; taken while the store's
+    /// lock is held, never the other way round.
+    fn swapping(&self) -> MutexGuard<'_, ()> {
+        self.swap.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Builds a new snapshot from the database and swaps it in. Handlers
@@ -202,11 +231,11 @@ impl ControlPlane {
         self.forget_gone(&old, &incarnations(rows.iter()));
         for row in rows {
             let (name, entry) = self.tenant_entry(&old, row);
-            live.tenants.insert(name, entry);
+            live.tenants_mut().insert(name, entry);
         }
         let mut to_compile = Vec::new();
         for active in db.active_handlers()? {
-            let Some(entry) = live.tenants.get_mut(&active.tenant) else { continue };
+            let Some(entry) = live.tenants_mut().get_mut(&active.tenant) else { continue };
             let outgoing_http = entry.gate.limits.outgoing_http;
             let same = |h: &&Arc<Handler>| h.version == active.version && h.sha256 == active.sha256 && h.outgoing_http == outgoing_http;
             // What this tenant (this incarnation of it) served before.
@@ -252,10 +281,12 @@ impl ControlPlane {
         }
         for (id, tenant, sha, scopes) in db.active_keys()? {
             if let Some(secret_sha256) = keys::digest_from_hex(&sha) {
-                live.keys.insert(id, ActiveKey { tenant, secret_sha256, scopes });
+                live.keys_mut().insert(Arc::from(id), Arc::new(ActiveKey { tenant, secret_sha256, scopes }));
             }
         }
         self.drop_recreated_meanwhile(db, &mut live)?;
+        // After the key changes committed before this read (see `change_keys`).
+        let _swapping = self.swapping();
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         self.generation.store(generation, Ordering::Release);
         self.synced_at_ms.store(now_ms(), Ordering::Release);
@@ -277,7 +308,7 @@ impl ControlPlane {
         live: &mut Live,
         (version, canary): (store::ActiveHandler, Canary),
     ) -> Option<String> {
-        let entry = live.tenants.get_mut(&version.tenant).filter(|e| e.handlers.contains_key(&version.handler))?;
+        let entry = live.tenants_mut().get_mut(&version.tenant).filter(|e| e.handlers.contains_key(&version.handler))?;
         let outgoing_http = entry.gate.limits.outgoing_http;
         let same = |h: &Arc<Handler>| h.version == version.version && h.sha256 == version.sha256 && h.outgoing_http == outgoing_http;
         // The counts compare the canary with the version served beside it:

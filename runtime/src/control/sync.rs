@@ -106,10 +106,14 @@ struct Worker {
     usage: UsagePolicy,
 }
 
+/// Components that may wait for the sync's compile thread; more are left
+/// for a later sync to ask for again (the queue is bounded, as every queue).
+const PRECOMPILE_QUEUE: usize = 64;
+
 /// The thread that compiles what the sync left for later, one component at
 /// a time; it ends when its [`Worker`] does (after the compile it is in).
 struct Compiler {
-    queue: mpsc::Sender<String>,
+    queue: mpsc::SyncSender<String>,
     /// Queued or compiling now: asked for again by every sync until served.
     queued: Arc<Mutex<HashSet<String>>>,
     /// Failed here: not tried again until the node restarts (logged once).
@@ -118,7 +122,7 @@ struct Compiler {
 
 impl Compiler {
     fn start(control: Arc<ControlPlane>, nice: i32) -> anyhow::Result<Self> {
-        let (queue, jobs) = mpsc::channel::<String>();
+        let (queue, jobs) = mpsc::sync_channel::<String>(PRECOMPILE_QUEUE);
         let (queued, failed) = (Arc::<Mutex<HashSet<String>>>::default(), Arc::<Mutex<HashSet<String>>>::default());
         let (done, broken) = (Arc::clone(&queued), Arc::clone(&failed));
         std::thread::Builder::new().name("facegate-precompile".into()).spawn(move || {
@@ -146,8 +150,13 @@ impl Compiler {
             if lock(&self.failed).contains(&sha) || !lock(&self.queued).insert(sha.clone()) {
                 continue;
             }
-            if self.queue.send(sha).is_err() {
-                tracing::error!("the compile thread of the sync is gone");
+            match self.queue.try_send(sha) {
+                Ok(()) => {}
+                // Full: what is left out is asked for again by a later sync.
+                Err(mpsc::TrySendError::Full(sha)) => {
+                    lock(&self.queued).remove(&sha);
+                }
+                Err(mpsc::TrySendError::Disconnected(_)) => tracing::error!("the compile thread of the sync is gone"),
             }
         }
     }

@@ -16,6 +16,7 @@ use super::keys::sha256_hex;
 use super::seal::ArtifactKey;
 use super::store::{SharedArtifact, StoreError, StoreResult};
 use super::validate;
+use crate::admission::memory::Charge;
 use crate::sandbox::Sandbox;
 use crate::sandbox::handler::Handler;
 
@@ -29,6 +30,8 @@ pub(super) struct Upload {
     pub handler: String,
     pub outgoing_http: bool,
     pub bytes: Bytes,
+    /// Whether `bytes` import the pipeline (see [`validate::check_interface`]).
+    pub imports_pipeline: bool,
     /// The pipeline component, linked into handlers that import it.
     pub pipeline: Option<Arc<[u8]>>,
     /// Seals the artifact for the other nodes, if they share them.
@@ -70,7 +73,7 @@ impl Upload {
     }
 
     fn with_pipeline(&self) -> StoreResult<Bytes> {
-        if !compose::imports_pipeline(&self.bytes) {
+        if !self.imports_pipeline {
             return Ok(self.bytes.clone());
         }
         let pipeline = self.pipeline.as_ref().ok_or_else(|| {
@@ -83,36 +86,82 @@ impl Upload {
     }
 }
 
-/// The tenants with an upload in progress on this node: one at a time
-/// each, so that no tenant holds more than one of the compile pool's
-/// places, however many it sends at once.
-#[derive(Default)]
-pub(super) struct Uploading(std::sync::Mutex<std::collections::HashSet<String>>);
+/// What a tenant's change in progress on this node is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// A new version: its body read, linked, compiled and stored.
+    Upload,
+    /// A version made active or a canary (activate, rollback, promote, abort).
+    Release,
+    /// A key created or revoked.
+    Keys,
+}
 
-impl Uploading {
-    /// `tenant`'s place until the guard drops, or a refusal while it has one.
-    pub fn begin(&self, tenant: &str) -> StoreResult<UploadGuard<'_>> {
-        if !self.lock().insert(tenant.to_owned()) {
-            return Err(StoreError::TooMany(format!("an upload of tenant {tenant:?} is in progress on this node; one at a time")));
+impl Change {
+    fn described(self) -> &'static str {
+        match self {
+            Change::Upload => "an upload",
+            Change::Release => "an activation",
+            Change::Keys => "a key change",
         }
-        Ok(UploadGuard { uploading: self, tenant: tenant.to_owned() })
+    }
+}
+
+/// The tenants with a change in progress on this node: one at a time each,
+/// taken before the change's body is read, so that no tenant holds more
+/// than one of the compile pool's places, one upload's memory, or the
+/// store's writer more than once at a time, however many calls it sends at once.
+#[derive(Default, Clone)]
+pub struct Changes(Arc<std::sync::Mutex<std::collections::HashMap<String, Change>>>);
+
+impl Changes {
+    /// `tenant`'s place for `change` until the [`ChangePlace`] drops, or a
+    /// refusal ([`StoreError::TooMany`]) while it has a change in progress.
+    pub fn begin(&self, tenant: &str, change: Change) -> StoreResult<ChangePlace> {
+        let mut changes = self.lock();
+        if let Some(holding) = changes.get(tenant) {
+            let code = if change == Change::Upload { "upload_in_progress" } else { "change_in_progress" };
+            let message = format!("{} of tenant {tenant:?} is in progress on this node; one change at a time", holding.described());
+            return Err(StoreError::TooMany { code, message });
+        }
+        changes.insert(tenant.to_owned(), change);
+        Ok(ChangePlace { changes: self.clone(), tenant: tenant.to_owned() })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Change>> {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
-/// A tenant's upload in progress (see [`Uploading`]).
-pub(super) struct UploadGuard<'a> {
-    uploading: &'a Uploading,
+/// A tenant's change in progress (see [`Changes`]); owned, so it can move
+/// with an upload onto a compile thread and outlive a caller that gave up.
+pub struct ChangePlace {
+    changes: Changes,
     tenant: String,
 }
 
-impl Drop for UploadGuard<'_> {
-    fn drop(&mut self) {
-        self.uploading.lock().remove(&self.tenant);
+impl ChangePlace {
+    /// Whose place it is.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
     }
+}
+
+impl Drop for ChangePlace {
+    fn drop(&mut self) {
+        self.changes.lock().remove(&self.tenant);
+    }
+}
+
+/// What an upload holds on this node from before its body is read until it
+/// is stored or refused: its tenant's place and its memory charge (its body,
+/// then the compile's estimate). Both go with the compile job: a compile
+/// running past the upload's budget keeps them until it ends.
+pub struct UploadHold {
+    /// The tenant's one change place.
+    pub place: ChangePlace,
+    /// The upload's charge to the node's memory budget.
+    pub memory: Charge,
 }
 
 #[cfg(test)]
@@ -120,13 +169,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_tenant_uploads_one_at_a_time_others_meanwhile() {
-        let uploading = Uploading::default();
-        let first = uploading.begin("acme").unwrap();
-        assert!(matches!(uploading.begin("acme"), Err(StoreError::TooMany(_))), "a second of the same tenant waits");
-        let other = uploading.begin("globex");
+    fn a_tenant_changes_one_thing_at_a_time_others_meanwhile() {
+        let changes = Changes::default();
+        let first = changes.begin("acme", Change::Upload).unwrap();
+        let code = |r: StoreResult<ChangePlace>| match r {
+            Err(StoreError::TooMany { code, message }) => (code, message),
+            _ => panic!("not refused"),
+        };
+        let (refused, message) = code(changes.begin("acme", Change::Upload));
+        assert_eq!(refused, "upload_in_progress", "a second upload of the same tenant waits");
+        assert!(message.contains("an upload"), "{message}");
+        assert_eq!(code(changes.begin("acme", Change::Keys)).0, "change_in_progress", "so does any other change of it");
+        let other = changes.begin("globex", Change::Release);
         assert!(other.is_ok(), "another tenant goes on");
         drop(first);
-        assert!(uploading.begin("acme").is_ok(), "the place comes back");
+        assert!(changes.begin("acme", Change::Keys).is_ok(), "the place comes back");
     }
 }

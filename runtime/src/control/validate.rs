@@ -44,6 +44,32 @@ pub fn check_header(bytes: &[u8]) -> Result<(), String> {
     }
 }
 
+/// The cheap checks of an upload, before anything compiles: its imports
+/// stay within [`ALLOWED_IMPORTS`] (and the pipeline interface, which the
+/// gateway links in) and it exports the incoming handler, read from the
+/// component's type information (parsed, not compiled). A refusal here
+/// costs the node a parse, not a compile; the compiled component is checked
+/// again after the compile ([`check_imports`], [`check_exports`]).
+/// Says whether the component imports the pipeline.
+pub fn check_interface(bytes: &[u8]) -> Result<bool, String> {
+    let mut graph = wac_graph::CompositionGraph::new();
+    let package = wac_graph::types::Package::from_bytes("facegate:upload", None, bytes, graph.types_mut())
+        .map_err(|e| format!("the component does not parse: {e:#}"))?;
+    let world = &graph.types()[package.ty()];
+    let pipeline = super::compose::PIPELINE_INTERFACE;
+    if let Some(name) =
+        world.imports.keys().find(|name| !name.starts_with(pipeline) && !ALLOWED_IMPORTS.iter().any(|p| name.starts_with(p)))
+    {
+        return Err(format!("the component imports `{name}`, which handlers may not use (allowed: {})", ALLOWED_IMPORTS.join(", ")));
+    }
+    if world.exports.keys().any(|name| name.starts_with(INCOMING_HANDLER)) {
+        return Ok(world.imports.keys().any(|name| name.starts_with(pipeline)));
+    }
+    let exports: Vec<&str> = world.exports.keys().map(String::as_str).collect();
+    let found = if exports.is_empty() { "nothing".to_owned() } else { exports.join(", ") };
+    Err(format!("the component does not export wasi:http/incoming-handler@0.2.x (it exports {found})"))
+}
+
 /// Checks every import name against the allowed interfaces.
 pub fn check_imports(engine: &Engine, component: &Component) -> Result<(), String> {
     let ty = component.component_type();
@@ -77,5 +103,22 @@ mod tests {
         assert!(check_header(b"\0asm\x01\0\0\0").unwrap_err().contains("core WebAssembly module"));
         assert!(check_header(b"\0asm\x0d\0\x01\0").is_ok());
         assert!(check_header(b"\0asm\x0e\0\x01\0").unwrap_err().contains("version"));
+    }
+
+    #[test]
+    fn imports_and_exports_are_checked_without_compiling() {
+        let component = |wat: &str| wat::parse_str(wat).unwrap();
+        let exports_nothing = component("(component)");
+        assert!(check_interface(&exports_nothing).unwrap_err().contains("does not export wasi:http/incoming-handler"));
+        let imports_fs = component(r#"(component (import "acme:secret/vault" (instance)))"#);
+        assert!(check_interface(&imports_fs).unwrap_err().contains("`acme:secret/vault`"));
+        let handler = component(
+            r#"(component
+                 (import "wasi:clocks/monotonic-clock@0.2.0" (instance))
+                 (instance $h)
+                 (export "wasi:http/incoming-handler@0.2.0" (instance $h)))"#,
+        );
+        assert_eq!(check_interface(&handler), Ok(false), "a handler that does not import the pipeline");
+        assert!(check_interface(b"\0asm\x0d\0\x01\0garbage").unwrap_err().contains("does not parse"));
     }
 }

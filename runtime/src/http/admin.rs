@@ -17,14 +17,16 @@ use serde_json::{Value, json};
 
 use super::app::App;
 use super::auth::bearer;
-use super::body::buffer_body;
+use super::body::{content_length, read_body};
 use super::response::{self, Body};
 use crate::admission::limits::LimitOverrides;
+use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::control::keys::{self, Scopes};
 use crate::control::store::AbortRule;
 use crate::control::store::{StoreError, now_ms};
 use crate::control::sync::ALIVE_WITHIN;
-use crate::control::{ControlPlane, Release};
+use crate::control::{Change, ChangePlace, ControlPlane, Release, UploadHold};
+use crate::metrics::Limit;
 use crate::sandbox::compile::CompileError;
 
 /// Longest an admin upload may take to arrive.
@@ -103,33 +105,57 @@ impl App {
         let method = req.method().clone();
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
-        let upload = method == Method::PUT && matches!(rest, ["tenants", _, "handlers", _]);
+        let call = match rest {
+            ["tenants", tenant, of_tenant @ ..] => StoreCall { tenant: Some(*tenant), change: change_of(&method, of_tenant) },
+            _ => StoreCall { tenant: None, change: None },
+        };
         // The operator's calls all take bodies up to the largest upload.
         let max_body = self.config.max_component_bytes;
-        self.store_op(req, (upload, max_body), move |control, body| admin_op(control, &method, &path, &query, body)).await
+        self.store_op(req, (call, max_body), move |control, body, held| admin_op(control, (&method, &path, &query), body, held)).await
     }
 
     /// Reads `req`'s body (up to `max_body`) and runs `op` on it on a
-    /// blocking thread; an `upload` is refused before its body while the
-    /// compile pool is full (a client retrying at once costs little).
+    /// blocking thread. Before the body is read: an upload is refused while
+    /// the compile pool is full (a client retrying at once costs little), a
+    /// tenant's change while it has another in progress on this node (429),
+    /// and any call whose declared body does not fit the node's memory
+    /// budget (503 `overloaded`); the body is charged as it arrives, and
+    /// what the call holds ([`Held`]) is held until it is answered (an
+    /// upload's, until its compile ends).
     pub(super) async fn store_op(
         &self,
         req: Request<Incoming>,
-        (upload, max_body): (bool, usize),
-        op: impl FnOnce(&ControlPlane, &Bytes) -> AdminResult + Send + 'static,
+        (call, max_body): (StoreCall<'_>, usize),
+        op: impl FnOnce(&ControlPlane, &Bytes, Held) -> AdminResult + Send + 'static,
     ) -> Response<Body> {
-        if upload && self.control.uploads_busy() {
+        if call.change == Some(Change::Upload) && self.control.uploads_busy() {
             return response::before_body(store_error(&StoreError::Busy(CompileError::Busy.to_string())));
         }
-        let body = match buffer_body(req, max_body, UPLOAD_TIMEOUT).await {
+        let place = match (call.tenant, call.change) {
+            (Some(tenant), Some(change)) => match self.control.begin_change(tenant, change) {
+                Ok(place) => Some(place),
+                Err(e) => return response::before_body(store_error(&e)),
+            },
+            _ => None,
+        };
+        let owner: Arc<str> = Arc::from(call.tenant.unwrap_or(OPERATOR));
+        let declared = content_length(&req).map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX).min(max_body));
+        let mut memory = match self.sandbox.memory().charge(&owner, declared.saturating_add(REQUEST_BASE_BYTES)) {
+            Ok(charge) => charge,
+            Err(refusal) => return self.control_refused_memory(&owner, refusal),
+        };
+        let body = match read_body(req, max_body, UPLOAD_TIMEOUT, Some(&mut memory)).await {
             Ok(req) => match req.into_body().collect().await {
                 Ok(collected) => collected.to_bytes(),
                 Err(never) => match never {},
             },
             Err((_, refusal)) => return refusal,
         };
+        // Held from now on: the body, not the buffer's growth (shrinking is never refused).
+        let _ = memory.resize(body.len().saturating_add(REQUEST_BASE_BYTES));
+        let held = Held { place, memory };
         let control = Arc::clone(&self.control);
-        let outcome = tokio::task::spawn_blocking(move || op(&control, &body)).await;
+        let outcome = tokio::task::spawn_blocking(move || op(&control, &body, held)).await;
         match outcome {
             Ok(Ok((status, value))) => response::json(status, &value),
             Ok(Err(e)) => store_error(&e),
@@ -146,7 +172,56 @@ impl App {
     }
 }
 
-fn admin_op(control: &ControlPlane, method: &Method, path: &[String], query: &str, body: &Bytes) -> AdminResult {
+impl App {
+    /// A control-plane call refused before its body by the node's memory
+    /// budget: 503 `overloaded` + `Retry-After`, counted against its tenant.
+    fn control_refused_memory(&self, owner: &str, refusal: memory::Refusal) -> Response<Body> {
+        if owner != OPERATOR {
+            self.hits().hit(owner, Limit::NodeMemory);
+        }
+        response::before_body(response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", &refusal.to_string(), 1))
+    }
+}
+
+/// Whom the node's memory budget charges for an operator's call that names no tenant.
+const OPERATOR: &str = "(operator)";
+
+/// What a control-plane call is, as far as the node must know before its body.
+pub(super) struct StoreCall<'a> {
+    /// The tenant it changes or reads (charged for its body), if any.
+    pub tenant: Option<&'a str>,
+    /// The change it makes to that tenant, if any: one at a time each.
+    pub change: Option<Change>,
+}
+
+/// What a control-plane call holds from before its body is read until it
+/// is answered: its tenant's change place (if it makes a change) and its
+/// charge to the node's memory budget (its body).
+pub(super) struct Held {
+    place: Option<ChangePlace>,
+    memory: Charge,
+}
+
+impl Held {
+    /// What an upload takes with it to the compile pool.
+    pub(super) fn upload(self) -> Result<UploadHold, StoreError> {
+        let place = self.place.ok_or_else(|| StoreError::Internal(anyhow::anyhow!("an upload without its tenant's place")))?;
+        Ok(UploadHold { place, memory: self.memory })
+    }
+}
+
+/// The change a call of a tenant's (`rest`: the path after the tenant, as
+/// `handlers/{h}/activate`) makes, if any: taken before its body is read.
+pub(super) fn change_of(method: &Method, rest: &[&str]) -> Option<Change> {
+    match (method, rest) {
+        (&Method::PUT, ["handlers", _]) => Some(Change::Upload),
+        (&Method::POST, ["handlers", _, "activate" | "rollback" | "promote" | "abort"]) => Some(Change::Release),
+        (&Method::POST, ["keys"]) | (&Method::DELETE, ["keys", _]) => Some(Change::Keys),
+        _ => None,
+    }
+}
+
+fn admin_op(control: &ControlPlane, (method, path, query): (&Method, &[String], &str), body: &Bytes, held: Held) -> AdminResult {
     let p: Vec<&str> = path.iter().map(String::as_str).collect();
     match (method.clone(), p.as_slice()) {
         (Method::GET, ["tenants"]) => ok(json!({ "tenants": control.tenants()? })),
@@ -168,7 +243,9 @@ fn admin_op(control: &ControlPlane, method: &Method, path: &[String], query: &st
             ok(json!({ "tenant": t, "revoked": id }))
         }
         (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
-        (Method::PUT, ["tenants", t, "handlers", h]) => created(control.release(t, h, body.clone(), release_of(query)?)?),
+        (Method::PUT, ["tenants", t, "handlers", h]) => {
+            created(control.release(t, h, body.clone(), (release_of(query)?, held.upload()?))?)
+        }
         (Method::GET, ["tenants", t, "handlers", h, "versions"]) => ok(control.versions(t, h)?),
         (Method::POST, ["tenants", t, "handlers", h, "activate"]) => {
             let req: Activate = parse(body)?;
@@ -266,7 +343,8 @@ pub(super) fn store_error(e: &StoreError) -> Response<Body> {
         StoreError::Invalid(m) => response::error(StatusCode::BAD_REQUEST, "invalid", m),
         StoreError::Forbidden(m) => response::error(StatusCode::FORBIDDEN, "forbidden", m),
         StoreError::Quota(m) => response::error(StatusCode::FORBIDDEN, "quota_exceeded", m),
-        StoreError::TooMany(m) => response::retry_later(StatusCode::TOO_MANY_REQUESTS, "upload_in_progress", m, 2),
+        StoreError::TooMany { code, message } => response::retry_later(StatusCode::TOO_MANY_REQUESTS, code, message, 2),
+        StoreError::NoMemory(m) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", m, 1),
         StoreError::Busy(m) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "busy", m, 5),
         StoreError::Unavailable(_) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", &e.to_string(), 5),
         StoreError::Internal(err) => {

@@ -16,17 +16,6 @@ use crate::metrics::Limit;
 /// Longest a client may take to send a request body (also capped by the request timeout).
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Reads the whole body under a size limit and a read timeout (the shorter
-/// of [`BODY_READ_TIMEOUT`] and `timeout`: a slow upload holds a slot).
-/// A refusal names the limit it comes from, if any, for the counters.
-pub(super) async fn buffer_body(
-    req: Request<Incoming>,
-    limit: usize,
-    timeout: Duration,
-) -> Result<Request<Full<Bytes>>, (Option<Limit>, Response<Body>)> {
-    read_body(req, limit, timeout, None).await
-}
-
 /// Why a body could not be buffered.
 pub(super) enum BodyError {
     TooLarge,
@@ -35,9 +24,12 @@ pub(super) enum BodyError {
     NoMemory(memory::Refusal),
 }
 
-/// [`buffer_body`], the buffer charged to `memory` as it grows (its
-/// allocation, over the charge's base of [`REQUEST_BASE_BYTES`]), if given:
-/// past the node's budget, 503 `overloaded`.
+/// Reads the whole body under a size limit and a read timeout (the shorter
+/// of [`BODY_READ_TIMEOUT`] and `timeout`: a slow upload holds a slot), the
+/// buffer charged to `memory` as it grows (its allocation, over the
+/// charge's base of [`REQUEST_BASE_BYTES`]), if given: past the node's
+/// budget, 503 `overloaded`. A refusal names the limit it comes from, if
+/// any, for the counters.
 pub(super) async fn read_body(
     req: Request<Incoming>,
     limit: usize,

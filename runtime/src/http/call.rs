@@ -33,6 +33,21 @@ fn draw_percent() -> u8 {
     getrandom::u32().map_or(99, |r| (r % 100) as u8)
 }
 
+/// The Content-Security-Policy of every handler answer. Handlers answer
+/// on the console's origin: sandboxed, a `text/html` answer runs no script
+/// and is an opaque origin, with no reach into the console's storage or
+/// its same-origin API calls.
+pub const HANDLER_CONTENT_SECURITY_POLICY: &str = "sandbox";
+
+/// Adds [`HANDLER_CONTENT_SECURITY_POLICY`] to a handler's answer. Added
+/// beside any policy the handler set, never in its place: a browser
+/// enforces every policy an answer carries, so a handler may tighten its
+/// answer's policy but cannot lift the sandbox.
+fn sandbox_answer(response: &mut Response<Body>) {
+    let policy = hyper::header::HeaderValue::from_static(HANDLER_CONTENT_SECURITY_POLICY);
+    response.headers_mut().append(hyper::header::CONTENT_SECURITY_POLICY, policy);
+}
+
 /// One call of a handler, as its admission and run see it.
 struct Call<'a> {
     id: &'a Arc<str>,
@@ -114,6 +129,7 @@ impl App {
         if let Ok(value) = hyper::header::HeaderValue::from_str(&id) {
             response.headers_mut().insert(REQUEST_ID_HEADER, value);
         }
+        sandbox_answer(&mut response);
         response
     }
 

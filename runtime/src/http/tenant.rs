@@ -15,17 +15,19 @@
 //! token); a key without the route's scope is 403. A tenant's calls past
 //! its `api_rps` on this node are 429 `api_rate_limited`.
 
+use std::sync::Arc;
+
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
-use super::admin::{Activate, AdminResult, created, key_scopes, ok, parse, release_of};
-use super::app::App;
+use super::admin::{Activate, AdminResult, Held, StoreCall, change_of, created, key_scopes, ok, parse, release_of};
+use super::app::{App, REQUEST_ID_HEADER};
 use super::auth::bearer;
 use super::response::{self, Body};
-use crate::control::ControlPlane;
 use crate::control::keys::Scopes;
 use crate::control::store::StoreError;
+use crate::control::{Change, ControlPlane};
 use crate::metrics::Limit;
 
 /// Largest body of a tenant's call that uploads nothing (JSON of a few fields).
@@ -78,9 +80,17 @@ impl App {
         }
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
-        let upload = method == Method::PUT;
-        let max_body = if upload { self.config.max_component_bytes } else { SMALL_BODY_BYTES };
-        self.store_op(req, (upload, max_body), move |control, body| tenant_op(control, &tenant, (&method, &path, &query), body)).await
+        let change = change_of(&method, rest);
+        let max_body = if change == Some(Change::Upload) { self.config.max_component_bytes } else { SMALL_BODY_BYTES };
+        let owner = tenant.clone();
+        let call = StoreCall { tenant: Some(&owner), change };
+        // Named in the answer and in this node's log line about a failure.
+        let request_id = self.request_ids.next();
+        let id = Arc::clone(&request_id);
+        let op = move |control: &ControlPlane, body: &bytes::Bytes, held: Held| {
+            tenant_op(control, &tenant, (&method, &path, &query), body, held).map_err(|e| for_tenant(e, &tenant, &id))
+        };
+        with_request_id(self.store_op(req, (call, max_body), op).await, &request_id)
     }
 
     /// The answer to a tenant whose tenant-API bucket on this node is empty
@@ -92,13 +102,46 @@ impl App {
     }
 }
 
+/// What a tenant sees of a store error: an internal one (a database's
+/// message, a file path, a host name) becomes a generic 500 naming
+/// `request_id`, and an unavailable store a generic 503, their detail
+/// logged on this node with the id; the others describe the tenant's own
+/// request and pass as they are.
+pub(super) fn for_tenant(e: StoreError, tenant: &str, request_id: &str) -> StoreError {
+    match e {
+        StoreError::Internal(err) => {
+            tracing::error!(tenant, request_id, error = %format!("{err:#}"), "tenant API call failed");
+            StoreError::Internal(anyhow::anyhow!("internal error; the operator's log has it under request id {request_id}"))
+        }
+        StoreError::Unavailable(detail) => {
+            tracing::warn!(tenant, request_id, error = %detail, "tenant API call: store unavailable");
+            StoreError::Unavailable(format!("the store is unavailable; retry (request id {request_id})"))
+        }
+        other => other,
+    }
+}
+
+/// `response` with the `x-request-id` header.
+pub(super) fn with_request_id(mut response: Response<Body>, request_id: &str) -> Response<Body> {
+    if let Ok(value) = hyper::header::HeaderValue::from_str(request_id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, value);
+    }
+    response
+}
+
 /// One tenant API operation of `tenant` (its key's scope already checked).
-fn tenant_op(control: &ControlPlane, tenant: &str, (method, path, query): (&Method, &[String], &str), body: &bytes::Bytes) -> AdminResult {
+fn tenant_op(
+    control: &ControlPlane,
+    tenant: &str,
+    (method, path, query): (&Method, &[String], &str),
+    body: &bytes::Bytes,
+    held: Held,
+) -> AdminResult {
     let p: Vec<&str> = path.iter().map(String::as_str).collect();
     let t = tenant;
     match (method.clone(), p.as_slice()) {
         (Method::GET, ["handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
-        (Method::PUT, ["handlers", h]) => created(control.release(t, h, body.clone(), release_of(query)?)?),
+        (Method::PUT, ["handlers", h]) => created(control.release(t, h, body.clone(), (release_of(query)?, held.upload()?))?),
         (Method::GET, ["handlers", h, "versions"]) => ok(control.versions(t, h)?),
         (Method::POST, ["handlers", h, "activate"]) => {
             let req: Activate = parse(body)?;
@@ -142,5 +185,28 @@ mod tests {
         assert_eq!(required(&Method::DELETE, &["keys", "abc"]), Some(Scopes::DEPLOY));
         assert_eq!(required(&Method::DELETE, &["handlers", "faces"]), None, "no such route");
         assert!(!Scopes::INVOKE.any(get(&["handlers"]).unwrap()), "an invoke key manages nothing");
+    }
+
+    /// A store's internal error reaches the tenant as a generic 500 naming
+    /// the request id, without its detail; the tenant's own mistakes pass.
+    #[tokio::test]
+    async fn a_store_errors_detail_stays_in_the_nodes_log() {
+        use http_body_util::BodyExt;
+        let detail = "disk I/O error at /var/lib/facegate/facegate.db";
+        let hidden = for_tenant(StoreError::Internal(anyhow::anyhow!("{detail}")), "acme", "5eed-7");
+        let answer = with_request_id(super::super::admin::store_error(&hidden), "5eed-7");
+        assert_eq!(
+            (answer.status(), answer.headers()[REQUEST_ID_HEADER].to_str().ok()),
+            (StatusCode::INTERNAL_SERVER_ERROR, Some("5eed-7"))
+        );
+        let body = answer.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        let text = String::from_utf8_lossy(&body);
+        assert!(!text.contains("disk I/O") && !text.contains("/var/lib") && text.contains("5eed-7"), "{text}");
+        assert!(text.contains("\"internal\""), "{text}");
+        let unavailable = for_tenant(StoreError::Unavailable("connect db.internal:5432: refused".into()), "acme", "5eed-8");
+        assert!(!unavailable.to_string().contains("db.internal"), "{unavailable}");
+        assert_eq!(super::super::admin::store_error(&unavailable).status(), StatusCode::SERVICE_UNAVAILABLE);
+        let own = for_tenant(StoreError::Quota("tenant \"acme\" has 100 keys".into()), "acme", "5eed-9");
+        assert!(own.to_string().contains("100 keys"), "{own}");
     }
 }

@@ -16,6 +16,10 @@ use crate::control::usage::{Rollup, to_csv};
 const MAX_SPAN_MS: i64 = 400 * 86_400_000;
 /// The period a report covers when `from` is not given.
 const DEFAULT_SPAN_MS: i64 = 86_400_000;
+/// Latest time `from` or `to` may name, Unix seconds: 9999-12-31T23:59:59Z.
+/// Usage starts at 1970 (0) and ends long before; with both bounded, the
+/// span check cannot overflow.
+const MAX_SECONDS: i64 = 253_402_300_799;
 
 /// What a usage request asks for.
 #[derive(Debug, PartialEq)]
@@ -51,17 +55,22 @@ impl UsageQuery {
             }
         }
         parsed.from_ms = from.unwrap_or(parsed.to_ms.saturating_sub(DEFAULT_SPAN_MS));
-        if parsed.from_ms >= parsed.to_ms || parsed.to_ms - parsed.from_ms > MAX_SPAN_MS {
+        let span = parsed.to_ms.checked_sub(parsed.from_ms);
+        if !span.is_some_and(|span| span > 0 && span <= MAX_SPAN_MS) {
             return Err("from must be before to, and at most 400 days before it".into());
         }
         Ok(parsed)
     }
 }
 
-/// A parameter in Unix seconds, as ms.
+/// A parameter in Unix seconds (0 to [`MAX_SECONDS`]), as ms; the refusal
+/// names the parameter.
 fn seconds(name: &str, value: &str) -> Result<i64, String> {
     let seconds: i64 = value.parse().map_err(|_| format!("{name} must be Unix seconds, not {value:?}"))?;
-    seconds.checked_mul(1000).ok_or_else(|| format!("{name} is out of range"))
+    if !(0..=MAX_SECONDS).contains(&seconds) {
+        return Err(format!("{name} is out of range: Unix seconds from 0 to {MAX_SECONDS}, not {seconds}"));
+    }
+    Ok(seconds * 1000)
 }
 
 impl App {
@@ -95,7 +104,14 @@ impl App {
             Ok(Ok(rows)) => {
                 response::json(StatusCode::OK, &json!({ "from_ms": query.from_ms, "to_ms": query.to_ms, "by": query.by, "rows": rows }))
             }
-            Ok(Err(e)) => super::admin::store_error(&e),
+            Ok(Err(e)) => match only {
+                // A tenant sees no store detail (see `tenant::for_tenant`).
+                Some(tenant) => {
+                    let id = self.request_ids.next();
+                    super::tenant::with_request_id(super::admin::store_error(&super::tenant::for_tenant(e, tenant, &id)), &id)
+                }
+                None => super::admin::store_error(&e),
+            },
             Err(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error"),
         }
     }
@@ -125,9 +141,26 @@ mod tests {
             ("format=xml", "format"),
             ("color=red", "unknown parameter"),
             ("to=99999999999999999", "out of range"),
+            ("from=-1&to=100", "from is out of range"),
+            ("from=0&to=253402300800", "to is out of range"),
         ] {
             let error = UsageQuery::parse(query, NOW).unwrap_err();
             assert!(error.contains(says), "{query}: {error}");
         }
+    }
+
+    /// Bounds whose difference overflows an i64 of ms were once wrapped
+    /// into a short span and served.
+    #[test]
+    fn bounds_whose_span_overflows_are_refused_naming_the_parameter() {
+        for (query, says) in [
+            ("from=-9223372036854775&to=9223372036854775", "from is out of range"),
+            ("from=0&to=9223372036854775", "to is out of range"),
+            ("to=-9223372036854775", "to is out of range"),
+        ] {
+            let error = UsageQuery::parse(query, NOW).unwrap_err();
+            assert!(error.contains(says), "{query}: {error}");
+        }
+        assert!(UsageQuery::parse(&format!("from={}&to={MAX_SECONDS}", MAX_SECONDS - 86_400), NOW).is_ok(), "the last day allowed");
     }
 }

@@ -336,13 +336,14 @@ fn an_upload_past_the_compile_bound_gets_503_busy() {
     let addr = crate::harness::start(config);
     let admin_at =
         |method: Method, path: &str| anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(ADMIN_TOKEN);
-    // Three tenants: a tenant has one upload at a time on a node.
-    for tenant in ["t", "u", "v"] {
+    // Three tenants uploading (a tenant has one upload at a time on a node),
+    // and a fourth probing: its place is free, so only the pool refuses it.
+    for tenant in ["t", "u", "v", "w"] {
         assert_eq!(admin_json(admin_at(Method::POST, "tenants").json(&json!({ "name": tenant }))).0, 201);
     }
     // Only a head: the gateway answers at once if it refuses, else waits for the body.
     let head = format!(
-        "PUT /admin/v1/tenants/t/handlers/probe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: 1000000\r\nConnection: close\r\n\r\n"
+        "PUT /admin/v1/tenants/w/handlers/probe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: 1000000\r\nConnection: close\r\n\r\n"
     );
     let (refusal, stored) = std::thread::scope(|s| {
         // Three different components (the same bytes again might not be compiled again).

@@ -298,3 +298,28 @@ fn a_canarys_abort_rule_counts_afresh_when_the_active_version_changes() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// A handler's answer is sandboxed (it shares the console's origin), and a
+/// usage query whose bounds would overflow the span check is refused,
+/// naming the parameter.
+#[test]
+fn handler_answers_are_sandboxed_and_usage_bounds_are_checked() {
+    let keys = tenant_with_keys("hardened", &[&["deploy", "read"], &["invoke"]]);
+    let ((manage, _), (invoke, _)) = (keys[0].clone(), keys[1].clone());
+    assert_eq!(tenant_call(&manage, Method::PUT, "handlers/faces", std::fs::read(guest("detect")).unwrap()).status(), 201);
+    let answered = detect(&invoke, "hardened", "faces");
+    assert_eq!(answered.status(), 200);
+    assert_eq!(answered.headers()["content-security-policy"], "sandbox");
+    let failed = client_with_key(&invoke).get(url("/v1/hardened/faces")).send().unwrap();
+    assert!(failed.status().is_client_error(), "{}", failed.status());
+    assert_eq!(failed.headers()["content-security-policy"], "sandbox", "a failed call's answer too");
+
+    for (query, names) in [("from=-9223372036854775&to=9223372036854775", "from"), ("from=0&to=9223372036854775", "to")] {
+        let answer = tenant_call(&manage, Method::GET, &format!("usage?{query}"), Vec::new());
+        let status = answer.status().as_u16();
+        let body: Value = answer.json().unwrap();
+        assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_parameter")), "{query}: {body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with(&format!("{names} ")), "{query}: {message}");
+    }
+}

@@ -46,9 +46,18 @@ pub enum StoreError {
     /// A tenant's quota (its handlers) is used up.
     #[error("{0}")]
     Quota(String),
-    /// Too many of the caller's own at once (its uploads); retry shortly.
+    /// Too many of the caller's own at once (its uploads, its changes);
+    /// retry shortly. `code` is the answer's error code.
+    #[error("{message}")]
+    TooMany {
+        /// The error code the API answers (`upload_in_progress`, `change_in_progress`).
+        code: &'static str,
+        /// What is in progress.
+        message: String,
+    },
+    /// The node's memory budget cannot hold what the call needs now; retry shortly.
     #[error("{0}")]
-    TooMany(String),
+    NoMemory(String),
     /// The gateway cannot take this now (uploads compiling); retry later.
     #[error("{0}")]
     Busy(String),
@@ -135,6 +144,23 @@ pub struct VersionRow {
     pub size: i64,
     /// Unix seconds.
     pub created_at: i64,
+}
+
+/// A key change as committed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KeyCommit {
+    /// Unix seconds: when the key was created, or revoked.
+    pub at: i64,
+    /// The store's generation right after the change, read in its
+    /// transaction. A key change bumps the generation exactly once, so the
+    /// store was at `generation - 1` just before it: a snapshot of that
+    /// generation with this change applied is the store at `generation`.
+    pub generation: i64,
+}
+
+/// The quota refusal of a key past `max_keys`.
+pub(crate) fn too_many_keys(tenant: &str, active: i64) -> StoreError {
+    StoreError::Quota(format!("tenant {tenant:?} has {active} keys, its most (max_keys); revoke one first"))
 }
 
 /// An active handler: what the data plane serves.
@@ -240,14 +266,17 @@ pub trait Store: Send {
     /// Sets a store-wide setting.
     fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()>;
 
-    /// Records a key of `scopes` for `tenant`; returns its creation time.
-    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes) -> StoreResult<i64>;
+    /// Records a key of `scopes` for `tenant`, unless the tenant has
+    /// `max_keys` unrevoked keys already ([`StoreError::Quota`]): counted
+    /// and inserted in one transaction, so concurrent creations, through
+    /// any node, never pass the limit together.
+    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes, max_keys: u32) -> StoreResult<KeyCommit>;
     /// A tenant's keys, newest first.
     fn keys(&mut self, tenant: &str) -> StoreResult<Vec<KeyRow>>;
     /// Every key not revoked.
     fn active_keys(&mut self) -> StoreResult<Vec<ActiveKeyRow>>;
     /// Revokes a key of `tenant`.
-    fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<()>;
+    fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<KeyCommit>;
 
     /// Stores the component and adds the next version of a handler
     /// (creating the handler), activating it if asked. Returns the version.

@@ -20,10 +20,10 @@ use postgres::{Client, Config};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
-    ActiveHandler, ActiveKeyRow, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError, StoreResult,
-    TenantRow, VersionRow, new_incarnation, now,
+    ActiveHandler, ActiveKeyRow, KeyCommit, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError,
+    StoreResult, TenantRow, VersionRow, new_incarnation, now,
 };
-use super::{Canary, Pruned, canary_of, usage_columns, usage_from, usage_values, versions_past};
+use super::{Canary, Pruned, canary_of, too_many_keys, usage_columns, usage_from, usage_values, versions_past};
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::{Scopes, sha256_hex};
 use crate::metrics::usage::{Delta, Usage, UsageKey};
@@ -35,7 +35,7 @@ const CHANNEL: &str = "facegate_changes";
 const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6];
+pub(super) const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7];
 
 const V1: &str = "
 CREATE TABLE tenants (
@@ -100,6 +100,13 @@ CREATE TABLE artifacts (
     created_at BIGINT NOT NULL,
     PRIMARY KEY (component_sha256, engine)
 );
+";
+
+/// Version 7: a tenant's usage report reads its rows by tenant and time,
+/// and a key's creation counts the tenant's unrevoked keys (`max_keys`).
+const V7: &str = "
+CREATE INDEX usage_by_tenant ON usage (tenant, bucket_ms);
+CREATE INDEX api_keys_by_tenant ON api_keys (tenant, revoked_at);
 ";
 
 /// Version 6: a handler's canary (see [`Canary`]).
@@ -303,6 +310,11 @@ fn insert_artifact(c: &mut impl postgres::GenericClient, component_sha256: &str,
     Ok(())
 }
 
+/// The generation as the transaction `c` sees it (after its own changes).
+fn generation_in(c: &mut impl postgres::GenericClient) -> StoreResult<i64> {
+    Ok(c.query_one("SELECT n FROM generation WHERE id = 1", &[]).map_err(db_error)?.get(0))
+}
+
 fn tenant_exists(c: &mut impl postgres::GenericClient, name: &str, lock: &str) -> StoreResult<()> {
     let sql = format!("SELECT 1 FROM tenants WHERE name = $1 {lock}");
     match c.query_opt(sql.as_str(), &[&name]).map_err(db_error)? {
@@ -390,18 +402,28 @@ impl Store for PgStore {
         })
     }
 
-    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes) -> StoreResult<i64> {
+    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes, max_keys: u32) -> StoreResult<KeyCommit> {
         let created_at = now();
         let scopes = scopes.to_string();
-        self.write(|tx| {
+        // Under `write`'s lock of the generation row: every node's key
+        // creations queue there, so the count holds until the insert.
+        let generation = self.write(|tx| {
             tenant_exists(tx, tenant, "FOR SHARE")?;
+            let active: i64 = tx
+                .query_one("SELECT COUNT(*) FROM api_keys WHERE tenant = $1 AND revoked_at IS NULL", &[&tenant])
+                .map_err(db_error)?
+                .get(0);
+            if active >= i64::from(max_keys) {
+                return Err(too_many_keys(tenant, active));
+            }
             tx.execute(
                 "INSERT INTO api_keys (id, tenant, secret_sha256, created_at, scopes) VALUES ($1, $2, $3, $4, $5)",
                 &[&id, &tenant, &secret_sha256, &created_at, &scopes],
             )
-            .map_err(db_error)
+            .map_err(db_error)?;
+            generation_in(tx)
         })?;
-        Ok(created_at)
+        Ok(KeyCommit { at: created_at, generation })
     }
 
     fn keys(&mut self, tenant: &str) -> StoreResult<Vec<KeyRow>> {
@@ -424,15 +446,16 @@ impl Store for PgStore {
         })
     }
 
-    fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<()> {
-        let updated = self.write(|c| {
-            c.execute("UPDATE api_keys SET revoked_at = $3 WHERE tenant = $1 AND id = $2 AND revoked_at IS NULL", &[&tenant, &id, &now()])
-                .map_err(db_error)
+    fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<KeyCommit> {
+        let revoked_at = now();
+        let generation = self.write(|c| {
+            let sql = "UPDATE api_keys SET revoked_at = $3 WHERE tenant = $1 AND id = $2 AND revoked_at IS NULL";
+            if c.execute(sql, &[&tenant, &id, &revoked_at]).map_err(db_error)? == 0 {
+                return Err(StoreError::NotFound(format!("tenant {tenant:?} has no active key {id:?}")));
+            }
+            generation_in(c)
         })?;
-        if updated == 0 {
-            return Err(StoreError::NotFound(format!("tenant {tenant:?} has no active key {id:?}")));
-        }
-        Ok(())
+        Ok(KeyCommit { at: revoked_at, generation })
     }
 
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
@@ -733,17 +756,18 @@ impl Store for PgStore {
 
     fn usage(&mut self, tenant: Option<&str>, from_ms: i64, to_ms: i64) -> StoreResult<Vec<(UsageKey, Usage)>> {
         let tenant = tenant.map(str::to_owned);
+        // One tenant's rows by the (tenant, bucket) index, whatever plan a
+        // `$3 IS NULL OR tenant = $3` would get.
+        let of_tenant = if tenant.is_some() { "tenant = $3" } else { "$3::TEXT IS NULL" };
+        let sql = format!(
+            "SELECT tenant, handler, version, bucket_ms, SUM(requests_2xx)::BIGINT, SUM(requests_3xx)::BIGINT,
+                    SUM(requests_4xx)::BIGINT, SUM(requests_5xx)::BIGINT, SUM(guest_us)::BIGINT, SUM(device_us)::BIGINT,
+                    SUM(infer_calls)::BIGINT, SUM(bytes_in)::BIGINT, SUM(bytes_out)::BIGINT, MAX(peak_memory_bytes)
+             FROM usage WHERE {of_tenant} AND bucket_ms >= $1 AND bucket_ms < $2
+             GROUP BY tenant, handler, version, bucket_ms ORDER BY bucket_ms, tenant, handler, version"
+        );
         self.with(move |c| {
-            let rows = c
-                .query(
-                    "SELECT tenant, handler, version, bucket_ms, SUM(requests_2xx)::BIGINT, SUM(requests_3xx)::BIGINT,
-                            SUM(requests_4xx)::BIGINT, SUM(requests_5xx)::BIGINT, SUM(guest_us)::BIGINT, SUM(device_us)::BIGINT,
-                            SUM(infer_calls)::BIGINT, SUM(bytes_in)::BIGINT, SUM(bytes_out)::BIGINT, MAX(peak_memory_bytes)
-                     FROM usage WHERE bucket_ms >= $1 AND bucket_ms < $2 AND ($3::TEXT IS NULL OR tenant = $3)
-                     GROUP BY tenant, handler, version, bucket_ms ORDER BY bucket_ms, tenant, handler, version",
-                    &[&from_ms, &to_ms, &tenant],
-                )
-                .map_err(db_error)?;
+            let rows = c.query(sql.as_str(), &[&from_ms, &to_ms, &tenant]).map_err(db_error)?;
             Ok(rows
                 .iter()
                 .map(|r| {

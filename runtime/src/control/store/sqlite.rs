@@ -8,17 +8,17 @@ use std::path::{Path, PathBuf};
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::{
-    ActiveHandler, ActiveKeyRow, DB_FILE, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult, TenantRow,
-    VersionRow, new_incarnation, now,
+    ActiveHandler, ActiveKeyRow, DB_FILE, KeyCommit, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult,
+    TenantRow, VersionRow, new_incarnation, now,
 };
-use super::{Canary, Pruned, canary_of, usage_columns, usage_from, usage_values, versions_past};
+use super::{Canary, Pruned, canary_of, too_many_keys, usage_columns, usage_from, usage_values, versions_past};
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
 use crate::control::keys::Scopes;
 use crate::metrics::usage::{Delta, Usage, UsageKey};
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6];
+const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7];
 
 /// The first schema.
 const V1: &str = "
@@ -108,6 +108,13 @@ ALTER TABLE handlers ADD COLUMN canary_version INTEGER;
 ALTER TABLE handlers ADD COLUMN canary_percent INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE handlers ADD COLUMN canary_abort_margin REAL;
 ALTER TABLE handlers ADD COLUMN canary_abort_after INTEGER;
+";
+
+/// Version 7: a tenant's usage report reads its rows by tenant and time,
+/// and a key's creation counts the tenant's unrevoked keys (`max_keys`).
+const V7: &str = "
+CREATE INDEX usage_by_tenant ON usage (tenant, bucket_ms);
+CREATE INDEX api_keys_by_tenant ON api_keys (tenant, revoked_at);
 ";
 
 /// Version 5: a key's scopes (see [`Scopes`]); keys from before invoke.
@@ -266,14 +273,22 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes) -> StoreResult<i64> {
+    fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes, max_keys: u32) -> StoreResult<KeyCommit> {
         self.tenant(tenant)?;
         let created_at = now();
-        self.conn.execute(
+        // Immediate: the count and the insert see no other writer between them.
+        let tx = self.conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        let active: i64 = tx.query_row("SELECT COUNT(*) FROM api_keys WHERE tenant = ?1 AND revoked_at IS NULL", [tenant], |r| r.get(0))?;
+        if active >= i64::from(max_keys) {
+            return Err(too_many_keys(tenant, active));
+        }
+        tx.execute(
             "INSERT INTO api_keys (id, tenant, secret_sha256, created_at, scopes) VALUES (?1, ?2, ?3, ?4, ?5)",
             params![id, tenant, secret_sha256, created_at, scopes.to_string()],
         )?;
-        Ok(created_at)
+        let generation = tx.query_row("SELECT n FROM generation WHERE id = 1", [], |r| r.get(0))?;
+        tx.commit()?;
+        Ok(KeyCommit { at: created_at, generation })
     }
 
     fn keys(&mut self, tenant: &str) -> StoreResult<Vec<KeyRow>> {
@@ -296,15 +311,19 @@ impl Store for SqliteStore {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
-    fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<()> {
-        let updated = self.conn.execute(
+    fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<KeyCommit> {
+        let revoked_at = now();
+        let tx = self.conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        let updated = tx.execute(
             "UPDATE api_keys SET revoked_at = ?3 WHERE tenant = ?1 AND id = ?2 AND revoked_at IS NULL",
-            params![tenant, id, now()],
+            params![tenant, id, revoked_at],
         )?;
         if updated == 0 {
             return Err(StoreError::NotFound(format!("tenant {tenant:?} has no active key {id:?}")));
         }
-        Ok(())
+        let generation = tx.query_row("SELECT n FROM generation WHERE id = 1", [], |r| r.get(0))?;
+        tx.commit()?;
+        Ok(KeyCommit { at: revoked_at, generation })
     }
 
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
@@ -518,12 +537,15 @@ impl Store for SqliteStore {
     }
 
     fn usage(&mut self, tenant: Option<&str>, from_ms: i64, to_ms: i64) -> StoreResult<Vec<(UsageKey, Usage)>> {
-        let mut stmt = self.conn.prepare(
+        // One tenant's rows by the (tenant, bucket) index: `?3 IS NULL OR
+        // tenant = ?3` would keep SQLite from using it.
+        let of_tenant = if tenant.is_some() { "tenant = ?3" } else { "?3 IS NULL" };
+        let mut stmt = self.conn.prepare(&format!(
             "SELECT tenant, handler, version, bucket_ms, SUM(requests_2xx), SUM(requests_3xx), SUM(requests_4xx), SUM(requests_5xx),
                     SUM(guest_us), SUM(device_us), SUM(infer_calls), SUM(bytes_in), SUM(bytes_out), MAX(peak_memory_bytes)
-             FROM usage WHERE bucket_ms >= ?1 AND bucket_ms < ?2 AND (?3 IS NULL OR tenant = ?3)
+             FROM usage WHERE {of_tenant} AND bucket_ms >= ?1 AND bucket_ms < ?2
              GROUP BY tenant, handler, version, bucket_ms ORDER BY bucket_ms, tenant, handler, version",
-        )?;
+        ))?;
         let rows = stmt.query_map(params![from_ms, to_ms, tenant], |r| {
             let key = UsageKey { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, bucket_ms: r.get(3)? };
             let mut v = [0i64; 10];

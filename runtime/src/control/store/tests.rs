@@ -70,9 +70,9 @@ fn revoked_keys_are_inactive_and_deleting_a_tenant_removes_its_rows() {
         let kind = s.describe();
         assert!(s.is_empty().unwrap());
         s.create_tenant("acme", &LimitOverrides::default()).unwrap();
-        s.insert_key("acme", "k1", "h1", Scopes::default()).unwrap();
-        s.insert_key("acme", "k2", "h2", Scopes::DEPLOY.with(Scopes::READ)).unwrap();
-        assert!(matches!(s.insert_key("nobody", "k3", "h3", Scopes::default()), Err(StoreError::NotFound(_))), "{kind}");
+        s.insert_key("acme", "k1", "h1", Scopes::default(), 10).unwrap();
+        s.insert_key("acme", "k2", "h2", Scopes::DEPLOY.with(Scopes::READ), 10).unwrap();
+        assert!(matches!(s.insert_key("nobody", "k3", "h3", Scopes::default(), 10), Err(StoreError::NotFound(_))), "{kind}");
         let sha = sha256_hex(b"x");
         s.add_version(version("acme", "detect", b"x", &sha, true)).unwrap();
         s.revoke_key("acme", "k1").unwrap();
@@ -87,6 +87,33 @@ fn revoked_keys_are_inactive_and_deleting_a_tenant_removes_its_rows() {
         assert!(s.active_keys().unwrap().is_empty() && s.active_handlers().unwrap().is_empty(), "{kind}");
         assert!(s.all_versions().unwrap().is_empty(), "{kind}");
         assert!(s.is_empty().unwrap(), "{kind}");
+    }
+}
+
+/// A tenant's unrevoked keys stop at `max_keys`; a revoked one frees its
+/// place, and another tenant's keys do not count. Each change reports the
+/// generation it committed at, one past the one before it.
+#[test]
+fn keys_stop_at_max_keys_and_each_change_reports_its_generation() {
+    for mut store in stores("max_keys") {
+        let s = &mut *store;
+        let kind = s.describe();
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        s.create_tenant("other", &LimitOverrides::default()).unwrap();
+        s.insert_key("other", "o1", "h", Scopes::default(), 2).unwrap();
+        for id in ["k1", "k2"] {
+            let before = s.generation().unwrap();
+            let commit = s.insert_key("acme", id, "h", Scopes::default(), 2).unwrap();
+            assert_eq!((commit.generation, s.generation().unwrap()), (before + 1, before + 1), "{kind}");
+        }
+        let before = s.generation().unwrap();
+        let refused = s.insert_key("acme", "k3", "h", Scopes::default(), 2);
+        assert!(matches!(&refused, Err(StoreError::Quota(m)) if m.contains("max_keys")), "{kind}: {refused:?}");
+        assert_eq!(s.generation().unwrap(), before, "{kind}: a refusal changes nothing");
+        let revoked = s.revoke_key("acme", "k1").unwrap();
+        assert_eq!(revoked.generation, before + 1, "{kind}");
+        s.insert_key("acme", "k3", "h", Scopes::default(), 2).unwrap();
+        assert_eq!(s.active_keys().unwrap().len(), 3, "{kind}: k2, k3 and o1");
     }
 }
 
@@ -122,7 +149,7 @@ fn every_change_bumps_the_generation_and_nothing_else_does() {
         bumped(s, "create tenant");
         s.set_limits("acme", &LimitOverrides { weight: Some(2), ..LimitOverrides::default() }).unwrap();
         bumped(s, "set limits");
-        s.insert_key("acme", "k1", "h1", Scopes::default()).unwrap();
+        s.insert_key("acme", "k1", "h1", Scopes::default(), 10).unwrap();
         bumped(s, "insert key");
         s.revoke_key("acme", "k1").unwrap();
         bumped(s, "revoke key");
