@@ -146,6 +146,20 @@ pub struct VersionRow {
     pub created_at: i64,
 }
 
+/// Revoked keys a tenant's list keeps (the newest by revocation); older
+/// ones are deleted as another is revoked, so a tenant that creates and
+/// revokes keys without end does not grow the store without end.
+pub const REVOKED_KEYS_KEPT: i64 = 100;
+
+/// How many revoked keys a tenant (`$1`) has.
+pub(super) const COUNT_REVOKED_KEYS: &str = "SELECT COUNT(*) FROM api_keys WHERE tenant = $1 AND revoked_at IS NOT NULL";
+
+/// Deletes a tenant's (`$1`) revoked keys past the newest [`REVOKED_KEYS_KEPT`] (`$2`).
+/// Run only when there are more (see [`COUNT_REVOKED_KEYS`]): on
+/// PostgreSQL any statement on the table bumps the generation.
+pub(super) const PRUNE_REVOKED_KEYS: &str = "DELETE FROM api_keys WHERE tenant = $1 AND revoked_at IS NOT NULL AND id NOT IN \
+     (SELECT id FROM api_keys WHERE tenant = $1 AND revoked_at IS NOT NULL ORDER BY revoked_at DESC, id DESC LIMIT $2)";
+
 /// A key change as committed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KeyCommit {

@@ -453,6 +453,10 @@ impl Store for PgStore {
             if c.execute(sql, &[&tenant, &id, &revoked_at]).map_err(db_error)? == 0 {
                 return Err(StoreError::NotFound(format!("tenant {tenant:?} has no active key {id:?}")));
             }
+            let revoked: i64 = c.query_one(super::COUNT_REVOKED_KEYS, &[&tenant]).map_err(db_error)?.get(0);
+            if revoked > super::REVOKED_KEYS_KEPT {
+                c.execute(super::PRUNE_REVOKED_KEYS, &[&tenant, &super::REVOKED_KEYS_KEPT]).map_err(db_error)?;
+            }
             generation_in(c)
         })?;
         Ok(KeyCommit { at: revoked_at, generation })

@@ -321,6 +321,11 @@ impl Store for SqliteStore {
         if updated == 0 {
             return Err(StoreError::NotFound(format!("tenant {tenant:?} has no active key {id:?}")));
         }
+        // SQLite reads `$N` as the N-th parameter, as PostgreSQL does.
+        let revoked: i64 = tx.query_row(super::COUNT_REVOKED_KEYS, [tenant], |r| r.get(0))?;
+        if revoked > super::REVOKED_KEYS_KEPT {
+            tx.execute(super::PRUNE_REVOKED_KEYS, params![tenant, super::REVOKED_KEYS_KEPT])?;
+        }
         let generation = tx.query_row("SELECT n FROM generation WHERE id = 1", [], |r| r.get(0))?;
         tx.commit()?;
         Ok(KeyCommit { at: revoked_at, generation })

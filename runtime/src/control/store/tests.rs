@@ -118,6 +118,31 @@ fn keys_stop_at_max_keys_and_each_change_reports_its_generation() {
 }
 
 #[test]
+fn a_tenant_keeps_its_newest_revoked_keys_only() {
+    for mut store in stores("revoked_keys") {
+        let s = &mut *store;
+        let kind = s.describe();
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        s.create_tenant("other", &LimitOverrides::default()).unwrap();
+        s.insert_key("other", "o1", "h", Scopes::default(), 10).unwrap();
+        s.revoke_key("other", "o1").unwrap();
+        s.insert_key("acme", "live", "h", Scopes::default(), 10).unwrap();
+        let churned = REVOKED_KEYS_KEPT + 5;
+        for n in 0..churned {
+            let id = format!("k{n:04}");
+            s.insert_key("acme", &id, "h", Scopes::default(), 10).unwrap();
+            s.revoke_key("acme", &id).unwrap();
+        }
+        let keys = s.keys("acme").unwrap();
+        let revoked: Vec<_> = keys.iter().filter(|k| k.revoked_at.is_some()).map(|k| k.id.as_str()).collect();
+        assert_eq!(revoked.len() as i64, REVOKED_KEYS_KEPT, "{kind}");
+        assert!(!revoked.contains(&"k0000") && revoked.contains(&format!("k{:04}", churned - 1).as_str()), "{kind}: the newest are kept");
+        assert!(keys.iter().any(|k| k.id == "live" && k.revoked_at.is_none()), "{kind}: an active key is never pruned");
+        assert_eq!(s.keys("other").unwrap().len(), 1, "{kind}: another tenant's revoked key stays");
+    }
+}
+
+#[test]
 fn limits_and_meta_are_kept() {
     for mut store in stores("limits") {
         let s = &mut *store;
