@@ -24,5 +24,16 @@ if [ -z "${FACEGATE_ADMIN_TOKEN:-}" ]; then
   export FACEGATE_ADMIN_TOKEN
   echo "admin API token in $token_file; for the CLI: export FACEGATE_ADMIN_TOKEN=\$(cat $token_file)"
 fi
-echo "console: http://127.0.0.1:8080/ (Try it with the demo key in $FACEGATE_DATA/demo.key; Operate with the admin token)"
+# The console's address follows --listen (or FACEGATE_LISTEN), and https with --tls-cert.
+listen=${FACEGATE_LISTEN:-127.0.0.1:8080}
+scheme=http
+[ -n "${FACEGATE_TLS_CERT:-}" ] && scheme=https
+prev=
+for arg in "$@"; do
+  case "$prev" in --listen) listen=$arg ;; --tls-cert) scheme=https ;; esac
+  case "$arg" in --listen=*) listen=${arg#--listen=} ;; --tls-cert=*) scheme=https ;; esac
+  prev=$arg
+done
+case "$listen" in 0.0.0.0:*) listen="127.0.0.1:${listen##*:}" ;; "[::]:"*) listen="[::1]:${listen##*:}" ;; esac
+echo "console: $scheme://$listen/ (Try it with the demo key in $FACEGATE_DATA/demo.key; Operate with the admin token)"
 exec target/release/facegate serve "$@"

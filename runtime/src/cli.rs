@@ -37,7 +37,8 @@ pub struct ClientArgs {
 
     /// A tenant's API key with the `deploy` or `read` scope: the command
     /// goes to that tenant's own API (`/tenant/v1/`) instead of the admin
-    /// API, and needs no `--tenant` (default: the admin token in
+    /// API, and needs no `--tenant`; a `--tenant` other than the key's is
+    /// refused (exit status 2) (default: the admin token in
     /// `FACEGATE_ADMIN_TOKEN`).
     #[arg(long, env = "FACEGATE_KEY", hide_env_values = true)]
     pub key: Option<String>,
@@ -389,6 +390,16 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         C::Logs(args) => return logs(args).await,
         C::Serve(_) | C::Bench { .. } => bail!("not a client command"),
     };
+    if let (Some(key), Some(named)) = (&client.key, explicit_tenant(&command)) {
+        let own = key_tenant(client, key).await?;
+        if own != named {
+            eprintln!(
+                "error: --tenant {named:?} is not this key's tenant ({own:?}): a tenant's key acts for its own tenant only; \
+                 drop --tenant, or use {named:?}'s key or the admin token"
+            );
+            return Ok(2);
+        }
+    }
     let token = match &client.key {
         Some(key) => key.clone(),
         None => std::env::var("FACEGATE_ADMIN_TOKEN")
@@ -409,6 +420,40 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         print_summary(&command, &value);
     }
     Ok(0)
+}
+
+/// The tenant a command names with `--tenant`, if it does.
+fn explicit_tenant(command: &Command) -> Option<&str> {
+    use Command as C;
+    match command {
+        C::Key(KeyCommand::Create { tenant, .. } | KeyCommand::List { tenant, .. } | KeyCommand::Revoke { tenant, .. }) => {
+            tenant.as_deref()
+        }
+        C::Deploy(args) => args.target.tenant.as_deref(),
+        C::Promote(t) | C::Abort(t) | C::Versions(t) | C::Rollback(t) => t.tenant.as_deref(),
+        C::Activate(ActivateArgs { target, .. }) => target.tenant.as_deref(),
+        C::Usage(args) => args.tenant.as_deref(),
+        _ => None,
+    }
+}
+
+/// The tenant `key` belongs to, as the gateway says (`GET /v1/me`).
+async fn key_tenant(client: &ClientArgs, key: &str) -> anyhow::Result<String> {
+    let url = format!("{}/v1/me", client.url.trim_end_matches('/'));
+    let uri: Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
+    let authority = uri.authority().with_context(|| format!("bad URL {url}: no host"))?.as_str().to_owned();
+    let request = Request::get(uri.path_and_query().map_or("/", |p| p.as_str()))
+        .header(hyper::header::HOST, authority)
+        .header(hyper::header::AUTHORIZATION, format!("Bearer {key}"))
+        .body(Full::new(Bytes::new()))?;
+    let response = send(&uri, request, client.ca_cert.as_deref()).await.with_context(|| format!("cannot reach {url}"))?;
+    let status = response.status();
+    let bytes = response.into_body().collect().await.context("reading the answer")?.to_bytes();
+    let value: Value = serde_json::from_slice(&bytes).unwrap_or_default();
+    match value["tenant"].as_str() {
+        Some(tenant) if status.is_success() => Ok(tenant.to_owned()),
+        _ => bail!("the gateway does not know this key ({}): {}", status.as_u16(), String::from_utf8_lossy(&bytes)),
+    }
 }
 
 /// One admin request; returns the status and the JSON answer.

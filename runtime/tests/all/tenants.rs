@@ -187,6 +187,16 @@ fn the_cli_deploys_with_a_tenants_key() {
     let (code, out) = cli(&["deploy", "--key", invoke, "--handler", "faces", &detect_wasm], false);
     assert_eq!(code, 1, "an invoke key deploys nothing: {out}");
     assert!(out.contains("403") && out.contains("deploy"), "{out}");
+    // Naming another tenant beside the key is an error, not a deploy into the key's own.
+    let (code, out) = cli(&["deploy", "--key", key, "--tenant", "demo", "--handler", "stray", &detect_wasm], false);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("\"demo\" is not this key's tenant (\"clikey\")"), "{out}");
+    let (code, out) = cli(&["versions", "--key", key, "--tenant", "demo", "--handler", "faces"], false);
+    assert_eq!(code, 2, "{out}");
+    let (code, out) = cli(&["versions", "--key", key, "--handler", "stray"], false);
+    assert!(code == 1 && out.contains("404"), "nothing was deployed as stray: {out}");
+    // Its own tenant named beside the key is fine.
+    assert_eq!(json(&["versions", "--key", key, "--tenant", "clikey", "--handler", "faces", "--json"], false)["active_version"], 1);
 }
 
 /// What a tenant stores through its deploy key stays bounded: past its
