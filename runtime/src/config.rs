@@ -89,6 +89,13 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_PEER_CA_CERT")]
     pub peer_ca_cert: Option<PathBuf>,
 
+    /// The name other nodes' certificates are verified for when this node
+    /// reads a tenant's log from their `https://` addresses (default: the
+    /// address's host): one certificate, for this name, on every node, with
+    /// nodes advertised by address (`https://$(POD_IP):8080` on Kubernetes).
+    #[arg(long, env = "FACEGATE_PEER_TLS_NAME")]
+    pub peer_tls_name: Option<String>,
+
     /// `/readyz` fails once the snapshot has not been confirmed against the
     /// store for this long (s; 0: never). Long by default: a store outage
     /// reaches every node at once, and failing them all would turn it into

@@ -36,6 +36,7 @@ const ATTACKS: &[(&str, Attack)] = &[
     ("stalled uploads, 1 tenant", Attack::StalledUploads { tenants: 1 }),
     ("stalled uploads, 4 tenants", Attack::StalledUploads { tenants: 4 }),
     ("key churn", Attack::KeyChurn),
+    ("stalled log readers", Attack::StalledLogReaders),
 ];
 
 /// The hostile tenants the seed adds (the first two also have keys in use).
@@ -80,7 +81,19 @@ enum Attack {
     StalledUploads { tenants: usize },
     /// Keys of `evil` created and revoked through the admin API, back to back.
     KeyChurn,
+    /// [`STALLED_READERS`] clients follow `evil`'s log and never read (a
+    /// new follow every [`STALLED_READER_EVERY`]); the others fill it with
+    /// `attack=stderr`.
+    StalledLogReaders,
 }
+
+/// Followers of the hostile tenant's log that never read: a tenant's
+/// followers on a node at most.
+const STALLED_READERS: usize = 8;
+
+/// How long each stalled follower holds its connection before opening
+/// another: past the gateway's write timeout for log readers (10 s).
+const STALLED_READER_EVERY: Duration = Duration::from_secs(15);
 
 /// Runs the suite and prints its table.
 pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> anyhow::Result<()> {
@@ -210,6 +223,8 @@ fn start_attack(
                     Attack::Upload => upload_loop(addr, component, &stop).await,
                     Attack::StalledUploads { .. } => stalled_upload_loop(addr, name, &stop).await,
                     Attack::KeyChurn => key_churn_loop(addr, &stop).await,
+                    Attack::StalledLogReaders if i < STALLED_READERS => stalled_reader_loop(addr, &stop).await,
+                    Attack::StalledLogReaders => query_loop(addr, (name, &key), "attack=stderr", &stop).await,
                 }
             })
         })
@@ -346,6 +361,35 @@ async fn key_churn_loop(addr: SocketAddr, stop: &AtomicBool) {
         let request = hyper::Request::delete(format!("{keys}/{id}")).header(hyper::header::AUTHORIZATION, format!("Bearer {ADMIN_TOKEN}"));
         if let Ok(req) = request.body(Full::default()) {
             let _ = client.request(req).await.map(|resp| resp.into_body().collect());
+        }
+    }
+}
+
+/// Follows `evil`'s log with a read key of its own and never reads the
+/// answer; opens another follow every [`STALLED_READER_EVERY`].
+async fn stalled_reader_loop(addr: SocketAddr, stop: &AtomicBool) {
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let request = hyper::Request::post(format!("http://{addr}/admin/v1/tenants/evil/keys"))
+        .header(hyper::header::AUTHORIZATION, format!("Bearer {ADMIN_TOKEN}"))
+        .body(Full::from(r#"{"scopes":["read"]}"#));
+    let Ok(request) = request else { return };
+    let Ok(resp) = client.request(request).await else { return };
+    let body = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let Some(key) = serde_json::from_slice::<serde_json::Value>(&body).ok().and_then(|v| v["key"].as_str().map(str::to_owned)) else {
+        return;
+    };
+    let head = format!("GET /tenant/v1/logs?follow=true HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {key}\r\n\r\n");
+    while !stop.load(Ordering::SeqCst) {
+        let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        if stream.write_all(head.as_bytes()).await.is_err() {
+            continue;
+        }
+        let opened = std::time::Instant::now();
+        while !stop.load(Ordering::SeqCst) && opened.elapsed() < STALLED_READER_EVERY {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 }

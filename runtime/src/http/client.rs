@@ -15,6 +15,24 @@ use tokio_rustls::rustls::pki_types::ServerName;
 /// Sends one request over a connection of its own (HTTP/1.1; over TLS for
 /// an `https://` URL, trusting `ca` or the system's roots).
 pub async fn send(uri: &Uri, request: Request<Full<Bytes>>, ca: Option<&Path>) -> anyhow::Result<Response<Incoming>> {
+    send_with(uri, request, Options { ca, ..Options::default() }).await
+}
+
+/// How [`send_with`] connects.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options<'a> {
+    /// CA certificates (PEM) an `https://` server is verified with, else
+    /// the system's roots.
+    pub ca: Option<&'a Path>,
+    /// The name the server's certificate is verified for, else the URL's host.
+    pub server_name: Option<&'a str>,
+    /// The most the connection buffers of the answer at once (hyper's read
+    /// buffer, at least 8 KiB), else hyper's default (about 400 KiB).
+    pub read_buffer: Option<usize>,
+}
+
+/// [`send`] with `options`.
+pub async fn send_with(uri: &Uri, request: Request<Full<Bytes>>, options: Options<'_>) -> anyhow::Result<Response<Incoming>> {
     let https = match uri.scheme_str() {
         Some("http") => false,
         Some("https") => true,
@@ -25,19 +43,25 @@ pub async fn send(uri: &Uri, request: Request<Full<Bytes>>, ca: Option<&Path>) -
     let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
     let tcp = tokio::net::TcpStream::connect((host, port)).await?;
     if !https {
-        return exchange(TokioIo::new(tcp), request).await;
+        return exchange(TokioIo::new(tcp), request, options.read_buffer).await;
     }
-    let name = ServerName::try_from(host.to_owned()).with_context(|| format!("{host:?} is not a server name"))?;
-    let tls = super::tls::connector(ca)?.connect(name, tcp).await.context("TLS handshake")?;
-    exchange(TokioIo::new(tls), request).await
+    let name = options.server_name.unwrap_or(host);
+    let name = ServerName::try_from(name.to_owned()).with_context(|| format!("{name:?} is not a server name"))?;
+    let tls = super::tls::connector(options.ca)?.connect(name, tcp).await.context("TLS handshake")?;
+    exchange(TokioIo::new(tls), request, options.read_buffer).await
 }
 
 /// One HTTP/1.1 exchange on a fresh connection.
-async fn exchange<T>(io: T, request: Request<Full<Bytes>>) -> anyhow::Result<Response<Incoming>>
+async fn exchange<T>(io: T, request: Request<Full<Bytes>>, read_buffer: Option<usize>) -> anyhow::Result<Response<Incoming>>
 where
     T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await?;
+    let mut builder = hyper::client::conn::http1::Builder::new();
+    if let Some(bytes) = read_buffer {
+        // hyper's floor: a head must fit.
+        builder.max_buf_size(bytes.max(8 << 10));
+    }
+    let (mut sender, connection) = builder.handshake(io).await?;
     // The connection is driven on its own task until the answer has been read.
     tokio::spawn(async move {
         if let Err(e) = connection.await {

@@ -110,7 +110,8 @@ impl LogRecord {
         }
     }
 
-    fn size(&self) -> usize {
+    /// The bytes it counts against its log's bound.
+    pub fn size(&self) -> usize {
         RECORD_OVERHEAD + self.handler.len() + self.request_id.len() + self.line.as_ref().map_or(0, String::len)
     }
 }
@@ -234,6 +235,13 @@ pub struct Follower {
     pub grew: Arc<tokio::sync::Notify>,
 }
 
+impl Follower {
+    /// Whose log it follows.
+    pub fn owner(&self) -> &LogOwner {
+        &self.owner
+    }
+}
+
 impl Drop for Follower {
     fn drop(&mut self) {
         if let Some(ring) = self.logs.lock().by_owner.get_mut(&self.owner) {
@@ -317,6 +325,39 @@ impl TenantLogs {
         let skip = since.map_or(0, |s| ring.records.partition_point(|r| r.seq <= s));
         let records = ring.records.iter().skip(skip).filter(|r| handler.is_none_or(|h| r.handler == h)).cloned().collect();
         Read { records, dropped: ring.dropped }
+    }
+
+    /// `owner`'s records after `after` up to `until` (both `seq`s), of
+    /// `handler` only if given, oldest first: as many as fit in `max_bytes`
+    /// (their sizes as the log counts them), and always one if any is left,
+    /// so a reader copies its log a bounded batch at a time.
+    pub fn read_batch(
+        &self,
+        owner: &LogOwner,
+        (after, until): (Option<u64>, u64),
+        handler: Option<&str>,
+        max_bytes: usize,
+    ) -> Vec<LogRecord> {
+        let rings = self.lock();
+        let Some(ring) = rings.get(owner) else { return Vec::new() };
+        let skip = after.map_or(0, |s| ring.records.partition_point(|r| r.seq <= s));
+        let mut bytes = 0;
+        let mut batch = Vec::new();
+        for record in ring.records.iter().skip(skip).take_while(|r| r.seq <= until).filter(|r| handler.is_none_or(|h| r.handler == h)) {
+            if !batch.is_empty() && bytes + record.size() > max_bytes {
+                break;
+            }
+            bytes += record.size();
+            batch.push(record.clone());
+        }
+        batch
+    }
+
+    /// The `seq` of `owner`'s newest record (of `handler` only, if given):
+    /// where a read that starts now ends.
+    pub fn last_seq(&self, owner: &LogOwner, handler: Option<&str>) -> Option<u64> {
+        let rings = self.lock();
+        rings.get(owner)?.records.iter().rev().find(|r| handler.is_none_or(|h| r.handler == h)).map(|r| r.seq)
     }
 
     /// Records `owner` has had dropped to keep the bounds.
@@ -407,6 +448,27 @@ mod tests {
         logs.push(&t, line("h", "after"));
         let after = logs.read(&t, Some(cursor), None).records;
         assert_eq!(after.len(), 1, "an old cursor skips nothing of the new log");
+    }
+
+    #[test]
+    fn a_reader_copies_a_bounded_batch_at_a_time_up_to_where_it_started() {
+        let logs = TenantLogs::default();
+        let t = owner("t");
+        (0..100).for_each(|i| logs.push(&t, line(if i % 2 == 0 { "h" } else { "g" }, &"x".repeat(100))));
+        let end = logs.last_seq(&t, None).unwrap();
+        logs.push(&t, line("h", "after the read began"));
+        let (mut after, mut seen, mut batches) = (None, 0, 0);
+        loop {
+            let batch = logs.read_batch(&t, (after, end), None, 1024);
+            let Some(last) = batch.last() else { break };
+            assert!(batch.iter().map(LogRecord::size).sum::<usize>() <= 1024, "one batch is bounded");
+            (after, seen, batches) = (Some(last.seq), seen + batch.len(), batches + 1);
+        }
+        assert_eq!((seen, batches), (100, 20), "all records to where the read began, in batches of five");
+        assert_eq!(logs.read_batch(&t, (None, end), Some("g"), 1 << 20).len(), 50, "one handler's");
+        assert_eq!(logs.read_batch(&t, (None, u64::MAX), None, 1).len(), 1, "one record even past the bytes");
+        assert_eq!(logs.last_seq(&t, Some("g")), Some(end), "the newest of one handler's");
+        assert!(logs.last_seq(&t, None).unwrap() > end && logs.last_seq(&owner("u"), None).is_none());
     }
 
     #[test]

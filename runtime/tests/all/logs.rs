@@ -224,3 +224,126 @@ fn a_tenant_created_again_under_a_deleted_ones_name_reads_nothing_of_it() {
     };
     assert!(records.iter().all(|r| r["request_id"] != old_id.as_str()), "nothing of the deleted tenant's: {records:?}");
 }
+
+/// Bytes of the stalled-followers gateway's log per tenant: each follower
+/// starting from the first record has all of it to send.
+const STALLED_LOG_MIB: u64 = 8;
+/// The most the stalled-followers gateway's RSS may grow while 8 followers
+/// take nothing: each reader holds a few hundred KiB; the old code held the
+/// whole log as JSON per follower (8 × ~9 MiB) and more.
+const STALLED_RSS_GROWTH_MIB: u64 = 32;
+/// How soon a follower whose client takes nothing is ended: the write
+/// timeout (10 s) after its answer backs up, with room for a busy machine.
+const FOLLOWER_ENDED_WITHIN: Duration = Duration::from_secs(25);
+
+/// A follow of `tenant`'s log over a raw socket that is never read.
+fn stalled_follow(addr: SocketAddr, key: &str) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    let head = format!("GET /tenant/v1/logs?follow=true HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n");
+    stream.write_all(head.as_bytes()).unwrap();
+    stream
+}
+
+/// The status of a follow of the log with `key`, read for a moment.
+fn follow_status(addr: SocketAddr, key: &str) -> u16 {
+    let url = format!("http://{addr}/tenant/v1/logs?follow=true&since=18446744073709551615");
+    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(2)).build().unwrap();
+    client.get(url).bearer_auth(key).send().map_or(0, |r| r.status().as_u16())
+}
+
+/// 8 followers of one tenant that never read, on a node whose log is
+/// filling: the gateway's RSS stays bounded, the followers are ended (their
+/// places come back: a new follow is let in), and another tenant's log
+/// reads are answered throughout. The connection layer's idle timeout is
+/// set long: ending them is the log reader's own write timeout.
+#[test]
+fn followers_that_never_read_are_ended_and_hold_little() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    use crate::isolation::rss_mib;
+    use crate::process::Server;
+    let (data, seed) = (harness::fresh_dir("stalled-followers"), harness::fresh_dir("stalled-followers-seed"));
+    for tenant in ["noisy", "quiet"] {
+        harness::install(&seed, tenant, "attack", &guest("hostile"));
+    }
+    let log_bytes = (STALLED_LOG_MIB << 20).to_string();
+    let args = ["--seed-dir", seed.to_str().unwrap(), "--tenant-log-bytes", &log_bytes, "--idle-timeout-ms", "120000"];
+    let server = Server::start_with(&data, &args);
+    let invoke = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
+    let read = |tenant: &str| -> String {
+        let made = server.json(server.admin(Method::POST, &format!("tenants/{tenant}/keys")).json(&json!({ "scopes": ["read"] })));
+        made["key"].as_str().unwrap().to_owned()
+    };
+    let (noisy, noisy_read, quiet_read) = (invoke("noisy"), read("noisy"), read("quiet"));
+    assert_eq!(
+        client_with_key(&invoke("quiet")).get(format!("http://{}/v1/quiet/attack?attack=count", server.addr)).send().unwrap().status(),
+        200
+    );
+    let addr = server.addr;
+    let flood = || {
+        let response = client_with_key(&noisy).get(format!("http://{addr}/v1/noisy/attack?attack=stderr")).send().unwrap();
+        assert_eq!(response.status(), 200);
+    };
+    // The log filled (its oldest records dropping) before the baseline.
+    let filled = Instant::now();
+    std::thread::scope(|s| (0..2).for_each(|_| drop(s.spawn(|| (0..100).for_each(|_| flood())))));
+    let dropped = |key: &str| -> u64 {
+        let response = client_with_key(key).get(format!("http://{addr}/tenant/v1/logs?since=18446744073709551615")).send().unwrap();
+        response.headers()["x-facegate-logs-dropped"].to_str().unwrap().parse().unwrap()
+    };
+    assert!(dropped(&noisy_read) > 0, "the log is full");
+    eprintln!("noisy's {STALLED_LOG_MIB} MiB log filled in {:?}", filled.elapsed());
+    let baseline = rss_mib(server.pid());
+
+    let (stop, peak, quiet_slowest) = (AtomicBool::new(false), AtomicU64::new(0), AtomicU64::new(0));
+    let followers: Vec<_> = (0..8).map(|_| stalled_follow(addr, &noisy_read)).collect();
+    let ended_after = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                flood();
+            }
+        });
+        s.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                peak.fetch_max(rss_mib(server.pid()), Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        s.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                let started = Instant::now();
+                let response = client_with_key(&quiet_read).get(format!("http://{addr}/tenant/v1/logs")).send().unwrap();
+                assert_eq!(response.status(), 200, "another tenant's log read is answered");
+                let records = response.text().unwrap();
+                assert!(records.contains("\"kind\":\"request\""), "with its records: {records}");
+                quiet_slowest.fetch_max(started.elapsed().as_millis() as u64, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        assert_eq!(follow_status(addr, &noisy_read), 429, "the 8 stalled followers hold the tenant's places");
+        let start = Instant::now();
+        let ended = loop {
+            if follow_status(addr, &noisy_read) == 200 {
+                break Some(start.elapsed());
+            }
+            if start.elapsed() > FOLLOWER_ENDED_WITHIN {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        };
+        // The log keeps filling a while after they ended.
+        std::thread::sleep(Duration::from_secs(2));
+        stop.store(true, Ordering::SeqCst);
+        ended
+    });
+    drop(followers);
+    let (peak, slowest) = (peak.load(Ordering::SeqCst), quiet_slowest.load(Ordering::SeqCst));
+    eprintln!(
+        "8 stalled followers: ended {ended_after:?} after their answers backed up; RSS {baseline} MiB -> peak {peak} MiB; quiet's slowest log read {slowest} ms"
+    );
+    assert!(peak <= baseline + STALLED_RSS_GROWTH_MIB, "RSS grew {} MiB with 8 stalled followers", peak.saturating_sub(baseline));
+    assert!(ended_after.is_some(), "the stalled followers still hold their places after {FOLLOWER_ENDED_WITHIN:?}");
+    assert!(slowest < 2000, "another tenant's log read took {slowest} ms");
+}
