@@ -437,15 +437,21 @@ fn explicit_tenant(command: &Command) -> Option<&str> {
     }
 }
 
-/// The tenant `key` belongs to, as the gateway says (`GET /v1/me`).
-async fn key_tenant(client: &ClientArgs, key: &str) -> anyhow::Result<String> {
-    let url = format!("{}/v1/me", client.url.trim_end_matches('/'));
+/// A `GET` of `url` with a tenant's `key`, and the URL parsed.
+fn get_with_key(url: &str, key: &str) -> anyhow::Result<(Uri, Request<Full<Bytes>>)> {
     let uri: Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
     let authority = uri.authority().with_context(|| format!("bad URL {url}: no host"))?.as_str().to_owned();
     let request = Request::get(uri.path_and_query().map_or("/", |p| p.as_str()))
         .header(hyper::header::HOST, authority)
         .header(hyper::header::AUTHORIZATION, format!("Bearer {key}"))
         .body(Full::new(Bytes::new()))?;
+    Ok((uri, request))
+}
+
+/// The tenant `key` belongs to, as the gateway says (`GET /v1/me`).
+async fn key_tenant(client: &ClientArgs, key: &str) -> anyhow::Result<String> {
+    let url = format!("{}/v1/me", client.url.trim_end_matches('/'));
+    let (uri, request) = get_with_key(&url, key)?;
     let response = send(&uri, request, client.ca_cert.as_deref()).await.with_context(|| format!("cannot reach {url}"))?;
     let status = response.status();
     let bytes = response.into_body().collect().await.context("reading the answer")?.to_bytes();
@@ -574,12 +580,7 @@ async fn logs(args: &LogsArgs) -> anyhow::Result<i32> {
             query.push("follow=true".into());
         }
         let url = format!("{}/tenant/v1/logs?{}", args.client.url.trim_end_matches('/'), query.join("&"));
-        let uri: Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
-        let authority = uri.authority().with_context(|| format!("bad URL {url}: no host"))?.as_str().to_owned();
-        let request = Request::get(uri.path_and_query().map_or("/", |p| p.as_str()))
-            .header(hyper::header::HOST, authority)
-            .header(hyper::header::AUTHORIZATION, format!("Bearer {key}"))
-            .body(Full::new(Bytes::new()))?;
+        let (uri, request) = get_with_key(&url, key)?;
         let response = send(&uri, request, args.client.ca_cert.as_deref()).await.with_context(|| format!("cannot reach {url}"))?;
         if args.follow && response.status() == hyper::StatusCode::TOO_MANY_REQUESTS {
             // Past the tenant's API rate: a follower waits its turn, as told.

@@ -255,17 +255,22 @@ async fn slow_body_loop(addr: SocketAddr, key: &str, stop: &AtomicBool) {
         "POST /v1/evil/attack?attack=snoop HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {key}\r\nContent-Length: 1000000\r\n\r\n"
     );
     while !stop.load(Ordering::SeqCst) {
-        let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
-        };
-        if stream.write_all(head.as_bytes()).await.is_err() {
-            continue;
-        }
+        let Some(mut stream) = open_with_head(addr, &head).await else { continue };
         while !stop.load(Ordering::SeqCst) && stream.write_all(b"x").await.is_ok() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// A connection to `addr` that has sent `head`; `None` (after a short
+/// pause when the connection was refused) when either failed.
+async fn open_with_head(addr: SocketAddr, head: &str) -> Option<tokio::net::TcpStream> {
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        return None;
+    };
+    stream.write_all(head.as_bytes()).await.ok()?;
+    Some(stream)
 }
 
 /// Keeps [`IDLE_PER_CLIENT`] silent connections open, replacing those the gateway closes.
@@ -312,13 +317,7 @@ async fn stalled_upload_loop(addr: SocketAddr, tenant: &str, stop: &AtomicBool) 
     );
     let chunk = vec![0u8; 1 << 20];
     while !stop.load(Ordering::SeqCst) {
-        let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
-        };
-        if stream.write_all(head.as_bytes()).await.is_err() {
-            continue;
-        }
+        let Some(mut stream) = open_with_head(addr, &head).await else { continue };
         // An answer before the body is a refusal; none within 100 ms, admitted.
         let mut answer = [0u8; 512];
         if let Ok(read) = tokio::time::timeout(Duration::from_millis(100), tokio::io::AsyncReadExt::read(&mut stream, &mut answer)).await {
@@ -380,13 +379,8 @@ async fn stalled_reader_loop(addr: SocketAddr, stop: &AtomicBool) {
     };
     let head = format!("GET /tenant/v1/logs?follow=true HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {key}\r\n\r\n");
     while !stop.load(Ordering::SeqCst) {
-        let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
-        };
-        if stream.write_all(head.as_bytes()).await.is_err() {
-            continue;
-        }
+        // Held open, never read, until the next.
+        let Some(_stream) = open_with_head(addr, &head).await else { continue };
         let opened = std::time::Instant::now();
         while !stop.load(Ordering::SeqCst) && opened.elapsed() < STALLED_READER_EVERY {
             tokio::time::sleep(Duration::from_millis(50)).await;
