@@ -7,13 +7,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-pub use facegate_host_gpu::DeviceSpec;
+use facegate_host_gpu::DeviceSpec;
 use facegate_host_gpu::Sizing;
 
-pub use crate::admission::limits::{
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFER_CALLS, DEFAULT_MEMORY_LIMIT_MIB, DEFAULT_REQUEST_TIMEOUT_MS, DEFAULT_TENANT_BURST,
-    DEFAULT_TENANT_MAX_CONCURRENCY, DEFAULT_TENANT_RPS, TenantLimits,
-};
+use crate::admission::limits::TenantLimits;
 
 /// Default listen address.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -255,12 +252,12 @@ pub struct ServeConfig {
     /// Bytes of each tenant's log (its requests' outcomes and its handlers'
     /// output) this node keeps; past it the oldest records are dropped,
     /// and counted.
-    #[arg(long, env = "FACEGATE_TENANT_LOG_BYTES", default_value_t = crate::metrics::logs::DEFAULT_TENANT_LOG_BYTES as u64, value_parser = clap::value_parser!(u64).range(4096..=(1 << 30)))]
+    #[arg(long, env = "FACEGATE_TENANT_LOG_BYTES", default_value_t = crate::telemetry::logs::DEFAULT_TENANT_LOG_BYTES as u64, value_parser = clap::value_parser!(u64).range(4096..=(1 << 30)))]
     pub tenant_log_bytes: u64,
 
     /// MiB of all tenants' logs together this node keeps; past it the
     /// tenant whose log is largest drops its oldest records first.
-    #[arg(long, env = "FACEGATE_TENANT_LOGS_TOTAL_MIB", default_value_t = (crate::metrics::logs::DEFAULT_TENANT_LOGS_TOTAL_BYTES >> 20) as u64, value_parser = clap::value_parser!(u64).range(1..=(1 << 20)))]
+    #[arg(long, env = "FACEGATE_TENANT_LOGS_TOTAL_MIB", default_value_t = (crate::telemetry::logs::DEFAULT_TENANT_LOGS_TOTAL_BYTES >> 20) as u64, value_parser = clap::value_parser!(u64).range(1..=(1 << 20)))]
     pub tenant_logs_total_mib: u64,
 
     /// Days of usage the store keeps (older minute buckets are pruned).
@@ -293,7 +290,7 @@ pub struct ServeConfig {
 
     /// OpenTelemetry traces (off unless an OTLP endpoint is set).
     #[command(flatten)]
-    pub traces: crate::metrics::trace::TraceConfig,
+    pub traces: crate::telemetry::trace::TraceConfig,
 
     // ---- Connection limits (kept together, last) ----
     // A client that holds a connection without using it takes a slot from

@@ -15,7 +15,7 @@
 //! versions: the store, its live snapshot and the cluster's sync),
 //! [`config`] (flags), [`sandbox`] (the wasmtime engine, handlers, one
 //! request's store and limits, warm instances, compiling, outgoing HTTP,
-//! the `face-detect` host side), [`metrics`] (Prometheus), and
+//! the `face-detect` host side), [`telemetry`] (Prometheus metrics, usage records, logs, traces), and
 //! [`admission`] (a tenant's limits and gate, instance slots, the node's
 //! memory budget). The benchmarks are the `facegate-bench` binary
 //! (`runtime/bench/`), which `facegate bench` runs.
@@ -25,7 +25,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod http;
-pub mod metrics;
+pub mod telemetry;
 pub mod sandbox;
 pub mod serve;
 

@@ -105,7 +105,7 @@ pub async fn run(config: &BenchConfig, images: &[Bytes], duration: Duration) -> 
     let (addr, keys, _server) = start_seeded(&seed, &config.serve.engine, models.clone(), STORE_LABEL, |c| {
         c.limits.timeout_ms = 5_000;
         c.max_instances = facegate::config::DEFAULT_MAX_INSTANCES;
-        c.limits.max_concurrency = facegate::config::DEFAULT_TENANT_MAX_CONCURRENCY;
+        c.limits.max_concurrency = facegate::admission::limits::DEFAULT_TENANT_MAX_CONCURRENCY;
         c.memory_budget_mib = Some(MEMORY_BUDGET_MIB);
         c.admin_token = Some(ADMIN_TOKEN.to_owned());
     })

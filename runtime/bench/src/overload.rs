@@ -38,7 +38,7 @@ const MAX_OPEN_IN_FLIGHT: usize = 4096;
 /// Unmeasured start of every measured window (as in `harness::drive`).
 const WARM_UP: Duration = Duration::from_millis(500);
 /// The tenants' request deadline: the server's default.
-const DEADLINE_MS: u64 = facegate::config::DEFAULT_REQUEST_TIMEOUT_MS;
+const DEADLINE_MS: u64 = facegate::admission::limits::DEFAULT_REQUEST_TIMEOUT_MS;
 /// Requests in flight a tenant may have: the flood is refused by the
 /// backlog estimate, not by this (the flood ran with 128).
 const TENANT_CONCURRENCY: u32 = 128;

@@ -141,7 +141,7 @@ async fn like_for_like(config: &BenchConfig, samples: &[Sample], iterations: usi
     // As the gateway's engine with its default limits.
     let limits = EngineLimits {
         max_instances: 1,
-        memory_limit: facegate::config::DEFAULT_MEMORY_LIMIT_MIB << 20,
+        memory_limit: facegate::admission::limits::DEFAULT_MEMORY_LIMIT_MIB << 20,
         keep_resident: facegate::config::DEFAULT_MEMORY_KEEP_RESIDENT_KIB << 10,
     };
     let guest = GuestBench::new(wasm, &images, limits)?;

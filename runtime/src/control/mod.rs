@@ -37,7 +37,7 @@ use self::store::{AbortRule, ActiveHandler, Canary, KeyRow, NewVersion, NodeRow,
 use self::upload::Upload;
 pub use self::upload::{Change, ChangePlace, UploadHold};
 use crate::admission::limits::{LimitOverrides, TenantLimits};
-use crate::metrics::TenantCounters;
+use crate::telemetry::TenantCounters;
 use crate::sandbox::Sandbox;
 use crate::sandbox::compile::{CompileError, CompilePool};
 use crate::sandbox::handler::valid_name;
@@ -49,7 +49,6 @@ pub use self::live::{CanaryCounts, Live, LiveCanary, Side, TenantEntry};
 pub use self::seal::{ArtifactKey, CACHE_KEY_FILE, CacheKey};
 pub use self::seed::write_secret;
 pub use self::snapshot::Synced;
-pub use crate::admission::gate::TenantGate;
 
 /// How the control plane is set up.
 pub struct ControlSettings {
@@ -112,7 +111,7 @@ pub struct ControlPlane {
     /// Their rows, as [`Self::live_nodes`] counted them.
     alive_nodes: RwLock<Arc<[NodeRow]>>,
     /// What this node's requests used, until written (see [`usage`]).
-    meter: Arc<crate::metrics::usage::Meter>,
+    meter: Arc<crate::telemetry::usage::Meter>,
     /// Tenants with a change in progress here (one each at a time).
     changes: upload::Changes,
 }
@@ -172,7 +171,7 @@ impl ControlPlane {
             node_watch: Mutex::default(),
             alive_nodes: RwLock::new(Arc::from(Vec::new())),
             // A restarted node writes under a new name: its numbers start again.
-            meter: crate::metrics::usage::Meter::new(store::new_incarnation()?),
+            meter: crate::telemetry::usage::Meter::new(store::new_incarnation()?),
             changes: upload::Changes::default(),
         };
         control.refresh(&mut **control.db(), Vec::new(), Compile::Now)?;

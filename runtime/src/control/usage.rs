@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ControlPlane;
 use super::store::{StoreResult, now_ms};
-use crate::metrics::usage::{BUCKET_MS, Meter, Usage, UsageKey};
+use crate::telemetry::usage::{BUCKET_MS, Meter, Usage, UsageKey};
 
 /// How often old buckets are pruned.
 const PRUNE_EVERY: Duration = Duration::from_secs(3600);

@@ -26,7 +26,7 @@ use crate::control::store::AbortRule;
 use crate::control::store::{StoreError, now_ms};
 use crate::control::sync::ALIVE_WITHIN;
 use crate::control::{Change, ChangePlace, ControlPlane, Release, UploadHold};
-use crate::metrics::Limit;
+use crate::admission::limits::Limit;
 use crate::sandbox::compile::CompileError;
 
 /// Longest an admin upload may take to arrive.

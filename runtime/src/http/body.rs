@@ -11,7 +11,7 @@ use hyper::{Request, Response, StatusCode};
 
 use super::response::{self, Body};
 use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
-use crate::metrics::Limit;
+use crate::admission::limits::Limit;
 
 /// Longest a client may take to send a request body (also capped by the request timeout).
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);

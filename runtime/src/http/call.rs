@@ -16,14 +16,14 @@ use super::body::{content_length, read_body};
 use super::response::{self, Body};
 use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::admission::slots::Refusal;
-use crate::control::TenantGate;
+use crate::admission::gate::TenantGate;
 use crate::control::keys::Scopes;
 use crate::control::store::StoreError;
 use crate::control::{LiveCanary, Side};
-use crate::metrics::Limit;
-use crate::metrics::logs::{LogOwner, LogRecord};
-use crate::metrics::trace::RequestTrace;
-use crate::metrics::usage::{BytesOut, Usage, UsageKey};
+use crate::admission::limits::Limit;
+use crate::telemetry::logs::{LogOwner, LogRecord};
+use crate::telemetry::trace::RequestTrace;
+use crate::telemetry::usage::{BytesOut, Usage, UsageKey};
 use crate::sandbox::handler::Handler;
 use crate::sandbox::{RequestTag, SandboxError, SandboxLimits};
 
@@ -105,7 +105,7 @@ impl App {
         let id = self.request_ids.next();
         server.handler((tenant, name, handler.version), &id);
         server.trace().span("authenticate", (started, Instant::now()), Vec::new);
-        // Metered in the minute it started (see crate::metrics::usage).
+        // Metered in the minute it started (see crate::telemetry::usage).
         let key = UsageKey::new(tenant, name, handler.version, crate::control::store::now_ms());
         let log = log.unwrap_or_else(|| LogOwner::new(tenant, ""));
         let call = Call { id: &id, key: &key, trace: server.trace(), hit: OnceLock::new(), ran: Default::default(), log };

@@ -41,7 +41,7 @@ use tokio_rustls::TlsAcceptor;
 use super::app::{App, Plane};
 use super::auth::ClientAddr;
 use super::response::Body;
-use crate::metrics::{CloseReason, ConnectionMetrics};
+use crate::telemetry::{CloseReason, ConnectionMetrics};
 
 /// Extra connections a listener serving everything ([`Plane::Both`]) accepts
 /// once its slots are full and none is idle, served as [`Plane::Reserve`]

@@ -1,4 +1,4 @@
-//! `GET /tenant/v1/logs`: a tenant's own log (see [`crate::metrics::logs`])
+//! `GET /tenant/v1/logs`: a tenant's own log (see [`crate::telemetry::logs`])
 //! from every live node of the cluster, as JSON lines, once or followed as
 //! it grows. Each node keeps the records of the requests it served; the
 //! node asked adds the others' (see [`super::peers`]). A record names its
@@ -29,8 +29,8 @@ use crate::admission::memory::{Charge, MemoryBudget, Refusal};
 use crate::config::valid_node_id;
 use crate::control::ControlPlane;
 use crate::control::keys::Scopes;
-use crate::metrics::Limit;
-use crate::metrics::logs::{Follower, LogOwner, LogRecord, MAX_FOLLOWERS, TenantLogs};
+use crate::admission::limits::Limit;
+use crate::telemetry::logs::{Follower, LogOwner, LogRecord, MAX_FOLLOWERS, TenantLogs};
 use crate::sandbox::handler::valid_name;
 
 /// Longest one follow stays open; the client asks again with `since=`.

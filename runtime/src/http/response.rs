@@ -7,8 +7,8 @@ use hyper::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use hyper::{Response, StatusCode};
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 
-use crate::metrics::trace::ServerSpan;
-use crate::metrics::usage::BytesOut;
+use crate::telemetry::trace::ServerSpan;
+use crate::telemetry::usage::BytesOut;
 
 /// The body type of every response: a guest's streaming body or a host buffer.
 pub type Body = HyperOutgoingBody;

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use super::app::{App, Plane};
 use super::body::has_body;
 use super::response::{self, Body};
-use crate::metrics::{self};
+use crate::telemetry;
 
 impl App {
     /// Dispatches one request arriving on a listener serving `plane`.
@@ -115,16 +115,16 @@ impl App {
     }
 
     fn prometheus(&self) -> Response<Body> {
-        let instances = metrics::InstanceCounts {
+        let instances = telemetry::InstanceCounts {
             in_use: self.instances.in_use(),
             warm: self.sandbox.warm_instances(),
             reused: self.sandbox.reused_instances(),
         };
-        let mut text = metrics::render(&self.metrics, self.hits(), &self.models, instances);
+        let mut text = telemetry::render(&self.metrics, self.hits(), &self.models, instances);
         let memory = self.sandbox.memory();
         let node =
-            metrics::NodeGauges { memory_budget: memory.total(), memory_charged: memory.used(), live_nodes: self.control.live_nodes() };
-        metrics::render_node(&mut text, node);
+            telemetry::NodeGauges { memory_budget: memory.total(), memory_charged: memory.used(), live_nodes: self.control.live_nodes() };
+        telemetry::render_node(&mut text, node);
         response::text("text/plain; version=0.0.4", text)
     }
 

@@ -28,7 +28,7 @@ use super::response::{self, Body};
 use crate::control::keys::Scopes;
 use crate::control::store::StoreError;
 use crate::control::{Change, ControlPlane};
-use crate::metrics::Limit;
+use crate::admission::limits::Limit;
 
 /// Largest body of a tenant's call that uploads nothing (JSON of a few fields).
 const SMALL_BODY_BYTES: usize = 64 << 10;

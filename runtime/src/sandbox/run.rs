@@ -20,9 +20,10 @@ use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 
 use crate::admission::limits::TenantLimits;
 use crate::admission::memory::{MemoryBudget, NodeMemoryExhausted, Refusal};
-use crate::metrics::logs::{LogOwner, LogRecord, TenantLogs};
-use crate::metrics::trace::RequestTrace;
-use crate::metrics::{Limit, LimitHits};
+use crate::telemetry::logs::{LogOwner, LogRecord, TenantLogs};
+use crate::telemetry::trace::RequestTrace;
+use crate::admission::limits::Limit;
+use crate::telemetry::LimitHits;
 use crate::sandbox::answer_end;
 use crate::sandbox::face_detect::{self, FaceDetectCtx};
 use crate::sandbox::handler::Handler;
@@ -121,12 +122,12 @@ fn cap_response(
 }
 
 /// What names a request in the sandbox: its id in the logs, and where its
-/// usage is metered (see [`crate::metrics::usage`]).
+/// usage is metered (see [`crate::telemetry::usage`]).
 pub struct RequestTag {
     /// The request id.
     pub id: Arc<str>,
     /// The meter and bucket its guest time, device time, calls and memory go to.
-    pub usage: Option<(Arc<crate::metrics::usage::Meter>, crate::metrics::usage::UsageKey)>,
+    pub usage: Option<(Arc<crate::telemetry::usage::Meter>, crate::telemetry::usage::UsageKey)>,
     /// Its trace: the instantiation and the guest are spans of it.
     pub trace: RequestTrace,
     /// The tenant's log its handler's output goes to (this creation of the tenant).
@@ -694,7 +695,7 @@ fn log_output(
     let (bytes, dropped) = store.data().stdio.contents();
     if !bytes.is_empty() {
         tracing::info!(tenant = %handler.tenant, handler = %handler.name, request_id, dropped_bytes = dropped, output = %escape_for_log(&bytes), "guest output");
-        let time_ms = crate::metrics::logs::now_ms();
+        let time_ms = crate::telemetry::logs::now_ms();
         for line in bytes.split(|b| *b == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
             logs.push(log, LogRecord::output(time_ms, (&handler.name, handler.version), request_id, escape_for_log(line)));
         }

@@ -9,7 +9,7 @@ use wasmtime_wasi::p2::{DynInputStream, DynOutputStream};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
-use crate::metrics::trace::RequestTrace;
+use crate::telemetry::trace::RequestTrace;
 use crate::sandbox::face_detect::{FaceDetectCtx, FaceDetectView};
 use crate::sandbox::instance_memory::InstanceLimiter;
 use crate::sandbox::outgoing::{Caller, Egress, Refusals, Sent};

@@ -13,7 +13,8 @@
 use anyhow::{Context, bail};
 use facegate_host_gpu::affinity;
 
-use crate::config::{DeviceSpec, EngineConfig};
+use crate::config::EngineConfig;
+use facegate_host_gpu::DeviceSpec;
 
 /// How the process's cores are split.
 #[derive(Debug, Clone, PartialEq, Eq)]

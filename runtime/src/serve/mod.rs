@@ -21,11 +21,11 @@ use crate::control::store::NodeLoad;
 use crate::control::sync::{NodeIdentity, SyncHandle};
 use crate::control::{ControlPlane, ControlSettings};
 use crate::http::{App, Plane};
-use crate::metrics::trace::Tracing;
+use crate::telemetry::trace::Tracing;
 use crate::sandbox::compile::CompilePool;
 use crate::sandbox::engine::{EngineLimits, EpochTicker};
 use crate::sandbox::{Sandbox, engine, outgoing};
-use crate::{control, http, metrics};
+use crate::{control, http, telemetry};
 
 /// Loads ONNX Runtime and the model, and starts one batcher with one
 /// device worker per GPU and per configured CPU worker.
@@ -103,8 +103,8 @@ impl Gateway {
         sandbox.logs().set_capacity(usize::try_from(config.tenant_log_bytes).unwrap_or(usize::MAX));
         sandbox.logs().set_total_capacity(usize::try_from(config.tenant_logs_total_mib << 20).unwrap_or(usize::MAX));
         // Per-tenant counters the control plane clears when a tenant is deleted.
-        let http_metrics = Arc::new(metrics::HttpMetrics::default());
-        let counters: Vec<Arc<dyn metrics::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone(), sandbox.logs().clone()];
+        let http_metrics = Arc::new(telemetry::HttpMetrics::default());
+        let counters: Vec<Arc<dyn telemetry::TenantCounters>> = vec![http_metrics.clone(), sandbox.hits().clone(), sandbox.logs().clone()];
         let settings = ControlSettings {
             defaults: config.limits,
             max_instances: config.max_instances,

@@ -260,7 +260,7 @@ fn crop_returns_one_crop_per_face() {
 #[test]
 fn a_cuda_device_in_a_build_without_cuda_is_a_clear_error() {
     let mut engine = crate::harness::engine_config(&crate::harness::facegate_home());
-    engine.devices = vec![facegate::config::DeviceSpec::Cuda(0)];
+    engine.devices = vec![facegate_host_gpu::DeviceSpec::Cuda(0)];
     let error = format!("{:#}", facegate::load_models(&engine).err().expect("a CUDA device loaded in a build without CUDA"));
     assert!(error.contains("cuda:0") && error.contains("support for CUDA was disabled at compile time"), "{error}");
 }
@@ -274,7 +274,7 @@ fn a_cuda_device_in_a_build_without_cuda_is_a_clear_error() {
 fn a_cuda_device_gives_the_cpus_outputs_or_is_a_clear_error() {
     let cpu_engine = crate::harness::engine_config(&crate::harness::facegate_home());
     let mut engine = cpu_engine.clone();
-    engine.devices = vec![facegate::config::DeviceSpec::Cuda(0)];
+    engine.devices = vec![facegate_host_gpu::DeviceSpec::Cuda(0)];
     let gpu = match facegate::load_models(&engine) {
         Ok(models) => models,
         Err(e) => {

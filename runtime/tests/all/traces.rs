@@ -299,7 +299,7 @@ fn outgoing_requests_carry_the_guests_traceparent() {
 
 /// With traces turned off (`OTEL_TRACES_EXPORTER=none`) nothing is
 /// exported, though an endpoint is set: the receiver gets nothing. (Without
-/// an endpoint no exporter is made at all: `metrics::trace`'s unit tests.)
+/// an endpoint no exporter is made at all: `telemetry::trace`'s unit tests.)
 #[test]
 fn with_traces_off_nothing_is_exported() {
     let receiver = Receiver::start();

@@ -15,7 +15,7 @@ mod pg_connect;
 pub mod postgres;
 pub mod sqlite;
 
-use crate::metrics::usage::{Delta, Usage, UsageKey};
+use crate::telemetry::usage::{Delta, Usage, UsageKey};
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -26,7 +26,7 @@ use super::{
 use super::{Canary, Pruned, canary_of, too_many_keys, usage_columns, usage_from, usage_values, versions_past};
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::{Scopes, sha256_hex};
-use crate::metrics::usage::{Delta, Usage, UsageKey};
+use crate::telemetry::usage::{Delta, Usage, UsageKey};
 
 /// The channel changes are announced on.
 const CHANNEL: &str = "facegate_changes";
@@ -121,7 +121,7 @@ ALTER TABLE handlers ADD COLUMN canary_abort_after BIGINT;
 const V5: &str = "ALTER TABLE api_keys ADD COLUMN scopes TEXT NOT NULL DEFAULT 'invoke';";
 
 /// Version 4: usage, one row per node, delta, tenant, handler, version and
-/// minute (see [`crate::metrics::usage`]); kept when a tenant is deleted
+/// minute (see [`crate::telemetry::usage`]); kept when a tenant is deleted
 /// (bills outlive tenants). Not watched: usage changes nothing served.
 const V4: &str = "
 CREATE TABLE usage (

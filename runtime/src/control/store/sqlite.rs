@@ -15,7 +15,7 @@ use super::{Canary, Pruned, canary_of, too_many_keys, usage_columns, usage_from,
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
 use crate::control::keys::Scopes;
-use crate::metrics::usage::{Delta, Usage, UsageKey};
+use crate::telemetry::usage::{Delta, Usage, UsageKey};
 
 /// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
 const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7];
@@ -77,7 +77,7 @@ INSERT INTO generation (id, n) VALUES (1, 0);
 ";
 
 /// Version 4: usage, one row per node, delta, tenant, handler, version and
-/// minute (see [`crate::metrics::usage`]); kept when a tenant is deleted
+/// minute (see [`crate::telemetry::usage`]); kept when a tenant is deleted
 /// (bills outlive tenants).
 const V4: &str = "
 CREATE TABLE usage (

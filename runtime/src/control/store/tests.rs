@@ -342,7 +342,7 @@ fn a_version_2_postgres_store_is_migrated_and_its_tenants_get_incarnations_of_th
 
 #[test]
 fn usage_deltas_are_written_once_summed_over_nodes_and_pruned() {
-    use crate::metrics::usage::{BUCKET_MS, Delta, Usage, UsageKey};
+    use crate::telemetry::usage::{BUCKET_MS, Delta, Usage, UsageKey};
     for mut store in stores("usage") {
         let s = &mut *store;
         let kind = s.describe();

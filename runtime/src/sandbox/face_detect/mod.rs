@@ -20,8 +20,8 @@ use wasmtime::component::{HasData, Linker};
 
 use self::bindings::facegate::face_detect::face_detect as wit;
 use crate::admission::memory::Charge;
-use crate::metrics::trace::RequestTrace;
-use crate::metrics::usage::{Meter, Usage, UsageKey};
+use crate::telemetry::trace::RequestTrace;
+use crate::telemetry::usage::{Meter, Usage, UsageKey};
 
 pub use self::profile::{CallProfile, Habits};
 

@@ -6,8 +6,9 @@ pub mod logs;
 pub mod trace;
 pub mod usage;
 
-pub use crate::admission::limits::Limit;
 use std::collections::BTreeMap;
+
+use crate::admission::limits::Limit;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
