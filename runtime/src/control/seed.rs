@@ -22,7 +22,7 @@ impl ControlPlane {
     /// that had tenants before, is left alone. Returns the keys created.
     pub fn seed(&self, dir: &Path) -> anyhow::Result<Vec<SeededKey>> {
         {
-            let mut db = self.db();
+            let mut db = self.shared.db();
             match db.meta(SEED_MARK)?.as_deref() {
                 Some(SEED_DONE) => return Ok(Vec::new()),
                 Some(_) => {}
@@ -46,13 +46,13 @@ impl ControlPlane {
             };
             created.extend(self.seed_tenant(&tenant, &tenant_dir)?);
         }
-        self.db().set_meta(SEED_MARK, SEED_DONE)?;
+        self.shared.db().set_meta(SEED_MARK, SEED_DONE)?;
         Ok(created)
     }
 
     fn seed_tenant(&self, tenant: &str, dir: &Path) -> anyhow::Result<Option<SeededKey>> {
-        if !self.live().tenants.contains_key(tenant) {
-            self.create_tenant(tenant, &LimitOverrides::default())?;
+        if !self.serving.live().tenants.contains_key(tenant) {
+            self.tenants.create(tenant, &LimitOverrides::default())?;
         }
         let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(Result::ok).map(|e| e.path()).collect();
         files.sort();
@@ -62,22 +62,22 @@ impl ControlPlane {
                 tracing::warn!(file = %file.display(), "not a handler name; not seeded");
                 continue;
             }
-            if self.live().handler(tenant, handler).is_some() {
+            if self.serving.live().handler(tenant, handler).is_some() {
                 continue;
             }
             let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-            self.deploy(tenant, handler, bytes.into(), true).with_context(|| format!("seeding {}", file.display()))?;
+            self.releases.deploy(tenant, handler, bytes.into(), true).with_context(|| format!("seeding {}", file.display()))?;
         }
-        let path = self.data_dir.join(format!("{tenant}.key"));
+        let path = self.shared.data_dir.join(format!("{tenant}.key"));
         let saved = std::fs::read_to_string(&path).unwrap_or_default();
-        if self.live().authenticate(Some(saved.trim())).is_some_and(|(owner, _)| owner == tenant) {
+        if self.serving.live().authenticate(Some(saved.trim())).is_some_and(|(owner, _)| owner == tenant) {
             return Ok(None);
         }
         // A key whose file was never written (a crash in between) is useless: revoke it.
-        for stale in self.keys(tenant)?.into_iter().filter(|k| k.revoked_at.is_none()) {
-            self.revoke_key(tenant, &stale.id)?;
+        for stale in self.tenants.keys(tenant)?.into_iter().filter(|k| k.revoked_at.is_none()) {
+            self.tenants.revoke_key(tenant, &stale.id)?;
         }
-        let key = self.create_key(tenant, Scopes::default())?;
+        let key = self.tenants.create_key(tenant, Scopes::default())?;
         write_secret(&path, &key.key)?;
         tracing::info!(tenant, key_id = %key.id, path = %path.display(), "seeded tenant; API key written");
         Ok(Some(SeededKey { tenant: tenant.to_owned(), key: key.key, path }))

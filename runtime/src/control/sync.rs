@@ -87,10 +87,10 @@ impl Drop for SyncHandle {
             let _ = thread.join();
         }
         // What was metered since the last flush: a clean stop loses none of it.
-        if let Err(e) = self.control.flush_usage() {
+        if let Err(e) = self.control.usage.flush() {
             tracing::warn!(error = %e, "could not write this node's last usage");
         }
-        if let Err(e) = self.control.deregister(&self.id) {
+        if let Err(e) = self.control.cluster.deregister(&self.id) {
             tracing::debug!(error = %e, "could not remove this node's row");
         }
     }
@@ -128,7 +128,7 @@ impl Compiler {
         std::thread::Builder::new().name("facegate-precompile".into()).spawn(move || {
             crate::sandbox::compile::lower_priority(nice);
             for sha in jobs {
-                let outcome = control.precompile(&sha);
+                let outcome = control.artifacts.precompile(&sha);
                 if let Err(e) = &outcome {
                     tracing::error!(component = %sha, error = %e, "cannot compile a component deployed elsewhere; its handler keeps the version it served");
                 }
@@ -138,7 +138,7 @@ impl Compiler {
                 }
                 lock(&done).remove(&sha);
                 // After it left the queue, so that sync may ask for it again.
-                control.recheck_soon();
+                control.serving.recheck_soon();
             }
         })?;
         Ok(Self { queue, queued, failed })
@@ -188,7 +188,7 @@ impl Worker {
             }
             reachable = self.sync(reachable);
             // Here, off the request path: dropping an instance resets its memory.
-            self.control.expire_idle_instances();
+            self.control.serving.expire_idle_instances();
             if reachable && Instant::now() >= next_heartbeat {
                 self.heartbeat();
                 next_heartbeat = Instant::now() + HEARTBEAT_INTERVAL;
@@ -203,12 +203,12 @@ impl Worker {
     /// Writes the node's usage (a failed write is retried at the next
     /// flush, as the same delta); prunes old buckets when due.
     fn flush_usage(&self, next_prune: &mut Instant) {
-        if let Err(e) = self.control.flush_usage() {
+        if let Err(e) = self.control.usage.flush() {
             tracing::warn!(error = %e, "could not write usage; retrying at the next flush");
             return;
         }
         if Instant::now() >= *next_prune {
-            if let Err(e) = self.control.prune_usage(self.usage.retention) {
+            if let Err(e) = self.control.usage.prune(self.usage.retention) {
                 tracing::debug!(error = %e, "could not prune old usage");
             }
             *next_prune = Instant::now() + self.usage.prune_every();
@@ -227,13 +227,13 @@ impl Worker {
 
     /// One sync; logs when the store is lost and when it is back. Returns reachability.
     fn sync(&self, was_reachable: bool) -> bool {
-        match self.control.sync() {
+        match self.control.serving.sync() {
             Ok(synced) => {
                 if !was_reachable {
                     tracing::info!(store = self.control.store_name(), "control-plane store reachable again; snapshot caught up");
                 }
                 if synced.changed {
-                    tracing::debug!(generation = self.control.generation(), "snapshot rebuilt after a change made elsewhere");
+                    tracing::debug!(generation = self.control.serving.generation(), "snapshot rebuilt after a change made elsewhere");
                 }
                 self.compiler.want(synced.to_compile);
                 true
@@ -249,7 +249,7 @@ impl Worker {
 
     fn heartbeat(&self) {
         let mut load = (self.load)();
-        load.generation = self.control.generation();
+        load.generation = self.control.serving.generation();
         let row = NodeRow {
             id: self.node.id.clone(),
             address: self.node.address.clone(),
@@ -259,11 +259,11 @@ impl Worker {
             started_at: self.started_at,
             heartbeat_at: now_ms(),
         };
-        if let Err(e) = self.control.heartbeat(&row) {
+        if let Err(e) = self.control.cluster.heartbeat(&row) {
             tracing::debug!(error = %e, "heartbeat not recorded");
             return;
         }
-        match self.control.nodes() {
+        match self.control.cluster.nodes() {
             Ok(nodes) => self.control.share_tenant_limits(&nodes),
             Err(e) => tracing::debug!(error = %e, "nodes not read; tenants' shares unchanged"),
         }

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use wasmtime::component::Component;
 
 use super::blobs::ArtifactCache;
-use super::components::write_artifact;
+use super::artifacts::write_artifact;
 use super::compose;
 use super::keys::sha256_hex;
 use super::seal::ArtifactKey;

@@ -1,4 +1,4 @@
-//! The tenants' usage, for bills: the node's [`Meter`] written to the store
+//! The control plane's part for the tenants' usage, for bills ([`UsageRecords`]): the node's [`Meter`] written to the store
 //! every flush interval by the sync thread, old buckets pruned, and read
 //! back summed over the cluster's nodes and rolled up by the hour or day.
 
@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::ControlPlane;
+use super::shared::Shared;
 use super::store::{StoreResult, now_ms};
 use crate::telemetry::usage::{BUCKET_MS, Meter, Usage, UsageKey};
 
@@ -106,7 +106,19 @@ pub fn roll_up(rows: Vec<(UsageKey, Usage)>, by: Rollup) -> Vec<UsageRow> {
     out
 }
 
-impl ControlPlane {
+/// The control plane's part for usage records (see the module docs).
+pub struct UsageRecords {
+    shared: Arc<Shared>,
+    /// What this node's requests used, until written.
+    meter: Arc<Meter>,
+}
+
+impl UsageRecords {
+    /// Records under `incarnation`: this run of the node, its own name in the store.
+    pub(super) fn new(shared: Arc<Shared>, incarnation: String) -> Self {
+        Self { shared, meter: Meter::new(incarnation) }
+    }
+
     /// The node's meter.
     pub fn meter(&self) -> &Arc<Meter> {
         &self.meter
@@ -114,23 +126,23 @@ impl ControlPlane {
 
     /// Writes what the node metered since the last write (or the delta a
     /// failed write left); returns how many rows went.
-    pub fn flush_usage(&self) -> StoreResult<usize> {
+    pub fn flush(&self) -> StoreResult<usize> {
         let Some(delta) = self.meter.seal() else { return Ok(0) };
-        self.db().write_usage(&delta)?;
+        self.shared.db().write_usage(&delta)?;
         self.meter.written(delta.seq);
         Ok(delta.rows.len())
     }
 
     /// Forgets buckets older than `retention`.
-    pub fn prune_usage(&self, retention: Duration) -> StoreResult<()> {
+    pub fn prune(&self, retention: Duration) -> StoreResult<()> {
         let before = now_ms().saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
-        self.db().prune_usage(before)
+        self.shared.db().prune_usage(before)
     }
 
     /// Usage from `from_ms` to `to_ms`, of one tenant or all, summed over the
     /// cluster's nodes, in periods of `by`.
-    pub fn usage(&self, tenant: Option<&str>, (from_ms, to_ms): (i64, i64), by: Rollup) -> StoreResult<Vec<UsageRow>> {
-        let rows = self.db().usage(tenant, from_ms, to_ms)?;
+    pub fn read(&self, tenant: Option<&str>, (from_ms, to_ms): (i64, i64), by: Rollup) -> StoreResult<Vec<UsageRow>> {
+        let rows = self.shared.db().usage(tenant, from_ms, to_ms)?;
         Ok(roll_up(rows, by))
     }
 }

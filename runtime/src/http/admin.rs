@@ -128,11 +128,11 @@ impl App {
         (call, max_body): (StoreCall<'_>, usize),
         op: impl FnOnce(&ControlPlane, &Bytes, Held) -> AdminResult + Send + 'static,
     ) -> Response<Body> {
-        if call.change == Some(Change::Upload) && self.control.uploads_busy() {
+        if call.change == Some(Change::Upload) && self.control.releases.uploads_busy() {
             return response::before_body(store_error(&StoreError::Busy(CompileError::Busy.to_string())));
         }
         let place = match (call.tenant, call.change) {
-            (Some(tenant), Some(change)) => match self.control.begin_change(tenant, change) {
+            (Some(tenant), Some(change)) => match self.control.releases.begin_change(tenant, change) {
                 Ok(place) => Some(place),
                 Err(e) => return response::before_body(store_error(&e)),
             },
@@ -224,36 +224,36 @@ pub(super) fn change_of(method: &Method, rest: &[&str]) -> Option<Change> {
 fn admin_op(control: &ControlPlane, (method, path, query): (&Method, &[String], &str), body: &Bytes, held: Held) -> AdminResult {
     let p: Vec<&str> = path.iter().map(String::as_str).collect();
     match (method.clone(), p.as_slice()) {
-        (Method::GET, ["tenants"]) => ok(json!({ "tenants": control.tenants()? })),
+        (Method::GET, ["tenants"]) => ok(json!({ "tenants": control.tenants.list()? })),
         (Method::GET, ["nodes"]) => ok(json!({ "nodes": nodes(control)? })),
         (Method::POST, ["tenants"]) => {
             let req: CreateTenant = parse(body)?;
-            created(control.create_tenant(&req.name, &req.limits)?)
+            created(control.tenants.create(&req.name, &req.limits)?)
         }
-        (Method::GET, ["tenants", t]) => ok(control.tenant(t)?),
-        (Method::PATCH, ["tenants", t]) => ok(control.update_limits(t, &parse(body)?)?),
+        (Method::GET, ["tenants", t]) => ok(control.tenants.get(t)?),
+        (Method::PATCH, ["tenants", t]) => ok(control.tenants.update_limits(t, &parse(body)?)?),
         (Method::DELETE, ["tenants", t]) => {
-            control.delete_tenant(t)?;
+            control.tenants.delete(t)?;
             ok(json!({ "deleted": t }))
         }
-        (Method::GET, ["tenants", t, "keys"]) => ok(json!({ "tenant": t, "keys": control.keys(t)? })),
-        (Method::POST, ["tenants", t, "keys"]) => created(control.create_key(t, key_scopes(body)?)?),
+        (Method::GET, ["tenants", t, "keys"]) => ok(json!({ "tenant": t, "keys": control.tenants.keys(t)? })),
+        (Method::POST, ["tenants", t, "keys"]) => created(control.tenants.create_key(t, key_scopes(body)?)?),
         (Method::DELETE, ["tenants", t, "keys", id]) => {
-            control.revoke_key(t, id)?;
+            control.tenants.revoke_key(t, id)?;
             ok(json!({ "tenant": t, "revoked": id }))
         }
-        (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
+        (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenants.get(t)?.handlers })),
         (Method::PUT, ["tenants", t, "handlers", h]) => {
-            created(control.release(t, h, body.clone(), (release_of(query)?, held.upload()?))?)
+            created(control.releases.release(t, h, body.clone(), (release_of(query)?, held.upload()?))?)
         }
-        (Method::GET, ["tenants", t, "handlers", h, "versions"]) => ok(control.versions(t, h)?),
+        (Method::GET, ["tenants", t, "handlers", h, "versions"]) => ok(control.releases.versions(t, h)?),
         (Method::POST, ["tenants", t, "handlers", h, "activate"]) => {
             let req: Activate = parse(body)?;
-            ok(control.activate(t, h, req.version)?)
+            ok(control.releases.activate(t, h, req.version)?)
         }
-        (Method::POST, ["tenants", t, "handlers", h, "rollback"]) => ok(control.rollback(t, h)?),
-        (Method::POST, ["tenants", t, "handlers", h, "promote"]) => ok(control.promote(t, h)?),
-        (Method::POST, ["tenants", t, "handlers", h, "abort"]) => ok(json!({ "aborted": control.abort_canary(t, h, None)? })),
+        (Method::POST, ["tenants", t, "handlers", h, "rollback"]) => ok(control.releases.rollback(t, h)?),
+        (Method::POST, ["tenants", t, "handlers", h, "promote"]) => ok(control.releases.promote(t, h)?),
+        (Method::POST, ["tenants", t, "handlers", h, "abort"]) => ok(json!({ "aborted": control.releases.abort_canary(t, h, None)? })),
         _ => Err(StoreError::NotFound(format!("no admin route {method} /admin/v1/{}", path.join("/")))),
     }
 }
@@ -293,6 +293,7 @@ fn nodes(control: &ControlPlane) -> Result<Vec<Value>, StoreError> {
     let now = now_ms();
     let alive_ms = i64::try_from(ALIVE_WITHIN.as_millis()).unwrap_or(i64::MAX);
     control
+        .cluster
         .nodes()?
         .into_iter()
         .map(|node| {

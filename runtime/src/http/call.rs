@@ -70,7 +70,7 @@ impl App {
     pub(super) async fn call_handler(&self, tenant: &str, name: &str, mut req: Request<Incoming>) -> Response<Body> {
         let started = Instant::now();
         let server = self.tracing.server_span(started, req.headers(), (req.method(), "/v1/{tenant}/{handler}", req.uri().path()));
-        let live = self.control.live();
+        let live = self.control.serving.live();
         let Some((key_tenant, scopes)) = live.authenticate(bearer(&req)) else {
             server.status(401);
             let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
@@ -122,7 +122,7 @@ impl App {
             self.count_canary(canary, side, status);
         }
         self.metrics.record(tenant, name, status, started.elapsed());
-        let meter = self.control.meter();
+        let meter = self.control.usage.meter();
         meter.add(&key, &Usage::answer(status));
         // The server span ends when the answer's body is sent.
         let mut response = response::counted(response, (BytesOut::new(Arc::clone(meter), key), server));
@@ -191,7 +191,7 @@ impl App {
                 let body = hyper::body::Body::size_hint(req.body()).exact().unwrap_or(0) as usize;
                 trace.span("read body", (reading, Instant::now()), || vec![KeyValue::new("http.request.body.size", body as i64)]);
                 let _ = memory.resize(body.saturating_add(REQUEST_BASE_BYTES));
-                self.control.meter().add(key, &Usage { bytes_in: body as u64, ..Usage::default() });
+                self.control.usage.meter().add(key, &Usage { bytes_in: body as u64, ..Usage::default() });
                 req
             }
             Err((limit, refusal)) => {
@@ -219,7 +219,7 @@ impl App {
         let deadline = Instant::now() + limits.timeout();
         let sandbox_limits = SandboxLimits { tenant: *limits, max_host_resources: self.config.max_host_resources };
         call.ran.store(true, std::sync::atomic::Ordering::Relaxed);
-        let usage = Some((Arc::clone(self.control.meter()), key.clone()));
+        let usage = Some((Arc::clone(self.control.usage.meter()), key.clone()));
         let tag = RequestTag { id: Arc::clone(id), usage, trace: trace.clone(), log: call.log.clone() };
         match self.sandbox.handle(handler, req, deadline, sandbox_limits, tag, (instance, tenant_slot, memory, promise)).await {
             Ok(mut response) => {
@@ -244,7 +244,7 @@ impl App {
         let (control, handler) = (Arc::clone(&self.control), Arc::clone(&canary.handler));
         let [(stable, stable_5xx), (served, served_5xx)] = canary.counted();
         tracing::warn!(tenant = %handler.tenant, handler = %handler.name, version = handler.version, served, served_5xx, stable, stable_5xx, "canary failing past its abort rule: aborting it");
-        tokio::task::spawn_blocking(move || match control.abort_canary(&handler.tenant, &handler.name, Some(handler.version)) {
+        tokio::task::spawn_blocking(move || match control.releases.abort_canary(&handler.tenant, &handler.name, Some(handler.version)) {
             Ok(_) | Err(StoreError::NotFound(_)) => {}
             Err(e) => {
                 tracing::warn!(tenant = %handler.tenant, handler = %handler.name, error = %e, "canary abort failed; the next failing answer tries again");

@@ -46,7 +46,7 @@ impl App {
     /// `GET /v1/me`: the key's tenant and its handlers with their active
     /// versions (what "Try it" offers).
     pub(super) fn me(&self, req: &Request<Incoming>) -> Response<Body> {
-        let live = self.control.live();
+        let live = self.control.serving.live();
         let Some((tenant, scopes)) = live.authenticate(bearer(req)) else {
             let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
             refusal.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
@@ -68,7 +68,7 @@ impl App {
         let requests = self.metrics.by_tenant();
         // One snapshot per model, read for every tenant.
         let snapshots: Vec<_> = self.models.iter().map(|m| (m, m.metrics())).collect();
-        let live = self.control.live();
+        let live = self.control.serving.live();
         let mut tenants = serde_json::Map::new();
         for name in live.tenants.keys() {
             let summary = requests.get(name).cloned().unwrap_or_default();

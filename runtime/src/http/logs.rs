@@ -511,7 +511,7 @@ impl App {
         let peers = if query.local { Vec::new() } else { self.peers(&query) };
         let logs = Arc::clone(self.sandbox.logs());
         // This creation of the tenant: nothing of a deleted namesake's.
-        let incarnation = self.control.live().tenants.get(tenant).map(|e| e.incarnation.clone());
+        let incarnation = self.control.serving.live().tenants.get(tenant).map(|e| e.incarnation.clone());
         let owner = LogOwner::new(tenant, incarnation.as_deref().unwrap_or_default());
         let follower = match query.follow.then(|| logs.follow(&owner)) {
             Some(None) => {
@@ -550,7 +550,7 @@ impl App {
 
     /// The other live nodes, each with its query.
     fn peers(&self, query: &LogQuery) -> Vec<Peer> {
-        let nodes = self.control.alive_nodes();
+        let nodes = self.control.cluster.alive_nodes();
         nodes.iter().filter(|n| *n.id != *self.node).map(|n| Peer::new(n, &query.for_peer(&n.id))).collect()
     }
 
@@ -643,7 +643,7 @@ struct Reader {
 
 impl Reader {
     fn may_read(&self) -> bool {
-        let live = self.control.live();
+        let live = self.control.serving.live();
         let key_reads = live.authenticate(Some(&self.key)).is_some_and(|(t, scopes)| t == self.tenant && scopes.contains(Scopes::READ));
         key_reads && live.tenants.get(&self.tenant).map(|e| &e.incarnation) == self.incarnation.as_ref()
     }

@@ -90,14 +90,14 @@ impl App {
         let models: Vec<_> = self.models.iter().map(|b| b.spec().name.clone()).collect();
         response::json(
             StatusCode::OK,
-            &serde_json::json!({ "status": "ok", "handlers": self.control.live().handler_count(), "models": models }),
+            &serde_json::json!({ "status": "ok", "handlers": self.control.serving.live().handler_count(), "models": models }),
         )
     }
 
     /// Ready: not draining, and the snapshot confirmed against the store
     /// within `--stale-after-s` (the model is loaded before the gateway listens).
     fn readiness(&self) -> Response<Body> {
-        let age = self.control.snapshot_age();
+        let age = self.control.serving.snapshot_age();
         let stale = self.config.stale_after_s > 0 && age > Duration::from_secs(self.config.stale_after_s);
         let draining = self.draining.load(Ordering::Acquire);
         let ready = !stale && !draining;
@@ -109,7 +109,7 @@ impl App {
                 "draining": draining,
                 "stale": stale,
                 "snapshot_age_ms": age.as_millis() as u64,
-                "generation": self.control.generation(),
+                "generation": self.control.serving.generation(),
             }),
         )
     }
@@ -123,7 +123,7 @@ impl App {
         let mut text = telemetry::render(&self.metrics, self.hits(), &self.models, instances);
         let memory = self.sandbox.memory();
         let node =
-            telemetry::NodeGauges { memory_budget: memory.total(), memory_charged: memory.used(), live_nodes: self.control.live_nodes() };
+            telemetry::NodeGauges { memory_budget: memory.total(), memory_charged: memory.used(), live_nodes: self.control.cluster.live_nodes() };
         telemetry::render_node(&mut text, node);
         response::text("text/plain; version=0.0.4", text)
     }

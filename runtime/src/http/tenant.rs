@@ -49,7 +49,7 @@ fn required(method: &Method, rest: &[&str]) -> Option<Scopes> {
 impl App {
     /// Serves one tenant API request (`rest` is the path after `/tenant/v1/`).
     pub(super) async fn tenant_api(&self, rest: &[&str], req: Request<Incoming>) -> Response<Body> {
-        let live = self.control.live();
+        let live = self.control.serving.live();
         let found = live.authenticate(bearer(&req)).map(|(tenant, scopes)| (tenant.to_owned(), scopes));
         let Some((tenant, scopes)) = found else {
             let mut refusal = response::error(StatusCode::UNAUTHORIZED, "unauthorized", "missing, invalid or revoked API key");
@@ -140,31 +140,31 @@ fn tenant_op(
     let p: Vec<&str> = path.iter().map(String::as_str).collect();
     let t = tenant;
     match (method.clone(), p.as_slice()) {
-        (Method::GET, ["handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenant(t)?.handlers })),
-        (Method::PUT, ["handlers", h]) => created(control.release(t, h, body.clone(), (release_of(query)?, held.upload()?))?),
-        (Method::GET, ["handlers", h, "versions"]) => ok(control.versions(t, h)?),
+        (Method::GET, ["handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenants.get(t)?.handlers })),
+        (Method::PUT, ["handlers", h]) => created(control.releases.release(t, h, body.clone(), (release_of(query)?, held.upload()?))?),
+        (Method::GET, ["handlers", h, "versions"]) => ok(control.releases.versions(t, h)?),
         (Method::POST, ["handlers", h, "activate"]) => {
             let req: Activate = parse(body)?;
-            ok(control.activate(t, h, req.version)?)
+            ok(control.releases.activate(t, h, req.version)?)
         }
-        (Method::POST, ["handlers", h, "rollback"]) => ok(control.rollback(t, h)?),
-        (Method::POST, ["handlers", h, "promote"]) => ok(control.promote(t, h)?),
-        (Method::POST, ["handlers", h, "abort"]) => ok(json!({ "aborted": control.abort_canary(t, h, None)? })),
-        (Method::GET, ["keys"]) => ok(json!({ "tenant": t, "keys": control.keys(t)? })),
+        (Method::POST, ["handlers", h, "rollback"]) => ok(control.releases.rollback(t, h)?),
+        (Method::POST, ["handlers", h, "promote"]) => ok(control.releases.promote(t, h)?),
+        (Method::POST, ["handlers", h, "abort"]) => ok(json!({ "aborted": control.releases.abort_canary(t, h, None)? })),
+        (Method::GET, ["keys"]) => ok(json!({ "tenant": t, "keys": control.tenants.keys(t)? })),
         (Method::POST, ["keys"]) => {
             if key_scopes(body)? != Scopes::INVOKE {
                 return Err(StoreError::Forbidden("a tenant's deploy key creates invoke keys only; ask the operator for others".into()));
             }
-            created(control.create_key(t, Scopes::INVOKE)?)
+            created(control.tenants.create_key(t, Scopes::INVOKE)?)
         }
         (Method::DELETE, ["keys", id]) => {
             // A key's scopes never change: the store's row says what this one is.
-            let key = control.keys(t)?.into_iter().find(|k| k.id == *id && k.revoked_at.is_none());
+            let key = control.tenants.keys(t)?.into_iter().find(|k| k.id == *id && k.revoked_at.is_none());
             if let Some(key) = key.filter(|k| k.scopes != Scopes::INVOKE) {
                 let scopes = key.scopes;
                 return Err(StoreError::Forbidden(format!("key {id:?} is a {scopes} key; a tenant's deploy key revokes invoke keys only")));
             }
-            control.revoke_key(t, id)?;
+            control.tenants.revoke_key(t, id)?;
             ok(json!({ "tenant": t, "revoked": id }))
         }
         _ => Err(StoreError::NotFound(format!("no tenant route {method} /tenant/v1/{}", path.join("/")))),

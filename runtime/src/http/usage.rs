@@ -93,10 +93,10 @@ impl App {
             // A tenant reads its own usage since it was created: an earlier
             // tenant of the same name's rows stay the operator's.
             let from_ms = match (&tenant, own) {
-                (Some(t), true) => span.0.max(control.tenant(t)?.created_at.saturating_mul(1000)),
+                (Some(t), true) => span.0.max(control.tenants.get(t)?.created_at.saturating_mul(1000)),
                 _ => span.0,
             };
-            control.usage(tenant.as_deref(), (from_ms, span.1), by)
+            control.usage.read(tenant.as_deref(), (from_ms, span.1), by)
         })
         .await;
         match rows {

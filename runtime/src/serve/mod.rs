@@ -127,7 +127,7 @@ impl Gateway {
             Some(seed) => control.seed(seed)?,
             None => Vec::new(),
         };
-        let live = control.live();
+        let live = control.serving.live();
         tracing::info!(tenants = live.tenants.len(), handlers = live.handler_count(), store = control.store_name(), "store loaded");
         match (&config.admin_token, &config.metrics_token) {
             (None, None) => tracing::warn!(
@@ -186,7 +186,7 @@ impl Gateway {
         let load = Box::new(move || NodeLoad {
             queue_depth: app.models.iter().map(|m| m.queue_depth() as u64).sum(),
             in_flight: app.in_flight() as u64,
-            handlers: app.control.live().handler_count() as u64,
+            handlers: app.control.serving.live().handler_count() as u64,
             generation: 0,
         });
         let usage = control::usage::UsagePolicy {

@@ -251,95 +251,138 @@ pub trait Listener: Send {
 /// Opens a [`Listener`].
 pub type ListenerSource = Box<dyn FnOnce() -> anyhow::Result<Box<dyn Listener>> + Send>;
 
-/// The control plane's persistent state (see the module docs). Methods take
-/// `&mut self`: the control plane holds the store behind one lock.
-pub trait Store: Send {
+/// The control plane's persistent state (see the module docs): one
+/// part of the contract per concept, each implemented by both stores.
+/// Methods take `&mut self`: each part of the control plane holds its
+/// connection behind a lock of its own.
+pub trait Store: TenantStore + ReleaseStore + ArtifactStore + NodeStore + UsageStore + Send {
     /// What this store is, for logs: `sqlite:<path>` or `postgres://host/db` (no password).
     fn describe(&self) -> String;
+
     /// The change counter (see the module docs).
     fn generation(&mut self) -> StoreResult<i64>;
+
     /// How to open a listener for change announcements, if this store has
     /// them (it connects when called: the caller does so without the store's lock).
     fn listener(&self) -> Option<ListenerSource>;
 
+    /// A store-wide setting.
+    fn meta(&mut self, key: &str) -> StoreResult<Option<String>>;
+
+    /// Sets a store-wide setting.
+    fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()>;
+
+    /// The database's own checks plus the store's invariants; each problem as text.
+    fn check(&mut self) -> StoreResult<Vec<String>>;
+}
+
+/// The store's part for tenants and their API keys.
+pub trait TenantStore {
     /// All tenants, by name.
     fn tenants(&mut self) -> StoreResult<Vec<TenantRow>>;
+
     /// One tenant.
     fn tenant(&mut self, name: &str) -> StoreResult<TenantRow>;
+
     /// Creates a tenant.
     fn create_tenant(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()>;
+
     /// Replaces a tenant's overrides.
     fn set_limits(&mut self, name: &str, overrides: &LimitOverrides) -> StoreResult<()>;
+
     /// Deletes a tenant with its keys, handlers and versions (component
     /// bytes stay: they are content-addressed and may be shared).
     fn delete_tenant(&mut self, name: &str) -> StoreResult<()>;
+
     /// Whether no tenant exists yet (a fresh store).
     fn is_empty(&mut self) -> StoreResult<bool>;
-    /// A store-wide setting.
-    fn meta(&mut self, key: &str) -> StoreResult<Option<String>>;
-    /// Sets a store-wide setting.
-    fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()>;
 
     /// Records a key of `scopes` for `tenant`, unless the tenant has
     /// `max_keys` unrevoked keys already ([`StoreError::Quota`]): counted
     /// and inserted in one transaction, so concurrent creations, through
     /// any node, never pass the limit together.
     fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes, max_keys: u32) -> StoreResult<KeyCommit>;
+
     /// A tenant's keys, newest first.
     fn keys(&mut self, tenant: &str) -> StoreResult<Vec<KeyRow>>;
+
     /// Every key not revoked.
     fn active_keys(&mut self) -> StoreResult<Vec<ActiveKeyRow>>;
+
     /// Revokes a key of `tenant`.
     fn revoke_key(&mut self, tenant: &str, id: &str) -> StoreResult<KeyCommit>;
+}
 
+/// The store's part for handlers, their versions and canaries.
+pub trait ReleaseStore {
     /// Stores the component and adds the next version of a handler
     /// (creating the handler), activating it if asked. Returns the version.
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64>;
+
+    /// Deletes `tenant`/`handler`'s oldest versions so that at most `keep`
+    /// remain, never the active one or the canary's (see
+    /// [`versions_past`]), and the components no version uses any more
+    /// (a shared store's artifacts with them).
+    fn prune_versions(&mut self, tenant: &str, handler: &str, keep: usize) -> StoreResult<Pruned>;
+
+    /// A tenant's handlers with their active versions.
+    fn handlers(&mut self, tenant: &str) -> StoreResult<Vec<(String, Option<i64>)>>;
+
+    /// A handler's versions (oldest first) and its active version.
+    fn versions(&mut self, tenant: &str, handler: &str) -> StoreResult<(Vec<VersionRow>, Option<i64>)>;
+
+    /// Makes `version` the active one; returns the previously active version.
+    fn activate(&mut self, tenant: &str, handler: &str, version: i64) -> StoreResult<Option<i64>>;
+
+    /// Every active handler of every tenant.
+    fn active_handlers(&mut self) -> StoreResult<Vec<ActiveHandler>>;
+
+    /// Sets (or, `None`, ends) a handler's canary; its version must exist.
+    fn set_canary(&mut self, tenant: &str, handler: &str, canary: Option<Canary>) -> StoreResult<()>;
+
+    /// A handler's canary.
+    fn canary(&mut self, tenant: &str, handler: &str) -> StoreResult<Option<Canary>>;
+
+    /// Every canary, with its version's component.
+    fn canaries(&mut self) -> StoreResult<Vec<(ActiveHandler, Canary)>>;
+
+    /// Every version: `(tenant/handler@version, component sha256)`.
+    fn all_versions(&mut self) -> StoreResult<Vec<(String, String)>>;
+}
+
+/// The store's part for component bytes and the artifacts nodes share.
+pub trait ArtifactStore {
     /// A component's bytes, checked against their hash.
     fn component(&mut self, sha256: &str) -> StoreResult<Vec<u8>>;
+
     /// The artifact another node precompiled for `engine`, if this store
     /// shares them (a single node's store does not: its file cache suffices).
     fn shared_artifact(&mut self, _component_sha256: &str, _engine: &str) -> StoreResult<Option<SharedArtifact>> {
         Ok(None)
     }
+
     /// Offers an artifact this node compiled for the component to the other
     /// nodes, in place of one there for the same engine (which this node
     /// could not use); a no-op where none are shared.
     fn share_artifact(&mut self, _component_sha256: &str, _artifact: &SharedArtifact) -> StoreResult<()> {
         Ok(())
     }
-    /// Deletes `tenant`/`handler`'s oldest versions so that at most `keep`
-    /// remain, never the active one or the canary's (see
-    /// [`versions_past`]), and the components no version uses any more
-    /// (a shared store's artifacts with them).
-    fn prune_versions(&mut self, tenant: &str, handler: &str, keep: usize) -> StoreResult<Pruned>;
-    /// A tenant's handlers with their active versions.
-    fn handlers(&mut self, tenant: &str) -> StoreResult<Vec<(String, Option<i64>)>>;
-    /// A handler's versions (oldest first) and its active version.
-    fn versions(&mut self, tenant: &str, handler: &str) -> StoreResult<(Vec<VersionRow>, Option<i64>)>;
-    /// Makes `version` the active one; returns the previously active version.
-    fn activate(&mut self, tenant: &str, handler: &str, version: i64) -> StoreResult<Option<i64>>;
-    /// Every active handler of every tenant.
-    fn active_handlers(&mut self) -> StoreResult<Vec<ActiveHandler>>;
-    /// Sets (or, `None`, ends) a handler's canary; its version must exist.
-    fn set_canary(&mut self, tenant: &str, handler: &str, canary: Option<Canary>) -> StoreResult<()>;
-    /// A handler's canary.
-    fn canary(&mut self, tenant: &str, handler: &str) -> StoreResult<Option<Canary>>;
-    /// Every canary, with its version's component.
-    fn canaries(&mut self) -> StoreResult<Vec<(ActiveHandler, Canary)>>;
-    /// Every version: `(tenant/handler@version, component sha256)`.
-    fn all_versions(&mut self) -> StoreResult<Vec<(String, String)>>;
+}
 
+/// The store's part for the cluster's nodes and their heartbeats.
+pub trait NodeStore {
     /// Records a node's heartbeat (insert or update).
     fn heartbeat(&mut self, node: &NodeRow) -> StoreResult<()>;
+
     /// Removes a node (it stopped cleanly), and nodes silent since before `older_than_ms`.
     fn remove_nodes(&mut self, id: &str, older_than_ms: i64) -> StoreResult<()>;
+
     /// Every node that reported, by id.
     fn nodes(&mut self) -> StoreResult<Vec<NodeRow>>;
+}
 
-    /// The database's own checks plus the store's invariants; each problem as text.
-    fn check(&mut self) -> StoreResult<Vec<String>>;
-
+/// The store's part for the tenants' usage records, for bills.
+pub trait UsageStore {
     /// Writes a node's usage delta, once: a delta already written (the same
     /// node and number) is left as it is, so a retried write never counts twice.
     fn write_usage(&mut self, delta: &Delta) -> StoreResult<()>;

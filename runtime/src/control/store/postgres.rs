@@ -23,6 +23,7 @@ use super::{
     ActiveHandler, ActiveKeyRow, KeyCommit, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError,
     StoreResult, TenantRow, VersionRow, new_incarnation, now,
 };
+use super::{ArtifactStore, NodeStore, ReleaseStore, TenantStore, UsageStore};
 use super::{Canary, Pruned, canary_of, too_many_keys, usage_columns, usage_from, usage_values, versions_past};
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::{Scopes, sha256_hex};
@@ -343,6 +344,39 @@ impl Store for PgStore {
         }))
     }
 
+    fn meta(&mut self, key: &str) -> StoreResult<Option<String>> {
+        self.with(|c| Ok(c.query_opt("SELECT value FROM meta WHERE key = $1", &[&key]).map_err(db_error)?.map(|r| r.get(0))))
+    }
+
+    fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO meta (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                &[&key, &value],
+            )
+            .map_err(db_error)
+            .map(drop)
+        })
+    }
+
+    fn check(&mut self) -> StoreResult<Vec<String>> {
+        self.with(|c| {
+            let rows = c
+                .query(
+                    "SELECT h.tenant, h.name, h.active_version FROM handlers h WHERE h.active_version IS NOT NULL AND NOT EXISTS
+                     (SELECT 1 FROM versions v WHERE v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version)",
+                    &[],
+                )
+                .map_err(db_error)?;
+            Ok(rows
+                .iter()
+                .map(|r| format!("{}/{} is active at missing version {}", r.get::<_, &str>(0), r.get::<_, &str>(1), r.get::<_, i64>(2)))
+                .collect())
+        })
+    }
+}
+
+impl TenantStore for PgStore {
     fn tenants(&mut self) -> StoreResult<Vec<TenantRow>> {
         self.select_tenants(None)
     }
@@ -385,21 +419,6 @@ impl Store for PgStore {
 
     fn is_empty(&mut self) -> StoreResult<bool> {
         self.with(|c| Ok(c.query_one("SELECT COUNT(*) FROM tenants", &[]).map_err(db_error)?.get::<_, i64>(0) == 0))
-    }
-
-    fn meta(&mut self, key: &str) -> StoreResult<Option<String>> {
-        self.with(|c| Ok(c.query_opt("SELECT value FROM meta WHERE key = $1", &[&key]).map_err(db_error)?.map(|r| r.get(0))))
-    }
-
-    fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()> {
-        self.with(|c| {
-            c.execute(
-                "INSERT INTO meta (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                &[&key, &value],
-            )
-            .map_err(db_error)
-            .map(drop)
-        })
     }
 
     fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes, max_keys: u32) -> StoreResult<KeyCommit> {
@@ -461,7 +480,9 @@ impl Store for PgStore {
         })?;
         Ok(KeyCommit { at: revoked_at, generation })
     }
+}
 
+impl ReleaseStore for PgStore {
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
         let NewVersion { tenant, handler, sha256, component, activate, artifact } = new;
         let size = i64::try_from(component.len()).map_err(anyhow::Error::from)?;
@@ -498,17 +519,6 @@ impl Store for PgStore {
         })
     }
 
-    fn component(&mut self, sha256: &str) -> StoreResult<Vec<u8>> {
-        let bytes: Vec<u8> = self
-            .with(|c| Ok(c.query_opt("SELECT bytes FROM components WHERE sha256 = $1", &[&sha256]).map_err(db_error)?.map(|r| r.get(0))))?
-            .ok_or_else(|| StoreError::Internal(anyhow::anyhow!("component {sha256} is missing from the store")))?;
-        let actual = sha256_hex(&bytes);
-        if actual != sha256 {
-            return Err(StoreError::Internal(anyhow::anyhow!("component {sha256} is corrupt: sha256 {actual}")));
-        }
-        Ok(bytes)
-    }
-
     fn prune_versions(&mut self, tenant: &str, handler: &str, keep: usize) -> StoreResult<Pruned> {
         self.write(|tx| {
             let found = tx
@@ -542,29 +552,6 @@ impl Store for PgStore {
                 )
                 .map_err(db_error)?;
             Ok(Pruned { versions: doomed, components: freed.iter().map(|r| r.get(0)).collect() })
-        })
-    }
-
-    fn shared_artifact(&mut self, component_sha256: &str, engine: &str) -> StoreResult<Option<SharedArtifact>> {
-        self.with(|c| {
-            let row = c
-                .query_opt("SELECT bytes, mac FROM artifacts WHERE component_sha256 = $1 AND engine = $2", &[&component_sha256, &engine])
-                .map_err(db_error)?;
-            Ok(row.map(|r| SharedArtifact { engine: engine.to_owned(), bytes: r.get(0), mac: r.get(1) }))
-        })
-    }
-
-    fn share_artifact(&mut self, component_sha256: &str, artifact: &SharedArtifact) -> StoreResult<()> {
-        // No generation lock: an artifact changes nothing that is served.
-        // It replaces the row: a node shares only after it found none it could use.
-        self.with(|c| {
-            c.execute(
-                "INSERT INTO artifacts (component_sha256, engine, bytes, mac, created_at) VALUES ($1, $2, $3, $4, $5)
-                 ON CONFLICT (component_sha256, engine) DO UPDATE SET bytes = EXCLUDED.bytes, mac = EXCLUDED.mac, created_at = EXCLUDED.created_at",
-                &[&component_sha256, &artifact.engine, &artifact.bytes, &artifact.mac, &now()],
-            )
-            .map_err(db_error)?;
-            Ok(())
         })
     }
 
@@ -693,7 +680,45 @@ impl Store for PgStore {
             Ok(rows.iter().map(|r| (format!("{}/{}@{}", r.get::<_, &str>(0), r.get::<_, &str>(1), r.get::<_, i64>(2)), r.get(3))).collect())
         })
     }
+}
 
+impl ArtifactStore for PgStore {
+    fn component(&mut self, sha256: &str) -> StoreResult<Vec<u8>> {
+        let bytes: Vec<u8> = self
+            .with(|c| Ok(c.query_opt("SELECT bytes FROM components WHERE sha256 = $1", &[&sha256]).map_err(db_error)?.map(|r| r.get(0))))?
+            .ok_or_else(|| StoreError::Internal(anyhow::anyhow!("component {sha256} is missing from the store")))?;
+        let actual = sha256_hex(&bytes);
+        if actual != sha256 {
+            return Err(StoreError::Internal(anyhow::anyhow!("component {sha256} is corrupt: sha256 {actual}")));
+        }
+        Ok(bytes)
+    }
+
+    fn shared_artifact(&mut self, component_sha256: &str, engine: &str) -> StoreResult<Option<SharedArtifact>> {
+        self.with(|c| {
+            let row = c
+                .query_opt("SELECT bytes, mac FROM artifacts WHERE component_sha256 = $1 AND engine = $2", &[&component_sha256, &engine])
+                .map_err(db_error)?;
+            Ok(row.map(|r| SharedArtifact { engine: engine.to_owned(), bytes: r.get(0), mac: r.get(1) }))
+        })
+    }
+
+    fn share_artifact(&mut self, component_sha256: &str, artifact: &SharedArtifact) -> StoreResult<()> {
+        // No generation lock: an artifact changes nothing that is served.
+        // It replaces the row: a node shares only after it found none it could use.
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO artifacts (component_sha256, engine, bytes, mac, created_at) VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (component_sha256, engine) DO UPDATE SET bytes = EXCLUDED.bytes, mac = EXCLUDED.mac, created_at = EXCLUDED.created_at",
+                &[&component_sha256, &artifact.engine, &artifact.bytes, &artifact.mac, &now()],
+            )
+            .map_err(db_error)?;
+            Ok(())
+        })
+    }
+}
+
+impl NodeStore for PgStore {
     fn heartbeat(&mut self, node: &NodeRow) -> StoreResult<()> {
         let info = serde_json::to_string(node).map_err(anyhow::Error::from)?;
         self.with(|c| {
@@ -717,7 +742,9 @@ impl Store for PgStore {
             rows.iter().map(|r| Ok(serde_json::from_str(r.get(0)).map_err(anyhow::Error::from)?)).collect()
         })
     }
+}
 
+impl UsageStore for PgStore {
     fn write_usage(&mut self, delta: &Delta) -> StoreResult<()> {
         self.with(|c| {
             let mut tx = c.transaction().map_err(db_error)?;
@@ -785,22 +812,6 @@ impl Store for PgStore {
 
     fn prune_usage(&mut self, before_ms: i64) -> StoreResult<()> {
         self.with(|c| c.execute("DELETE FROM usage WHERE bucket_ms < $1", &[&before_ms]).map_err(db_error).map(drop))
-    }
-
-    fn check(&mut self) -> StoreResult<Vec<String>> {
-        self.with(|c| {
-            let rows = c
-                .query(
-                    "SELECT h.tenant, h.name, h.active_version FROM handlers h WHERE h.active_version IS NOT NULL AND NOT EXISTS
-                     (SELECT 1 FROM versions v WHERE v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version)",
-                    &[],
-                )
-                .map_err(db_error)?;
-            Ok(rows
-                .iter()
-                .map(|r| format!("{}/{} is active at missing version {}", r.get::<_, &str>(0), r.get::<_, &str>(1), r.get::<_, i64>(2)))
-                .collect())
-        })
     }
 }
 

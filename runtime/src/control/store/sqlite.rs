@@ -11,6 +11,7 @@ use super::{
     ActiveHandler, ActiveKeyRow, DB_FILE, KeyCommit, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult,
     TenantRow, VersionRow, new_incarnation, now,
 };
+use super::{ArtifactStore, NodeStore, ReleaseStore, TenantStore, UsageStore};
 use super::{Canary, Pruned, canary_of, too_many_keys, usage_columns, usage_from, usage_values, versions_past};
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
@@ -219,6 +220,46 @@ impl Store for SqliteStore {
         None
     }
 
+    fn meta(&mut self, key: &str) -> StoreResult<Option<String>> {
+        Ok(self.conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0)).optional()?)
+    }
+
+    fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()> {
+        self.conn.execute(
+            "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            params![key, value],
+        )?;
+        Ok(())
+    }
+
+    fn check(&mut self) -> StoreResult<Vec<String>> {
+        let mut problems = Vec::new();
+        let integrity: String = self.conn.query_row("PRAGMA integrity_check", [], |r| r.get(0))?;
+        if integrity != "ok" {
+            problems.push(format!("sqlite integrity_check: {integrity}"));
+        }
+        let mut stmt = self.conn.prepare("PRAGMA foreign_key_check")?;
+        let dangling = stmt.query_map([], |r| r.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()?;
+        problems.extend(dangling.into_iter().map(|table| format!("dangling reference in {table}")));
+        let mut stmt = self.conn.prepare(
+            "SELECT h.tenant, h.name, h.active_version FROM handlers h WHERE h.active_version IS NOT NULL AND NOT EXISTS
+             (SELECT 1 FROM versions v WHERE v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version)",
+        )?;
+        let missing = stmt.query_map([], |r| {
+            Ok(format!("{}/{} is active at missing version {}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+        })?;
+        for problem in missing {
+            problems.push(problem?);
+        }
+        let temp_files = self.blobs.tmp_files()?.len();
+        if temp_files > 0 {
+            tracing::info!(temp_files, "files of interrupted writes (removed at the next start)");
+        }
+        Ok(problems)
+    }
+}
+
+impl TenantStore for SqliteStore {
     fn tenants(&mut self) -> StoreResult<Vec<TenantRow>> {
         self.select_tenants("SELECT name, limits, created_at, incarnation FROM tenants ORDER BY name", &[])
     }
@@ -259,18 +300,6 @@ impl Store for SqliteStore {
 
     fn is_empty(&mut self) -> StoreResult<bool> {
         Ok(self.conn.query_row("SELECT COUNT(*) FROM tenants", [], |r| r.get::<_, i64>(0))? == 0)
-    }
-
-    fn meta(&mut self, key: &str) -> StoreResult<Option<String>> {
-        Ok(self.conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0)).optional()?)
-    }
-
-    fn set_meta(&mut self, key: &str, value: &str) -> StoreResult<()> {
-        self.conn.execute(
-            "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-            params![key, value],
-        )?;
-        Ok(())
     }
 
     fn insert_key(&mut self, tenant: &str, id: &str, secret_sha256: &str, scopes: Scopes, max_keys: u32) -> StoreResult<KeyCommit> {
@@ -330,7 +359,9 @@ impl Store for SqliteStore {
         tx.commit()?;
         Ok(KeyCommit { at: revoked_at, generation })
     }
+}
 
+impl ReleaseStore for SqliteStore {
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
         // One node: its own file cache holds the artifact (no sharing).
         let NewVersion { tenant, handler, sha256, component, activate, artifact: _ } = new;
@@ -353,10 +384,6 @@ impl Store for SqliteStore {
         }
         tx.commit()?;
         Ok(version)
-    }
-
-    fn component(&mut self, sha256: &str) -> StoreResult<Vec<u8>> {
-        Ok(self.blobs.read_verified(&self.blobs.component_path(sha256), sha256)?)
     }
 
     fn prune_versions(&mut self, tenant: &str, handler: &str, keep: usize) -> StoreResult<Pruned> {
@@ -484,7 +511,15 @@ impl Store for SqliteStore {
             .query_map([], |r| Ok((format!("{}/{}@{}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?), r.get(3)?)))?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
+}
 
+impl ArtifactStore for SqliteStore {
+    fn component(&mut self, sha256: &str) -> StoreResult<Vec<u8>> {
+        Ok(self.blobs.read_verified(&self.blobs.component_path(sha256), sha256)?)
+    }
+}
+
+impl NodeStore for SqliteStore {
     fn heartbeat(&mut self, node: &NodeRow) -> StoreResult<()> {
         let info = serde_json::to_string(node).map_err(anyhow::Error::from)?;
         self.conn.execute(
@@ -505,7 +540,9 @@ impl Store for SqliteStore {
         let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
         rows.map(|info| Ok(serde_json::from_str(&info?).map_err(anyhow::Error::from)?)).collect()
     }
+}
 
+impl UsageStore for SqliteStore {
     fn write_usage(&mut self, delta: &Delta) -> StoreResult<()> {
         let tx = self.conn.transaction()?;
         {
@@ -565,32 +602,6 @@ impl Store for SqliteStore {
     fn prune_usage(&mut self, before_ms: i64) -> StoreResult<()> {
         self.conn.execute("DELETE FROM usage WHERE bucket_ms < ?1", params![before_ms])?;
         Ok(())
-    }
-
-    fn check(&mut self) -> StoreResult<Vec<String>> {
-        let mut problems = Vec::new();
-        let integrity: String = self.conn.query_row("PRAGMA integrity_check", [], |r| r.get(0))?;
-        if integrity != "ok" {
-            problems.push(format!("sqlite integrity_check: {integrity}"));
-        }
-        let mut stmt = self.conn.prepare("PRAGMA foreign_key_check")?;
-        let dangling = stmt.query_map([], |r| r.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()?;
-        problems.extend(dangling.into_iter().map(|table| format!("dangling reference in {table}")));
-        let mut stmt = self.conn.prepare(
-            "SELECT h.tenant, h.name, h.active_version FROM handlers h WHERE h.active_version IS NOT NULL AND NOT EXISTS
-             (SELECT 1 FROM versions v WHERE v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version)",
-        )?;
-        let missing = stmt.query_map([], |r| {
-            Ok(format!("{}/{} is active at missing version {}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
-        })?;
-        for problem in missing {
-            problems.push(problem?);
-        }
-        let temp_files = self.blobs.tmp_files()?.len();
-        if temp_files > 0 {
-            tracing::info!(temp_files, "files of interrupted writes (removed at the next start)");
-        }
-        Ok(problems)
     }
 }
 

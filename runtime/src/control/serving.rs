@@ -1,33 +1,69 @@
-//! Building the live snapshot ([`Live`]) from the store and keeping it in
-//! step: [`ControlPlane::sync`] (a change made through another node),
+//! The control plane's part that serving reads ([`Serving`]): building the live snapshot ([`Live`]) from the store and keeping it in
+//! step: [`Serving::sync`] (a change made through another node),
 //! rebuilds after this node's own changes, this node's share of tenants'
 //! limits among the live nodes, and what a rebuild forgets (tenants gone
 //! or recreated, idle instances past their time).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, AtomicI64};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
 
-use super::components::Compile;
+use super::artifacts::{Artifacts, Compile};
+use super::cluster::Cluster;
+use super::shared::Shared;
 use super::keys;
 use super::live::{ActiveKey, KeyMap, Live, LiveCanary, TenantEntry};
-use super::store::{self, Canary, NodeRow, Store, StoreResult, now_ms};
-use super::{ControlPlane, sync};
+use super::store::{self, Canary, Store, StoreResult, now_ms};
 use crate::admission::gate::new_gate;
-use crate::admission::limits::LimitOverrides;
 use crate::sandbox::handler::Handler;
 
-impl ControlPlane {
+/// The control plane's part that serving reads: the snapshot (see the module docs).
+pub struct Serving {
+    shared: Arc<Shared>,
+    artifacts: Arc<Artifacts>,
+    cluster: Arc<Cluster>,
+    /// Store generation the snapshot was built at.
+    generation: AtomicI64,
+    /// Unix ms when the snapshot was last known current (built, or the generation checked).
+    synced_at_ms: AtomicI64,
+    /// A component the snapshot waited for has been compiled: the next sync rebuilds it.
+    recheck: AtomicBool,
+    live: RwLock<Arc<Live>>,
+    /// Held by every swap of `live`, taken under the store's lock (see `change_keys`).
+    swap: Mutex<()>,
+}
+
+impl Serving {
+    pub(super) fn new(shared: Arc<Shared>, artifacts: Arc<Artifacts>, cluster: Arc<Cluster>) -> Self {
+        Self {
+            shared,
+            artifacts,
+            cluster,
+            generation: AtomicI64::new(-1),
+            synced_at_ms: AtomicI64::new(0),
+            recheck: AtomicBool::new(false),
+            live: RwLock::new(Arc::new(Live::default())),
+            swap: Mutex::new(()),
+        }
+    }
+
+    /// Makes the next sync rebuild the snapshot though the store did not
+    /// change: a component it waited for has been compiled (or may be now).
+    pub fn recheck_soon(&self) {
+        self.recheck.store(true, Ordering::Release);
+    }
+
     /// Rebuilds the snapshot if the store changed since it was built (a
     /// change made through another node) or a component it waited for was
     /// compiled since. A component this node has neither cached nor found
     /// compiled by another node is not compiled here: its handler keeps the
     /// version it served (a new handler waits), and the component is listed
-    /// in [`Synced::to_compile`] for [`Self::precompile`]. So a compile
+    /// in [`Synced::to_compile`] for [`Artifacts::precompile`]. So a compile
     /// never holds back the rest of a change, a revoked key least of all.
     pub fn sync(&self) -> StoreResult<Synced> {
-        let mut db = self.db();
+        let mut db = self.shared.db();
         let generation = db.generation()?;
         let recheck = self.recheck.swap(false, Ordering::AcqRel);
         if generation == self.generation.load(Ordering::Acquire) && !recheck {
@@ -53,39 +89,6 @@ impl ControlPlane {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// Counts the nodes alive (a heartbeat that advanced within
-    /// [`sync::ALIVE_WITHIN`] by this node's clock, whatever the others'
-    /// clocks say, see `live::NodeWatch`; at least this one) and gives
-    /// every tenant's gate this node's share of its rate and concurrency
-    /// among them. A node that stops cleanly deregisters at once; one that
-    /// dies keeps its share until it is seen silent that long (the others
-    /// enforce less meanwhile, never more).
-    pub fn share_tenant_limits(&self, nodes: &[NodeRow]) {
-        let mut watch = self.node_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let alive: Arc<[NodeRow]> = watch.alive(nodes, Instant::now(), sync::ALIVE_WITHIN).into_iter().cloned().collect();
-        drop(watch);
-        let live = alive.len().max(1);
-        *self.alive_nodes.write().unwrap_or_else(std::sync::PoisonError::into_inner) = alive;
-        if self.nodes.swap(live, Ordering::AcqRel) != live {
-            tracing::info!(nodes = live, "live nodes changed: each enforces its share of the tenants' rate and concurrency");
-        }
-        // Every time, not only on a change: a snapshot built meanwhile may
-        // have made gates with the old count.
-        self.live().share_among(live);
-    }
-
-    /// Live nodes of the cluster as last counted (at least 1).
-    pub fn live_nodes(&self) -> usize {
-        self.nodes.load(Ordering::Acquire).max(1)
-    }
-
-    /// The live nodes' rows as last read (this node's among them once it
-    /// has reported itself): where each serves, for reading what only it
-    /// holds (a tenant's log, see `http::peers`).
-    pub fn alive_nodes(&self) -> Arc<[NodeRow]> {
-        Arc::clone(&self.alive_nodes.read().unwrap_or_else(std::sync::PoisonError::into_inner))
-    }
-
     /// The current snapshot.
     pub fn live(&self) -> Arc<Live> {
         Arc::clone(&self.live.read().unwrap_or_else(std::sync::PoisonError::into_inner))
@@ -106,7 +109,7 @@ impl ControlPlane {
     /// The snapshot entry for a tenant row (handlers added later): the gate
     /// of the same incarnation is kept while its limits are unchanged.
     fn tenant_entry(&self, old: &Live, row: store::TenantRow) -> (String, TenantEntry) {
-        let limits = self.defaults.with(&row.overrides);
+        let limits = self.shared.defaults.with(&row.overrides);
         let previous = old.tenants.get(&row.name).filter(|e| e.incarnation == row.incarnation);
         let gate = match previous {
             Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
@@ -114,11 +117,11 @@ impl ControlPlane {
                 // Idle instances were made under the old limits (reuse,
                 // memory, concurrency): none of those waiting now outlives the change.
                 previous.into_iter().flat_map(TenantEntry::all_handlers).for_each(|h| h.warm.clear());
-                Arc::new(new_gate(limits, previous.map(|e| &*e.gate), self.live_nodes()))
+                Arc::new(new_gate(limits, previous.map(|e| &*e.gate), self.cluster.live_nodes()))
             }
         };
-        let weight = self.weight(&row.name, &row.overrides);
-        for model in self.models.iter() {
+        let weight = self.shared.weight(&row.name, &row.overrides);
+        for model in self.shared.models.iter() {
             model.set_tenant_weight(&row.name, weight);
         }
         (row.name, TenantEntry { incarnation: row.incarnation, gate, handlers: HashMap::new(), canaries: HashMap::new() })
@@ -152,10 +155,10 @@ impl ControlPlane {
     /// deleted and created again): its batcher queues' state, its counters
     /// and its handlers' idle instances.
     fn forget_tenant(&self, name: &str, entry: &TenantEntry) {
-        for model in self.models.iter() {
+        for model in self.shared.models.iter() {
             model.remove_tenant(name);
         }
-        for counters in &self.counters {
+        for counters in &self.shared.counters {
             counters.forget_tenant(name);
         }
         for handler in entry.all_handlers() {
@@ -166,17 +169,12 @@ impl ControlPlane {
     /// Drops the idle instances of the handlers served now that waited
     /// longer than `--warm-idle-secs` (the sync thread calls this).
     pub fn expire_idle_instances(&self) {
-        let idle_for = self.sandbox.warm_idle();
+        let idle_for = self.shared.sandbox.warm_idle();
         for entry in self.live().tenants.values() {
             for handler in entry.all_handlers() {
                 handler.warm.expire(idle_for);
             }
         }
-    }
-
-    /// A tenant's weight, from one rule: its override, else `--tenant-weight`, else the default.
-    pub(super) fn weight(&self, tenant: &str, overrides: &LimitOverrides) -> u32 {
-        overrides.weight.or_else(|| self.weights.get(tenant).copied()).unwrap_or(self.defaults.weight)
     }
 
     /// After a change is committed: the change stands whatever happens next,
@@ -251,7 +249,7 @@ impl ControlPlane {
                 .cloned();
             let loaded = match reused {
                 Some(handler) => Ok(Some(handler)),
-                None => self.load_handler_if(db, &active, outgoing_http, compile).map(|h| h.map(Arc::new)),
+                None => self.artifacts.load_handler_if(db, &active, outgoing_http, compile).map(|h| h.map(Arc::new)),
             };
             // The version being served stays (if its grant did not change)
             // while the new one compiles, or when it cannot be loaded: a
@@ -294,7 +292,7 @@ impl ControlPlane {
     }
 }
 
-impl ControlPlane {
+impl Serving {
     /// Puts a canary into `live` beside its handler's active version: the
     /// one served before if it is the same version (its counts kept while
     /// the active version is the same too), else loaded. Returns the
@@ -326,7 +324,7 @@ impl ControlPlane {
                 let ready = preloaded.iter().find(|h| *h.tenant == *version.tenant && h.name == version.handler && same(h)).cloned();
                 let handler = match ready {
                     Some(handler) => handler,
-                    None => match self.load_handler_if(db, &version, outgoing_http, compile) {
+                    None => match self.artifacts.load_handler_if(db, &version, outgoing_http, compile) {
                         Ok(Some(handler)) => Arc::new(handler),
                         Ok(None) => return Some(version.sha256.clone()),
                         Err(e) => {
@@ -348,7 +346,7 @@ fn incarnations<'a>(rows: impl Iterator<Item = &'a store::TenantRow>) -> HashMap
     rows.map(|r| (r.name.as_str(), r.incarnation.as_str())).collect()
 }
 
-/// What one [`ControlPlane::sync`] did.
+/// What one [`Serving::sync`] did.
 #[derive(Debug, Default)]
 pub struct Synced {
     /// Whether the snapshot was rebuilt.

@@ -1,4 +1,4 @@
-//! Compiled components: loading an active version (this node's cached
+//! The control plane's part for compiled components ([`Artifacts`]): loading an active version (this node's cached
 //! artifact when its MAC holds; else the artifact another node of the
 //! cluster compiled, when its MAC proves a holder of the artifact key made
 //! it; else compiled here, cached and offered to the others) and the engine
@@ -15,6 +15,7 @@
 //! artifact they load, and only a holder of this node's cache key a cached one.
 
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use wasmtime::Engine;
@@ -23,7 +24,8 @@ use wasmtime::component::Component;
 use super::blobs::{ArtifactCache, Unsealed};
 
 use super::store::{ActiveHandler, SharedArtifact, Store, StoreError, StoreResult};
-use super::{ControlPlane, keys, validate};
+use super::shared::Shared;
+use super::{keys, validate};
 use crate::sandbox::handler::Handler;
 
 /// Whom the node's memory budget charges for compiling a component
@@ -35,12 +37,22 @@ const PRECOMPILE_OWNER: &str = "(precompile)";
 pub(super) enum Compile {
     /// Yes: the caller waits (startup, this node's own admin calls).
     Now,
-    /// No: a component not compiled yet is left to [`ControlPlane::precompile`]
+    /// No: a component not compiled yet is left to [`Artifacts::precompile`]
     /// (the sync thread), so a compile never holds back the rest of a change.
     Later,
 }
 
-impl ControlPlane {
+/// The control plane's part for compiled components (see the module docs).
+pub struct Artifacts {
+    shared: Arc<Shared>,
+}
+
+impl Artifacts {
+    pub(super) fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+
+    /// The active version `active`, loaded and linked (compiled here if no artifact is at hand).
     pub(super) fn load_handler(&self, db: &mut dyn Store, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
         let component = self.load_component(db, &active.sha256)?;
         self.link(&component, active, outgoing_http)
@@ -64,8 +76,8 @@ impl ControlPlane {
     }
 
     pub(super) fn link(&self, component: &Component, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
-        validate::check_imports(self.sandbox.engine(), component).map_err(StoreError::Conflict)?;
-        Handler::link(self.sandbox.linker(), component, &active.tenant, &active.handler, active.version, &active.sha256, outgoing_http)
+        validate::check_imports(self.shared.sandbox.engine(), component).map_err(StoreError::Conflict)?;
+        Handler::link(self.shared.sandbox.linker(), component, &active.tenant, &active.handler, active.version, &active.sha256, outgoing_http)
             .map_err(|e| StoreError::Internal(anyhow::anyhow!(e)))
     }
 
@@ -83,21 +95,22 @@ impl ControlPlane {
 
     /// Compiles a component another node deployed into this node's cache,
     /// without holding the store's lock while it compiles, and offers it to
-    /// the others; the next sync serves it (see [`Self::recheck_soon`]).
+    /// the others; the next sync serves it (see [`super::serving::Serving::recheck_soon`]).
     /// Runs on the sync's compile thread. [`StoreError::Invalid`]: this node
     /// cannot compile or cache it, and trying again will not help;
     /// anything else is the store's and may pass.
     pub fn precompile(&self, sha256: &str) -> StoreResult<()> {
         // The compiler's connection may sit idle for hours, and a server or
         // pooler may have closed it meanwhile: one fresh try before failing.
-        let bytes = match self.compile_db().component(sha256) {
-            Err(StoreError::Unavailable(_)) => self.compile_db().component(sha256)?,
+        let bytes = match self.shared.compile_db().component(sha256) {
+            Err(StoreError::Unavailable(_)) => self.shared.compile_db().component(sha256)?,
             read => read?,
         };
         // Charged to the node as a compile of its size; refused (the node is
         // short of memory now), it is asked for again by a later sync.
-        let node: std::sync::Arc<str> = std::sync::Arc::from(PRECOMPILE_OWNER);
+        let node: Arc<str> = Arc::from(PRECOMPILE_OWNER);
         let _compiling = self
+            .shared
             .sandbox
             .memory()
             .charge(&node, crate::sandbox::compile::memory_estimate(bytes.len()))
@@ -106,8 +119,8 @@ impl ControlPlane {
         // A compile the cache cannot keep would be compiled again by every sync.
         let artifact =
             artifact.ok_or_else(|| StoreError::Invalid(format!("component {sha256} compiled, but its artifact cannot be cached")))?;
-        if self.artifact_key.is_some() {
-            self.share(&mut **self.compile_db(), sha256, artifact);
+        if self.shared.artifact_key.is_some() {
+            self.share(&mut **self.shared.compile_db(), sha256, artifact);
         }
         Ok(())
     }
@@ -123,26 +136,20 @@ impl ControlPlane {
         if let Some(component) = self.cached_component(sha256) {
             return Ok(component);
         }
-        let shared = self.fetch_shared(&mut **self.db(), sha256);
+        let shared = self.fetch_shared(&mut **self.shared.db(), sha256);
         if let Some(component) = shared.and_then(|artifact| self.load_shared(sha256, &artifact)) {
             return Ok(component);
         }
-        let bytes = self.db().component(sha256)?;
-        let engine = self.sandbox.engine().clone();
-        let compiled = self.compile.run(move || Component::new(&engine, &bytes)).map_err(super::compile_refusal)?;
+        let bytes = self.shared.db().component(sha256)?;
+        let engine = self.shared.sandbox.engine().clone();
+        let compiled = self.shared.compile.run(move || Component::new(&engine, &bytes)).map_err(super::shared::compile_refusal)?;
         let component = compiled.map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
-        match write_artifact(&self.cache, &self.engine_id, sha256, &component) {
-            Ok(artifact) => self.share(&mut **self.db(), sha256, artifact),
+        match write_artifact(&self.shared.cache, &self.shared.engine_id, sha256, &component) {
+            Ok(artifact) => self.share(&mut **self.shared.db(), sha256, artifact),
             // The cache only saves the next compile: a full disk must not stop serving.
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached"),
         }
         Ok(component)
-    }
-
-    /// Makes the next sync rebuild the snapshot though the store did not
-    /// change: a component it waited for has been compiled (or may be now).
-    pub fn recheck_soon(&self) {
-        self.recheck.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// This node's cached artifact, else one another node shared; `None` means compiling.
@@ -152,15 +159,15 @@ impl ControlPlane {
 
     /// This node's cached artifact, if its MAC holds and it loads (no store involved).
     fn cached_component(&self, sha256: &str) -> Option<Component> {
-        match self.cache.get(sha256, &self.engine_id) {
-            Ok(Some(bytes)) => match deserialize(self.sandbox.engine(), &bytes) {
+        match self.shared.cache.get(sha256, &self.shared.engine_id) {
+            Ok(Some(bytes)) => match deserialize(self.shared.sandbox.engine(), &bytes) {
                 Ok(component) => return Some(component),
                 Err(e) => tracing::warn!(error = %e, "precompiled artifact unusable; compiling again"),
             },
             Ok(None) => {}
             Err(e) if e.downcast_ref::<Unsealed>().is_some() => {
                 tracing::warn!(component = sha256, error = %e, "cached artifact refused: its MAC does not hold; discarded, compiling again");
-                self.cache.discard(sha256, &self.engine_id);
+                self.shared.cache.discard(sha256, &self.shared.engine_id);
             }
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "cached artifact unreadable; compiling again"),
         }
@@ -170,9 +177,9 @@ impl ControlPlane {
     /// Compiles verified component bytes and caches the artifact; returns
     /// the artifact too, unless the cache could not keep it.
     fn compile_component(&self, sha256: &str, bytes: &[u8]) -> StoreResult<(Component, Option<Vec<u8>>)> {
-        let component = Component::new(self.sandbox.engine(), bytes).map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
+        let component = Component::new(self.shared.sandbox.engine(), bytes).map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
         // The cache only saves the next compile: a full disk must not stop serving.
-        let artifact = write_artifact(&self.cache, &self.engine_id, sha256, &component)
+        let artifact = write_artifact(&self.shared.cache, &self.shared.engine_id, sha256, &component)
             .map_err(|e| tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached"))
             .ok();
         Ok((component, artifact))
@@ -182,8 +189,8 @@ impl ControlPlane {
     /// nothing without a key). It replaces what the store had for this
     /// engine: that was unusable here, or this node would not have compiled.
     fn share(&self, db: &mut dyn Store, sha256: &str, artifact: Vec<u8>) {
-        let Some(key) = &self.artifact_key else { return };
-        if let Err(e) = db.share_artifact(sha256, &key.seal(&self.engine_id, sha256, artifact)) {
+        let Some(key) = &self.shared.artifact_key else { return };
+        if let Err(e) = db.share_artifact(sha256, &key.seal(&self.shared.engine_id, sha256, artifact)) {
             tracing::debug!(error = %e, "precompiled artifact not shared");
         }
     }
@@ -199,8 +206,8 @@ impl ControlPlane {
     /// without an artifact key (nothing shared could be verified).
     fn fetch_shared(&self, db: &mut dyn Store, sha256: &str) -> Option<SharedArtifact> {
         // Without the key nothing shared could be verified: not even fetched.
-        self.artifact_key.as_ref()?;
-        match db.shared_artifact(sha256, &self.engine_id) {
+        self.shared.artifact_key.as_ref()?;
+        match db.shared_artifact(sha256, &self.shared.engine_id) {
             Ok(found) => found,
             Err(e) => {
                 tracing::debug!(error = %e, "shared artifacts unavailable; compiling");
@@ -211,7 +218,7 @@ impl ControlPlane {
 
     /// Loads a fetched shared artifact if its MAC holds, and caches it here.
     fn load_shared(&self, sha256: &str, artifact: &SharedArtifact) -> Option<Component> {
-        let key = self.artifact_key.as_ref()?;
+        let key = self.shared.artifact_key.as_ref()?;
         if !key.verify(sha256, artifact) {
             tracing::warn!(
                 component = sha256,
@@ -219,10 +226,10 @@ impl ControlPlane {
             );
             return None;
         }
-        let component = deserialize(self.sandbox.engine(), &artifact.bytes)
+        let component = deserialize(self.shared.sandbox.engine(), &artifact.bytes)
             .map_err(|e| tracing::warn!(error = %e, "shared artifact unusable; compiling"))
             .ok()?;
-        if let Err(e) = self.cache.put(sha256, &self.engine_id, &artifact.bytes) {
+        if let Err(e) = self.shared.cache.put(sha256, &self.shared.engine_id, &artifact.bytes) {
             tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached");
         }
         Some(component)
