@@ -661,24 +661,17 @@ fn print_usage(v: &Value, csv: bool) {
         print!("{}", crate::control::usage::to_csv(&rows));
         return;
     }
-    println!("start (UTC)       tenant/handler@version  2xx  3xx  4xx  5xx  guest s  device s  calls  bytes in  bytes out  peak MiB");
+    use crate::telemetry::usage::Usage;
+    let headings: Vec<String> = Usage::COLUMNS.iter().map(|(heading, _)| format!("{heading:>10}")).collect();
+    println!("start (UTC)       {:<28}{}", "tenant/handler@version", headings.join(""));
     for r in &rows {
-        let u = &r.usage;
-        println!(
-            "{}  {:<22} {:>4} {:>4} {:>4} {:>4} {:>8.2} {:>9.2} {:>6} {:>9} {:>10} {:>9.1}",
-            utc(r.start_ms),
-            format!("{}/{}@{}", r.tenant, r.handler, r.version),
-            u.requests_2xx,
-            u.requests_3xx,
-            u.requests_4xx,
-            u.requests_5xx,
-            u.guest_us as f64 / 1e6,
-            u.device_us as f64 / 1e6,
-            u.infer_calls,
-            u.bytes_in,
-            u.bytes_out,
-            u.peak_memory_bytes as f64 / f64::from(1u32 << 20)
-        );
+        let figures = r.usage.figures();
+        let cells: Vec<String> = Usage::COLUMNS
+            .iter()
+            .zip(figures)
+            .map(|((_, scale), v)| if *scale == 1.0 { format!("{v:>10}") } else { format!("{:>10.2}", v as f64 / scale) })
+            .collect();
+        println!("{}  {:<28}{}", utc(r.start_ms), format!("{}/{}@{}", r.tenant, r.handler, r.version), cells.join(""));
     }
 }
 

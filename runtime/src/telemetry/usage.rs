@@ -35,93 +35,96 @@ impl UsageKey {
     }
 }
 
-/// What was used in one bucket. Every field is a sum, but
-/// `peak_memory_bytes`, a maximum.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Usage {
-    /// Answers with a 2xx status (and 1xx, none in practice).
-    pub requests_2xx: u64,
-    /// Answers with a 3xx status.
-    pub requests_3xx: u64,
-    /// Answers with a 4xx status (refusals for the tenant's own limits included).
-    pub requests_4xx: u64,
-    /// Answers with a 5xx status (the node's refusals and the handler's failures).
-    pub requests_5xx: u64,
-    /// Time the guest ran, µs: its instance's time less its waits for inference.
-    pub guest_us: u64,
-    /// Device time, µs: each call's share of its batch, as `/metrics` splits it.
-    pub device_us: u64,
-    /// `face-detect.infer` calls made.
-    pub infer_calls: u64,
-    /// Request body bytes read.
-    pub bytes_in: u64,
-    /// Response body bytes sent.
-    pub bytes_out: u64,
-    /// The largest instance memory (linear memories and tables) a request
-    /// ended with, bytes.
-    pub peak_memory_bytes: u64,
+/// How a figure folds when buckets, deltas or nodes are summed up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fold {
+    /// Added (saturating).
+    Sum,
+    /// The larger kept.
+    Max,
 }
 
-impl Usage {
-    /// The figures' names, in the order of [`Usage::figures`] (the store's
-    /// columns, the CSV's and the JSON's fields).
-    pub const FIELDS: [&'static str; 10] = [
-        "requests_2xx",
-        "requests_3xx",
-        "requests_4xx",
-        "requests_5xx",
-        "guest_us",
-        "device_us",
-        "infer_calls",
-        "bytes_in",
-        "bytes_out",
-        "peak_memory_bytes",
-    ];
-
-    /// The figures, in the order of [`Usage::FIELDS`].
-    pub fn figures(&self) -> [u64; 10] {
-        [
-            self.requests_2xx,
-            self.requests_3xx,
-            self.requests_4xx,
-            self.requests_5xx,
-            self.guest_us,
-            self.device_us,
-            self.infer_calls,
-            self.bytes_in,
-            self.bytes_out,
-            self.peak_memory_bytes,
-        ]
-    }
-
-    /// Figures in the order of [`Usage::FIELDS`].
-    pub fn from_figures(figures: [u64; 10]) -> Self {
-        let [
-            requests_2xx,
-            requests_3xx,
-            requests_4xx,
-            requests_5xx,
-            guest_us,
-            device_us,
-            infer_calls,
-            bytes_in,
-            bytes_out,
-            peak_memory_bytes,
-        ] = figures;
-        Self {
-            requests_2xx,
-            requests_3xx,
-            requests_4xx,
-            requests_5xx,
-            guest_us,
-            device_us,
-            infer_calls,
-            bytes_in,
-            bytes_out,
-            peak_memory_bytes,
+impl Fold {
+    /// Folds `b` into `a`.
+    pub fn apply(self, a: u64, b: u64) -> u64 {
+        match self {
+            Self::Sum => a.saturating_add(b),
+            Self::Max => a.max(b),
         }
     }
 
+    /// The SQL aggregate that folds a column the same way.
+    pub fn sql(self) -> &'static str {
+        match self {
+            Self::Sum => "SUM",
+            Self::Max => "MAX",
+        }
+    }
+}
+
+/// Declares the usage figures once: the [`Usage`] struct (and so its JSON),
+/// [`Usage::FIELDS`] (the store's columns in both SQL dialects, which each
+/// store adds when missing, and the CSV's), how each folds ([`Usage::FOLDS`])
+/// and the CLI table's column ([`Usage::COLUMNS`]). Adding a figure is one
+/// line here, plus where it is measured.
+macro_rules! usage_fields {
+    ($( $(#[doc = $doc:literal])+ $name:ident: $fold:ident, column $column:literal / $scale:literal; )+) => {
+        /// What was used in one bucket: each figure a sum, or a maximum (see [`Usage::FOLDS`]).
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+        pub struct Usage {
+            $( $(#[doc = $doc])+ pub $name: u64, )+
+        }
+
+        impl Usage {
+            /// How many figures there are.
+            pub const COUNT: usize = [$(stringify!($name)),+].len();
+            /// The figures' names, in the order of [`Usage::figures`] (the
+            /// store's columns, the CSV's and the JSON's fields).
+            pub const FIELDS: [&'static str; Self::COUNT] = [$(stringify!($name)),+];
+            /// How each figure folds, in the same order.
+            pub const FOLDS: [Fold; Self::COUNT] = [$(Fold::$fold),+];
+            /// The CLI table's column of each figure: its heading, and what its value is divided by.
+            pub const COLUMNS: [(&'static str, f64); Self::COUNT] = [$(($column, $scale as f64)),+];
+
+            /// The figures, in the order of [`Usage::FIELDS`].
+            pub fn figures(&self) -> [u64; Self::COUNT] {
+                [$(self.$name),+]
+            }
+
+            /// Figures in the order of [`Usage::FIELDS`].
+            pub fn from_figures(figures: [u64; Self::COUNT]) -> Self {
+                let [$($name),+] = figures;
+                Self { $($name),+ }
+            }
+        }
+    };
+}
+
+usage_fields! {
+    /// Answers with a 2xx status (and 1xx, none in practice).
+    requests_2xx: Sum, column "2xx" / 1;
+    /// Answers with a 3xx status.
+    requests_3xx: Sum, column "3xx" / 1;
+    /// Answers with a 4xx status (refusals for the tenant's own limits included).
+    requests_4xx: Sum, column "4xx" / 1;
+    /// Answers with a 5xx status (the node's refusals and the handler's failures).
+    requests_5xx: Sum, column "5xx" / 1;
+    /// Time the guest ran, µs: its instance's time less its waits for inference.
+    guest_us: Sum, column "guest s" / 1_000_000;
+    /// Device time, µs: each call's share of its batch, as `/metrics` splits it.
+    device_us: Sum, column "device s" / 1_000_000;
+    /// `face-detect.infer` calls made.
+    infer_calls: Sum, column "calls" / 1;
+    /// Request body bytes read.
+    bytes_in: Sum, column "bytes in" / 1;
+    /// Response body bytes sent.
+    bytes_out: Sum, column "bytes out" / 1;
+    /// The largest instance memory (linear memories and tables) a request
+    /// ended with, bytes.
+    peak_memory_bytes: Max, column "peak MiB" / 1_048_576;
+}
+
+impl Usage {
     /// One answer of `status`.
     pub fn answer(status: u16) -> Self {
         let mut usage = Self::default();
@@ -139,18 +142,10 @@ impl Usage {
         self.requests_2xx + self.requests_3xx + self.requests_4xx + self.requests_5xx
     }
 
-    /// Adds `other` in (the peak is the larger).
+    /// Adds `other` in, each figure as it folds (see [`Usage::FOLDS`]).
     pub fn add(&mut self, other: &Self) {
-        self.requests_2xx = self.requests_2xx.saturating_add(other.requests_2xx);
-        self.requests_3xx = self.requests_3xx.saturating_add(other.requests_3xx);
-        self.requests_4xx = self.requests_4xx.saturating_add(other.requests_4xx);
-        self.requests_5xx = self.requests_5xx.saturating_add(other.requests_5xx);
-        self.guest_us = self.guest_us.saturating_add(other.guest_us);
-        self.device_us = self.device_us.saturating_add(other.device_us);
-        self.infer_calls = self.infer_calls.saturating_add(other.infer_calls);
-        self.bytes_in = self.bytes_in.saturating_add(other.bytes_in);
-        self.bytes_out = self.bytes_out.saturating_add(other.bytes_out);
-        self.peak_memory_bytes = self.peak_memory_bytes.max(other.peak_memory_bytes);
+        let (mine, theirs) = (self.figures(), other.figures());
+        *self = Self::from_figures(std::array::from_fn(|i| Self::FOLDS[i].apply(mine[i], theirs[i])));
     }
 }
 

@@ -182,3 +182,80 @@ fn fill_up(node: &Node, churner: &str) -> Vec<(String, String)> {
     assert_eq!(active, MAX_KEYS, "never more than max_keys: {keys}");
     made
 }
+
+/// Keys an operator creates for one tenant while another deploys.
+const KEYS_CREATED: usize = 200;
+
+/// The control plane's parts keep out of each other's way: an operator
+/// creates 200 keys for one tenant (as fast as the admin API takes them,
+/// two threads, one change of the tenant at a time), while that tenant follows its log and reads it again and
+/// again, and another tenant deploys. The deploy's median stays within 2×
+/// its idle median on the same node, each deployed version serves at once
+/// (the serving snapshot follows each change without waiting), and every
+/// key created authenticates as soon as it is returned.
+#[test]
+fn two_hundred_keys_and_log_reads_leave_a_neighbours_deploy_and_snapshot_alone() {
+    let addr = harness::start(harness::config(harness::fresh_dir("keys-200-data"), None));
+    let node = Node { base: format!("http://{addr}") };
+    let keyed = node.tenant("keyed", json!({ "max_keys": KEYS_CREATED + 10, "api_rps": 0 }), &["deploy", "read"]);
+    let steady = node.tenant("steady", json!({ "api_rps": 0 }), &["deploy"]);
+    let wasm = std::fs::read(guest("detect")).unwrap();
+    node.deploy(&steady, &wasm);
+    let idle = median((0..DEPLOYS).map(|_| node.deploy(&steady, &wasm)).collect());
+
+    let (status, invoke) = harness::admin_json(node.admin(Method::POST, "tenants/steady/keys").json(&json!({ "scopes": ["invoke"] })));
+    assert_eq!(status, 201, "{invoke}");
+    let invoke = invoke["key"].as_str().unwrap().to_owned();
+    // A follower of the churning tenant's log, open throughout.
+    let follow = node.tenant_api(&keyed, Method::GET, "logs?follow=true").send().unwrap();
+    assert_eq!(follow.status(), 200);
+    let (created, reads, stop) = (AtomicUsize::new(0), AtomicUsize::new(0), AtomicBool::new(false));
+    let (busy, versions) = std::thread::scope(|s| {
+        for _ in 0..2 {
+            let (node, created) = (&node, &created);
+            s.spawn(move || {
+                while created.fetch_add(1, Ordering::Relaxed) < KEYS_CREATED {
+                    // A tenant's key changes run one at a time on a node: the other thread's is retried.
+                    let key = loop {
+                        match harness::admin_json(node.admin(Method::POST, "tenants/keyed/keys").json(&json!({}))) {
+                            (429, refused) => assert_eq!(refused["error"]["code"], "change_in_progress", "{refused}"),
+                            (status, key) => {
+                                assert_eq!(status, 201, "{key}");
+                                break key;
+                            }
+                        }
+                    };
+                    let used = client_with_key(key["key"].as_str().unwrap()).get(format!("{}/v1/keyed/none", node.base)).send().unwrap();
+                    assert_eq!(used.status(), 404, "a key created authenticates at once (no such handler, not 401)");
+                }
+            });
+        }
+        let (node, keyed_key, reads, stop) = (&node, &keyed, &reads, &stop);
+        s.spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let read = node.tenant_api(keyed_key, Method::GET, "logs").send().unwrap();
+                assert_eq!(read.status(), 200);
+                reads.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        let mut versions = Vec::new();
+        let mut times = Vec::new();
+        while times.len() < DEPLOYS || created.load(Ordering::Relaxed) < KEYS_CREATED {
+            times.push(node.deploy(&steady, &wasm));
+            let served = client_with_key(&invoke).get(format!("{}/v1/steady/faces", node.base)).send().unwrap();
+            versions.push(served.headers().get("x-facegate-handler-version").and_then(|v| v.to_str().ok()).map(str::to_owned));
+        }
+        stop.store(true, Ordering::Relaxed);
+        (median(times), versions)
+    });
+    drop(follow);
+    let ratio = busy.as_secs_f64() / idle.as_secs_f64();
+    let reads = reads.into_inner();
+    eprintln!("deploy median idle {idle:?}, beside {KEYS_CREATED} keys created and {reads} log reads {busy:?} ({ratio:.2}x)");
+    assert!(created.into_inner() >= KEYS_CREATED, "all the keys were created");
+    assert!(reads > 0, "the log was read meanwhile");
+    // Deploys 1 and DEPLOYS + 1 before these: each one after is the next version, served at once.
+    let expected: Vec<Option<String>> = (0..versions.len()).map(|i| Some((DEPLOYS + 2 + i).to_string())).collect();
+    assert_eq!(versions, expected, "each deployed version serves as soon as its deploy returns");
+    assert!(ratio <= 2.0, "a deploy took {busy:?} beside another tenant's keys and log reads, {ratio:.2}x its idle {idle:?}");
+}

@@ -11,6 +11,22 @@
 //! ([`Store::listener`]). Schemas are versioned; each store applies its
 //! missing migrations when opened.
 
+/// One schema migration: its file's name (`NNNN_what`) and its SQL.
+pub(crate) struct Migration {
+    /// The file's name without `.sql`; its number is its place in the list.
+    pub name: &'static str,
+    /// What it runs.
+    pub sql: &'static str,
+}
+
+/// A dialect's migrations, from `migrations/<dialect>/<name>.sql`, in the order given.
+macro_rules! migrations {
+    ($dialect:literal: $($name:literal),+ $(,)?) => {
+        &[$($crate::control::store::Migration { name: $name, sql: include_str!(concat!("migrations/", $dialect, "/", $name, ".sql")) }),+]
+    };
+}
+use migrations;
+
 mod pg_connect;
 pub mod postgres;
 pub mod sqlite;
@@ -470,12 +486,31 @@ pub(crate) fn usage_columns() -> String {
     Usage::FIELDS.join(", ")
 }
 
+/// The figure columns folded over a group, each as [`Usage::FOLDS`] says
+/// (`cast` after each: PostgreSQL's `SUM` of a BIGINT is a NUMERIC).
+pub(crate) fn usage_aggregates(cast: &str) -> String {
+    let folded: Vec<String> = Usage::FIELDS.iter().zip(Usage::FOLDS).map(|(f, fold)| format!("{}({f}){cast}", fold.sql())).collect();
+    folded.join(", ")
+}
+
+/// Placeholders for the figures, numbered from `first` (`?7`, or `$7` with `sign` `$`).
+pub(crate) fn usage_placeholders(sign: char, first: usize) -> String {
+    let marks: Vec<String> = (first..first + Usage::COUNT).map(|i| format!("{sign}{i}")).collect();
+    marks.join(", ")
+}
+
+/// The figure columns a usage table of `columns` lacks: each store adds
+/// them when it opens (a figure declared in [`Usage`] is a column at once).
+pub(crate) fn missing_usage_columns(columns: &[String]) -> Vec<&'static str> {
+    Usage::FIELDS.into_iter().filter(|f| !columns.iter().any(|c| c == f)).collect()
+}
+
 /// A [`Usage`]'s figures as signed integers (SQL has no u64), saturating.
-pub(crate) fn usage_values(u: &Usage) -> [i64; 10] {
+pub(crate) fn usage_values(u: &Usage) -> [i64; Usage::COUNT] {
     u.figures().map(|v| i64::try_from(v).unwrap_or(i64::MAX))
 }
 
 /// A [`Usage`] from its figures as [`usage_values`] gives them.
-pub(crate) fn usage_from(v: [i64; 10]) -> Usage {
+pub(crate) fn usage_from(v: [i64; Usage::COUNT]) -> Usage {
     Usage::from_figures(v.map(|v| u64::try_from(v).unwrap_or(0)))
 }

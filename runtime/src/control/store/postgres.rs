@@ -24,7 +24,8 @@ use super::{
     StoreResult, TenantRow, VersionRow, new_incarnation, now,
 };
 use super::{ArtifactStore, NodeStore, ReleaseStore, TenantStore, UsageStore};
-use super::{Canary, Pruned, canary_of, too_many_keys, usage_columns, usage_from, usage_values, versions_past};
+use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
+use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::{Scopes, sha256_hex};
 use crate::telemetry::usage::{Delta, Usage, UsageKey};
@@ -35,125 +36,9 @@ const CHANNEL: &str = "facegate_changes";
 /// Held while migrating, so nodes starting together migrate one at a time.
 const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
-/// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7];
-
-const V1: &str = "
-CREATE TABLE tenants (
-    name TEXT PRIMARY KEY,
-    limits TEXT NOT NULL DEFAULT '{}',
-    created_at BIGINT NOT NULL
-);
-CREATE TABLE api_keys (
-    id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
-    secret_sha256 TEXT NOT NULL,
-    created_at BIGINT NOT NULL,
-    revoked_at BIGINT
-);
-CREATE TABLE handlers (
-    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
-    name TEXT NOT NULL,
-    active_version BIGINT,
-    PRIMARY KEY (tenant, name)
-);
-CREATE TABLE components (
-    sha256 TEXT PRIMARY KEY,
-    bytes BYTEA NOT NULL,
-    created_at BIGINT NOT NULL
-);
-CREATE TABLE versions (
-    tenant TEXT NOT NULL,
-    handler TEXT NOT NULL,
-    version BIGINT NOT NULL,
-    component_sha256 TEXT NOT NULL REFERENCES components(sha256),
-    size BIGINT NOT NULL,
-    created_at BIGINT NOT NULL,
-    PRIMARY KEY (tenant, handler, version),
-    FOREIGN KEY (tenant, handler) REFERENCES handlers(tenant, name) ON DELETE CASCADE
-);
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE nodes (id TEXT PRIMARY KEY, info TEXT NOT NULL, heartbeat_at BIGINT NOT NULL);
-CREATE TABLE generation (id INT PRIMARY KEY CHECK (id = 1), n BIGINT NOT NULL);
-INSERT INTO generation (id, n) VALUES (1, 0);
-CREATE FUNCTION facegate_changed() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE g BIGINT;
-BEGIN
-    UPDATE generation SET n = n + 1 WHERE id = 1 RETURNING n INTO g;
-    PERFORM pg_notify('facegate_changes', g::text);
-    RETURN NULL;
-END $$;
-CREATE TRIGGER tenants_changed AFTER INSERT OR UPDATE OR DELETE ON tenants FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
-CREATE TRIGGER api_keys_changed AFTER INSERT OR UPDATE OR DELETE ON api_keys FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
-CREATE TRIGGER handlers_changed AFTER INSERT OR UPDATE OR DELETE ON handlers FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
-CREATE TRIGGER versions_changed AFTER INSERT OR UPDATE OR DELETE ON versions FOR EACH STATEMENT EXECUTE FUNCTION facegate_changed();
-";
-
-/// Version 2: components precompiled by one node, for the nodes whose
-/// engine matches (see [`SharedArtifact`]). Not watched: an artifact
-/// changes nothing that is served.
-const V2: &str = "
-CREATE TABLE artifacts (
-    component_sha256 TEXT NOT NULL REFERENCES components(sha256) ON DELETE CASCADE,
-    engine TEXT NOT NULL,
-    bytes BYTEA NOT NULL,
-    mac TEXT NOT NULL,
-    created_at BIGINT NOT NULL,
-    PRIMARY KEY (component_sha256, engine)
-);
-";
-
-/// Version 7: a tenant's usage report reads its rows by tenant and time,
-/// and a key's creation counts the tenant's unrevoked keys (`max_keys`).
-const V7: &str = "
-CREATE INDEX usage_by_tenant ON usage (tenant, bucket_ms);
-CREATE INDEX api_keys_by_tenant ON api_keys (tenant, revoked_at);
-";
-
-/// Version 6: a handler's canary (see [`Canary`]).
-const V6: &str = "
-ALTER TABLE handlers ADD COLUMN canary_version BIGINT;
-ALTER TABLE handlers ADD COLUMN canary_percent BIGINT NOT NULL DEFAULT 0;
-ALTER TABLE handlers ADD COLUMN canary_abort_margin DOUBLE PRECISION;
-ALTER TABLE handlers ADD COLUMN canary_abort_after BIGINT;
-";
-
-/// Version 5: a key's scopes (see [`Scopes`]); keys from before invoke.
-const V5: &str = "ALTER TABLE api_keys ADD COLUMN scopes TEXT NOT NULL DEFAULT 'invoke';";
-
-/// Version 4: usage, one row per node, delta, tenant, handler, version and
-/// minute (see [`crate::telemetry::usage`]); kept when a tenant is deleted
-/// (bills outlive tenants). Not watched: usage changes nothing served.
-const V4: &str = "
-CREATE TABLE usage (
-    node TEXT NOT NULL,
-    seq BIGINT NOT NULL,
-    tenant TEXT NOT NULL,
-    handler TEXT NOT NULL,
-    version BIGINT NOT NULL,
-    bucket_ms BIGINT NOT NULL,
-    requests_2xx BIGINT NOT NULL,
-    requests_3xx BIGINT NOT NULL,
-    requests_4xx BIGINT NOT NULL,
-    requests_5xx BIGINT NOT NULL,
-    guest_us BIGINT NOT NULL,
-    device_us BIGINT NOT NULL,
-    infer_calls BIGINT NOT NULL,
-    bytes_in BIGINT NOT NULL,
-    bytes_out BIGINT NOT NULL,
-    peak_memory_bytes BIGINT NOT NULL,
-    PRIMARY KEY (node, seq, tenant, handler, version, bucket_ms)
-);
-CREATE INDEX usage_by_bucket ON usage (bucket_ms, tenant);
-";
-
-/// Version 3: a tenant's incarnation, new each time a tenant of that name
-/// is created. The default is random too, evaluated per row: rows from
-/// before get one of their own, and so do tenants that a node still
-/// running an older facegate creates during a rolling upgrade.
-const V3: &str = "
-ALTER TABLE tenants ADD COLUMN incarnation TEXT NOT NULL DEFAULT substr(md5(random()::text || clock_timestamp()::text), 1, 16);
-";
+/// Migrations, in order (the files in `migrations/postgres/`, numbered from 1):
+/// entry `i` takes the schema from version `i` to `i + 1`.
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes");
 
 /// The PostgreSQL store (see the module docs).
 pub struct PgStore {
@@ -294,11 +179,25 @@ fn migrate(client: &mut Client) -> StoreResult<()> {
         return Err(StoreError::Internal(anyhow::anyhow!("schema version {current}; this facegate knows {}", MIGRATIONS.len())));
     }
     for (i, migration) in MIGRATIONS.iter().enumerate().skip(current) {
-        tx.batch_execute(migration).map_err(db_error)?;
+        tx.batch_execute(migration.sql).map_err(db_error)?;
+        tracing::info!(migration = migration.name, "store schema migrated");
         let version = i32::try_from(i + 1).unwrap_or(i32::MAX);
         tx.execute("INSERT INTO schema_migrations (version, applied_at) VALUES ($1, $2)", &[&version, &now()]).map_err(db_error)?;
     }
+    add_usage_columns(&mut tx)?;
     tx.commit().map_err(db_error)
+}
+
+/// Adds the usage figures declared since the table was made (see [`missing_usage_columns`]).
+fn add_usage_columns(tx: &mut postgres::Transaction<'_>) -> StoreResult<()> {
+    let rows = tx
+        .query("SELECT column_name::TEXT FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = 'usage'", &[])
+        .map_err(db_error)?;
+    let columns: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    for column in missing_usage_columns(&columns) {
+        tx.batch_execute(&format!("ALTER TABLE usage ADD COLUMN {column} BIGINT NOT NULL DEFAULT 0")).map_err(db_error)?;
+    }
+    Ok(())
 }
 
 /// Stores an upload's artifact; one already there for the component and engine stays.
@@ -750,36 +649,18 @@ impl UsageStore for PgStore {
             let mut tx = c.transaction().map_err(db_error)?;
             let insert = tx
                 .prepare(&format!(
-                    "INSERT INTO usage (node, seq, tenant, handler, version, bucket_ms, {})
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) ON CONFLICT DO NOTHING",
-                    usage_columns()
+                    "INSERT INTO usage (node, seq, tenant, handler, version, bucket_ms, {}) VALUES ($1, $2, $3, $4, $5, $6, {}) ON CONFLICT DO NOTHING",
+                    usage_columns(),
+                    usage_placeholders('$', 7)
                 ))
                 .map_err(db_error)?;
             let seq = i64::try_from(delta.seq).unwrap_or(i64::MAX);
             for (key, usage) in &delta.rows {
-                let v = usage_values(usage);
-                tx.execute(
-                    &insert,
-                    &[
-                        &delta.node,
-                        &seq,
-                        &key.tenant,
-                        &key.handler,
-                        &key.version,
-                        &key.bucket_ms,
-                        &v[0],
-                        &v[1],
-                        &v[2],
-                        &v[3],
-                        &v[4],
-                        &v[5],
-                        &v[6],
-                        &v[7],
-                        &v[8],
-                        &v[9],
-                    ],
-                )
-                .map_err(db_error)?;
+                let figures = usage_values(usage);
+                let mut args: Vec<&(dyn postgres::types::ToSql + Sync)> =
+                    vec![&delta.node, &seq, &key.tenant, &key.handler, &key.version, &key.bucket_ms];
+                args.extend(figures.iter().map(|v| v as &(dyn postgres::types::ToSql + Sync)));
+                tx.execute(&insert, &args).map_err(db_error)?;
             }
             tx.commit().map_err(db_error)
         })
@@ -791,11 +672,9 @@ impl UsageStore for PgStore {
         // `$3 IS NULL OR tenant = $3` would get.
         let of_tenant = if tenant.is_some() { "tenant = $3" } else { "$3::TEXT IS NULL" };
         let sql = format!(
-            "SELECT tenant, handler, version, bucket_ms, SUM(requests_2xx)::BIGINT, SUM(requests_3xx)::BIGINT,
-                    SUM(requests_4xx)::BIGINT, SUM(requests_5xx)::BIGINT, SUM(guest_us)::BIGINT, SUM(device_us)::BIGINT,
-                    SUM(infer_calls)::BIGINT, SUM(bytes_in)::BIGINT, SUM(bytes_out)::BIGINT, MAX(peak_memory_bytes)
-             FROM usage WHERE {of_tenant} AND bucket_ms >= $1 AND bucket_ms < $2
-             GROUP BY tenant, handler, version, bucket_ms ORDER BY bucket_ms, tenant, handler, version"
+            "SELECT tenant, handler, version, bucket_ms, {} FROM usage WHERE {of_tenant} AND bucket_ms >= $1 AND bucket_ms < $2
+             GROUP BY tenant, handler, version, bucket_ms ORDER BY bucket_ms, tenant, handler, version",
+            usage_aggregates("::BIGINT")
         );
         self.with(move |c| {
             let rows = c.query(sql.as_str(), &[&from_ms, &to_ms, &tenant]).map_err(db_error)?;
@@ -803,7 +682,7 @@ impl UsageStore for PgStore {
                 .iter()
                 .map(|r| {
                     let key = UsageKey { tenant: r.get(0), handler: r.get(1), version: r.get(2), bucket_ms: r.get(3) };
-                    let v: [i64; 10] = std::array::from_fn(|i| r.get(4 + i));
+                    let v: [i64; Usage::COUNT] = std::array::from_fn(|i| r.get(4 + i));
                     (key, usage_from(v))
                 })
                 .collect())

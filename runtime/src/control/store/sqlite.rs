@@ -12,121 +12,16 @@ use super::{
     TenantRow, VersionRow, new_incarnation, now,
 };
 use super::{ArtifactStore, NodeStore, ReleaseStore, TenantStore, UsageStore};
-use super::{Canary, Pruned, canary_of, too_many_keys, usage_columns, usage_from, usage_values, versions_past};
+use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
+use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
 use crate::control::keys::Scopes;
 use crate::telemetry::usage::{Delta, Usage, UsageKey};
 
-/// Migrations, in order: entry `i` takes the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7];
-
-/// The first schema.
-const V1: &str = "
-CREATE TABLE IF NOT EXISTS tenants (
-    name TEXT PRIMARY KEY,
-    limits TEXT NOT NULL DEFAULT '{}',
-    created_at INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS api_keys (
-    id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
-    secret_sha256 TEXT NOT NULL,
-    created_at INTEGER NOT NULL,
-    revoked_at INTEGER
-);
-CREATE TABLE IF NOT EXISTS handlers (
-    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
-    name TEXT NOT NULL,
-    active_version INTEGER,
-    PRIMARY KEY (tenant, name)
-);
-CREATE TABLE IF NOT EXISTS versions (
-    tenant TEXT NOT NULL,
-    handler TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    component_sha256 TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    created_at INTEGER NOT NULL,
-    PRIMARY KEY (tenant, handler, version),
-    FOREIGN KEY (tenant, handler) REFERENCES handlers(tenant, name) ON DELETE CASCADE
-);
-CREATE TABLE IF NOT EXISTS meta (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS artifacts (
-    component_sha256 TEXT NOT NULL,
-    engine TEXT NOT NULL,
-    artifact_sha256 TEXT NOT NULL,
-    PRIMARY KEY (component_sha256, engine)
-);
-";
-
-/// Version 2: precompiled artifacts become a per-node cache (files only);
-/// nodes report heartbeats; a generation counter that triggers bump on
-/// every change other nodes (or processes) must see.
-const V2: &str = "
-DROP TABLE IF EXISTS artifacts;
-CREATE TABLE nodes (
-    id TEXT PRIMARY KEY,
-    info TEXT NOT NULL,
-    heartbeat_at INTEGER NOT NULL
-);
-CREATE TABLE generation (id INTEGER PRIMARY KEY CHECK (id = 1), n INTEGER NOT NULL);
-INSERT INTO generation (id, n) VALUES (1, 0);
-";
-
-/// Version 4: usage, one row per node, delta, tenant, handler, version and
-/// minute (see [`crate::telemetry::usage`]); kept when a tenant is deleted
-/// (bills outlive tenants).
-const V4: &str = "
-CREATE TABLE usage (
-    node TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    tenant TEXT NOT NULL,
-    handler TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    bucket_ms INTEGER NOT NULL,
-    requests_2xx INTEGER NOT NULL,
-    requests_3xx INTEGER NOT NULL,
-    requests_4xx INTEGER NOT NULL,
-    requests_5xx INTEGER NOT NULL,
-    guest_us INTEGER NOT NULL,
-    device_us INTEGER NOT NULL,
-    infer_calls INTEGER NOT NULL,
-    bytes_in INTEGER NOT NULL,
-    bytes_out INTEGER NOT NULL,
-    peak_memory_bytes INTEGER NOT NULL,
-    PRIMARY KEY (node, seq, tenant, handler, version, bucket_ms)
-);
-CREATE INDEX usage_by_bucket ON usage (bucket_ms, tenant);
-";
-
-/// Version 6: a handler's canary (see [`Canary`]).
-const V6: &str = "
-ALTER TABLE handlers ADD COLUMN canary_version INTEGER;
-ALTER TABLE handlers ADD COLUMN canary_percent INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE handlers ADD COLUMN canary_abort_margin REAL;
-ALTER TABLE handlers ADD COLUMN canary_abort_after INTEGER;
-";
-
-/// Version 7: a tenant's usage report reads its rows by tenant and time,
-/// and a key's creation counts the tenant's unrevoked keys (`max_keys`).
-const V7: &str = "
-CREATE INDEX usage_by_tenant ON usage (tenant, bucket_ms);
-CREATE INDEX api_keys_by_tenant ON api_keys (tenant, revoked_at);
-";
-
-/// Version 5: a key's scopes (see [`Scopes`]); keys from before invoke.
-const V5: &str = "ALTER TABLE api_keys ADD COLUMN scopes TEXT NOT NULL DEFAULT 'invoke';";
-
-/// Version 3: a tenant's incarnation, new each time a tenant of that name
-/// is created; rows from before get one of their own.
-const V3: &str = "
-ALTER TABLE tenants ADD COLUMN incarnation TEXT NOT NULL DEFAULT '';
-UPDATE tenants SET incarnation = lower(hex(randomblob(8)));
-";
+/// Migrations, in order (the files in `migrations/sqlite/`, numbered from 1):
+/// entry `i` takes the schema from version `i` to `i + 1`.
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes");
 
 /// Tables whose changes bump the generation.
 const WATCHED: [&str; 4] = ["tenants", "api_keys", "handlers", "versions"];
@@ -183,13 +78,25 @@ fn migrate(conn: &mut Connection) -> anyhow::Result<()> {
     let version: usize = tx.pragma_query_value(None, "user_version", |r| r.get::<_, i64>(0))?.try_into()?;
     anyhow::ensure!(version <= MIGRATIONS.len(), "schema version {version}; this facegate knows {}", MIGRATIONS.len());
     for (i, migration) in MIGRATIONS.iter().enumerate().skip(version) {
-        tx.execute_batch(migration)?;
+        tx.execute_batch(migration.sql)?;
+        tracing::info!(migration = migration.name, "store schema migrated");
         if i + 1 == 2 {
             tx.execute_batch(&change_triggers())?;
         }
     }
     tx.pragma_update(None, "user_version", MIGRATIONS.len() as i64)?;
+    add_usage_columns(&tx)?;
     tx.commit()?;
+    Ok(())
+}
+
+/// Adds the usage figures declared since the table was made (see [`missing_usage_columns`]).
+fn add_usage_columns(tx: &rusqlite::Transaction<'_>) -> anyhow::Result<()> {
+    let mut stmt = tx.prepare("SELECT name FROM pragma_table_info('usage')")?;
+    let columns = stmt.query_map([], |r| r.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()?;
+    for column in missing_usage_columns(&columns) {
+        tx.execute_batch(&format!("ALTER TABLE usage ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"))?;
+    }
     Ok(())
 }
 
@@ -547,31 +454,16 @@ impl UsageStore for SqliteStore {
         let tx = self.conn.transaction()?;
         {
             let mut insert = tx.prepare(&format!(
-                "INSERT INTO usage (node, seq, tenant, handler, version, bucket_ms, {})
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16) ON CONFLICT DO NOTHING",
-                usage_columns()
+                "INSERT INTO usage (node, seq, tenant, handler, version, bucket_ms, {}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, {}) ON CONFLICT DO NOTHING",
+                usage_columns(),
+                usage_placeholders('?', 7)
             ))?;
             let seq = i64::try_from(delta.seq).unwrap_or(i64::MAX);
             for (key, usage) in &delta.rows {
-                let v = usage_values(usage);
-                insert.execute(params![
-                    delta.node,
-                    seq,
-                    key.tenant,
-                    key.handler,
-                    key.version,
-                    key.bucket_ms,
-                    v[0],
-                    v[1],
-                    v[2],
-                    v[3],
-                    v[4],
-                    v[5],
-                    v[6],
-                    v[7],
-                    v[8],
-                    v[9]
-                ])?;
+                let figures = usage_values(usage);
+                let mut args: Vec<&dyn rusqlite::ToSql> = vec![&delta.node, &seq, &key.tenant, &key.handler, &key.version, &key.bucket_ms];
+                args.extend(figures.iter().map(|v| v as &dyn rusqlite::ToSql));
+                insert.execute(args.as_slice())?;
             }
         }
         tx.commit()?;
@@ -583,14 +475,13 @@ impl UsageStore for SqliteStore {
         // tenant = ?3` would keep SQLite from using it.
         let of_tenant = if tenant.is_some() { "tenant = ?3" } else { "?3 IS NULL" };
         let mut stmt = self.conn.prepare(&format!(
-            "SELECT tenant, handler, version, bucket_ms, SUM(requests_2xx), SUM(requests_3xx), SUM(requests_4xx), SUM(requests_5xx),
-                    SUM(guest_us), SUM(device_us), SUM(infer_calls), SUM(bytes_in), SUM(bytes_out), MAX(peak_memory_bytes)
-             FROM usage WHERE {of_tenant} AND bucket_ms >= ?1 AND bucket_ms < ?2
+            "SELECT tenant, handler, version, bucket_ms, {} FROM usage WHERE {of_tenant} AND bucket_ms >= ?1 AND bucket_ms < ?2
              GROUP BY tenant, handler, version, bucket_ms ORDER BY bucket_ms, tenant, handler, version",
+            usage_aggregates("")
         ))?;
         let rows = stmt.query_map(params![from_ms, to_ms, tenant], |r| {
             let key = UsageKey { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, bucket_ms: r.get(3)? };
-            let mut v = [0i64; 10];
+            let mut v = [0i64; Usage::COUNT];
             for (i, slot) in v.iter_mut().enumerate() {
                 *slot = r.get(4 + i)?;
             }
@@ -616,7 +507,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         {
             let conn = Connection::open(dir.join(DB_FILE)).unwrap();
-            conn.execute_batch(V1).unwrap();
+            conn.execute_batch(MIGRATIONS[0].sql).unwrap();
             conn.execute("INSERT INTO tenants (name, created_at) VALUES ('acme', 1)", []).unwrap();
             conn.pragma_update(None, "user_version", 1).unwrap();
         }

@@ -324,7 +324,7 @@ fn a_version_2_postgres_store_is_migrated_and_its_tenants_get_incarnations_of_th
     let url = fresh_database("pg-migrate");
     let mut client = ::postgres::Client::connect(&url, ::postgres::NoTls).unwrap();
     for migration in &postgres::MIGRATIONS[..2] {
-        client.batch_execute(migration).unwrap();
+        client.batch_execute(migration.sql).unwrap();
     }
     client
         .batch_execute(
@@ -422,5 +422,47 @@ fn the_oldest_versions_past_the_quota_are_pruned_never_the_active_one_or_a_canar
         assert!(s.component(&shas[2]).is_err(), "{kind}: a component no version uses is gone");
         assert!(s.check().unwrap().is_empty(), "{kind}");
         assert_eq!(s.prune_versions("acme", "nosuch", 1).unwrap(), Pruned::default(), "{kind}");
+    }
+}
+
+#[test]
+fn migrations_are_their_dialects_files_numbered_in_order() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/control/store/migrations");
+    for (dialect, listed) in [("sqlite", sqlite::MIGRATIONS), ("postgres", postgres::MIGRATIONS)] {
+        let mut files: Vec<String> = std::fs::read_dir(dir.join(dialect))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .map(|name| name.strip_suffix(".sql").unwrap_or_else(|| panic!("{dialect}: {name} is not a .sql file")).to_owned())
+            .collect();
+        files.sort();
+        let names: Vec<&str> = listed.iter().map(|m| m.name).collect();
+        assert_eq!(names, files, "{dialect}: every migration file is listed, in file order");
+        for (i, name) in names.iter().enumerate() {
+            assert!(name.starts_with(&format!("{:04}_", i + 1)), "{dialect}: migration {} is {name}, numbered out of order", i + 1);
+        }
+    }
+}
+
+#[test]
+fn a_usage_figure_missing_from_the_table_is_added_when_the_store_opens() {
+    use crate::telemetry::usage::{BUCKET_MS, Delta, Usage, UsageKey};
+    let dir = std::env::temp_dir().join(format!("facegate-store-usage-columns-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(sqlite::SqliteStore::open(&dir).unwrap());
+    let conn = rusqlite::Connection::open(dir.join(DB_FILE)).unwrap();
+    conn.execute_batch("ALTER TABLE usage DROP COLUMN bytes_out").unwrap();
+    drop(conn);
+    let url = fresh_database("usage-columns");
+    drop(postgres::PgStore::open(&url).unwrap());
+    let mut client = ::postgres::Client::connect(&url, ::postgres::NoTls).unwrap();
+    client.batch_execute("ALTER TABLE usage DROP COLUMN bytes_out").unwrap();
+    let reopened: Vec<Box<dyn Store>> =
+        vec![Box::new(sqlite::SqliteStore::open(&dir).unwrap()), Box::new(postgres::PgStore::open(&url).unwrap())];
+    for mut store in reopened {
+        let kind = store.describe();
+        let key = UsageKey::new("a", "detect", 1, 0);
+        let usage = Usage { requests_2xx: 1, bytes_out: 123, ..Usage::default() };
+        store.write_usage(&Delta { node: "n".into(), seq: 1, rows: vec![(key.clone(), usage)] }).unwrap();
+        assert_eq!(store.usage(Some("a"), 0, BUCKET_MS).unwrap(), vec![(key, usage)], "{kind}: the figure's column is back");
     }
 }
