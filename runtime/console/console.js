@@ -407,7 +407,11 @@
     $("detail-title").textContent = `Tenant ${name}`;
     $("new-key").hidden = true;
     for (const input of $("limits-form").elements) {
-      if (input.name) input.value = info.limits[input.name] ?? "";
+      if (!input.name) continue;
+      const value = info.limits[input.name];
+      if (input.type === "checkbox") input.checked = value === true;
+      else input.value = value ?? "";
+      input.dataset.was = input.type === "checkbox" ? String(input.checked) : input.value;
     }
     await Promise.all([renderKeys(name), renderHandlers(name, info.handlers), renderUsage(name)]);
   }
@@ -461,8 +465,14 @@
   $("limits-form").addEventListener("submit", async (e) => {
     e.preventDefault();
     const patch = {};
+    // Only what was changed becomes an override: the rest keeps following the server's defaults.
     for (const input of e.target.elements) {
-      if (input.name && input.value !== "") patch[input.name] = Number(input.value);
+      if (!input.name) continue;
+      if (input.type === "checkbox") {
+        if (String(input.checked) !== input.dataset.was) patch[input.name] = input.checked;
+      } else if (input.value !== "" && input.value !== input.dataset.was) {
+        patch[input.name] = Number(input.value);
+      }
     }
     if (await attempt("op-status", () => admin("PATCH", "tenants/" + seg(state.detail), json(patch), "application/json"))) {
       say("op-status", "Limits saved.", "ok");

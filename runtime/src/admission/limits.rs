@@ -114,6 +114,12 @@ macro_rules! tenant_limits {
             /// Every limit's name, as the API, the tenant flags and the docs spell it.
             pub const NAMES: &'static [&'static str] = &[$(stringify!($name),)+ $(stringify!($fixed),)*];
 
+            /// Every limit as a form shows it (the console's limits form), in table order.
+            pub const FIELDS: &'static [LimitField] = &[
+                $( LimitField { name: stringify!($name), help: concat!($($doc),+), kind: <$ty as LimitValue>::KIND }, )+
+                $( LimitField { name: stringify!($fixed), help: concat!($($fixed_doc),+), kind: <$fixed_ty as LimitValue>::KIND }, )*
+            ];
+
             /// These defaults with `o` applied.
             pub fn with(&self, o: &LimitOverrides) -> Self {
                 Self { $($name: o.$name.unwrap_or(self.$name),)+ $($fixed: o.$fixed.unwrap_or(self.$fixed),)* }
@@ -220,6 +226,53 @@ impl TenantLimits {
 
 /// Applies `rule` to a limit's `value`, given the server's `default` (some
 /// rules take it as a ceiling); the refusal names the limit.
+/// What kind of value a limit takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    /// A whole number.
+    Integer,
+    /// A number with a fraction (a rate).
+    Number,
+    /// On or off.
+    Flag,
+}
+
+/// A limit as a form shows it (see [`TenantLimits::FIELDS`]).
+#[derive(Debug, Clone, Copy)]
+pub struct LimitField {
+    /// Its name (the API's, the flags').
+    pub name: &'static str,
+    /// Its doc comment.
+    pub help: &'static str,
+    /// Its kind of value.
+    pub kind: LimitKind,
+}
+
+/// The kind of value of a limit's type.
+trait LimitValue {
+    const KIND: LimitKind;
+}
+
+impl LimitValue for usize {
+    const KIND: LimitKind = LimitKind::Integer;
+}
+
+impl LimitValue for u32 {
+    const KIND: LimitKind = LimitKind::Integer;
+}
+
+impl LimitValue for u64 {
+    const KIND: LimitKind = LimitKind::Integer;
+}
+
+impl LimitValue for f64 {
+    const KIND: LimitKind = LimitKind::Number;
+}
+
+impl LimitValue for bool {
+    const KIND: LimitKind = LimitKind::Flag;
+}
+
 fn check<T>(name: &str, rule: impl Fn(T, T) -> Result<(), String>, value: T, default: T) -> Result<(), String> {
     rule(value, default).map_err(|must| format!("{name} must be {must}"))
 }

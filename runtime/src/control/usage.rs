@@ -184,6 +184,10 @@ mod tests {
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines.len(), 2);
         assert!(lines[0].starts_with("tenant,handler,version,start_ms,requests_2xx"));
-        assert_eq!(lines[1], "a,detect,1,0,3,0,0,0,0,0,0,0,0,3");
+        let cells: Vec<&str> = lines[1].split(',').collect();
+        assert_eq!(cells[..4], ["a", "detect", "1", "0"]);
+        assert_eq!(cells.len(), 4 + Usage::COUNT, "a cell per figure");
+        let figure = |name: &str| cells[4 + Usage::FIELDS.iter().position(|f| *f == name).unwrap()];
+        assert_eq!((figure("requests_2xx"), figure("peak_memory_bytes"), figure("bytes_out")), ("3", "3", "0"));
     }
 }

@@ -8,6 +8,9 @@ use hyper::body::Incoming;
 use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 use serde_json::json;
+use std::sync::LazyLock;
+
+use crate::admission::limits::{LimitKind, TenantLimits};
 
 use super::app::App;
 use super::auth::bearer;
@@ -23,10 +26,29 @@ pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'
      img-src 'self' blob: data:; media-src 'self' blob: mediastream:; connect-src 'self'; \
      base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
+/// The page, its limits form generated from the limits' table
+/// ([`TenantLimits::FIELDS`]): every limit, none spelled here.
+static PAGE: LazyLock<String> = LazyLock::new(|| INDEX.replace("<!-- tenant limits -->", &limit_inputs()));
+
+/// One labelled input per tenant limit, its doc comment as its title.
+fn limit_inputs() -> String {
+    let mut html = String::new();
+    for field in TenantLimits::FIELDS {
+        let input = match field.kind {
+            LimitKind::Integer => r#"type="number" min="0" step="1""#,
+            LimitKind::Number => r#"type="number" min="0" step="any""#,
+            LimitKind::Flag => r#"type="checkbox""#,
+        };
+        let help = field.help.trim().replace('&', "&amp;").replace('"', "&quot;").replace('<', "&lt;");
+        html.push_str(&format!("        <label title=\"{help}\">{} <input name=\"{}\" {input}></label>\n", field.name, field.name));
+    }
+    html
+}
+
 /// The asset at `path` (`""` is the page), if the console has one.
 pub fn asset(path: &str) -> Option<Response<Body>> {
     let (content_type, body) = match path {
-        "" => ("text/html; charset=utf-8", INDEX),
+        "" => ("text/html; charset=utf-8", PAGE.as_str()),
         "console/console.js" => ("text/javascript; charset=utf-8", SCRIPT),
         "console/console.css" => ("text/css; charset=utf-8", STYLE),
         _ => return None,
@@ -91,5 +113,20 @@ impl App {
             .map(|(m, s)| json!({ "name": m.spec().name, "queue_depth": s.queue_depth, "batch_sizes": s.batch_sizes, "busy_seconds": s.busy_seconds }))
             .collect();
         response::json(StatusCode::OK, &json!({ "tenants": tenants, "models": models }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_limits_form_has_an_input_for_every_limit_of_the_table() {
+        let form_start = PAGE.find(r#"<form id="limits-form""#).expect("the limits form");
+        let form = &PAGE[form_start..form_start + PAGE[form_start..].find("</form>").unwrap()];
+        let inputs: Vec<&str> = form.split(r#"<input name=""#).skip(1).map(|rest| &rest[..rest.find('"').unwrap()]).collect();
+        assert_eq!(inputs, TenantLimits::NAMES, "one input per limit, in table order");
+        assert!(form.contains(r#"<input name="outgoing_http" type="checkbox">"#), "a flag is a checkbox: {form}");
+        assert!(form.contains(r#"<input name="rps" type="number" min="0" step="any">"#), "a rate takes fractions: {form}");
     }
 }
