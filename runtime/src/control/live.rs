@@ -1,6 +1,6 @@
 //! The snapshot the data plane reads ([`Live`]): tenants with their
 //! admission gates and active handlers, and the active API keys. Built by
-//! `ControlPlane::refresh` and swapped in whole; never changed in place. A
+//! `Serving::refresh` and swapped in whole; never changed in place. A
 //! key created or revoked on this node swaps in a copy with only its key
 //! map changed ([`Live::with_keys`]): the tenants are shared, not rebuilt.
 

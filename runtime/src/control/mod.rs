@@ -88,6 +88,11 @@ pub struct ControlSettings {
     /// bulk reads and writes (an 18 MB component, a 38 MB artifact), so the
     /// sync never waits behind them for the store; `None` shares the main one.
     pub compile_store: Option<Box<dyn Store>>,
+    /// A connection to the same store for the serving snapshot's rebuilds
+    /// and the sync's checks, so that neither waits behind a change, a
+    /// tenant's read or a compile's store calls (nor they behind a rebuild);
+    /// `None` shares the main one.
+    pub serving_store: Option<Box<dyn Store>>,
 }
 
 /// The control plane: its parts (see the module docs).
@@ -117,8 +122,18 @@ impl ControlPlane {
         models: Models,
         settings: ControlSettings,
     ) -> anyhow::Result<Self> {
-        let ControlSettings { defaults, max_instances, compile, weights, counters, pipeline, artifact_key, cache_key, compile_store } =
-            settings;
+        let ControlSettings {
+            defaults,
+            max_instances,
+            compile,
+            weights,
+            counters,
+            pipeline,
+            artifact_key,
+            cache_key,
+            compile_store,
+            serving_store,
+        } = settings;
         blobs::prepare_data_dir(data_dir)?;
         if let Err(e) = validate_defaults(&defaults, max_instances) {
             anyhow::bail!(
@@ -142,6 +157,7 @@ impl ControlPlane {
             engine_id: engine_id(sandbox.engine()),
             db: Connection::new(store),
             compile_db: compile_store.map(Connection::new),
+            serving_db: serving_store.map(Connection::new),
             cache,
             sandbox,
             models,
@@ -166,7 +182,7 @@ impl ControlPlane {
             cluster,
             shared,
         };
-        control.serving.refresh(&mut **control.shared.db(), Vec::new(), Compile::Now)?;
+        control.serving.refresh(Vec::new(), Compile::Now)?;
         Ok(control)
     }
 

@@ -137,11 +137,11 @@ impl Releases {
             db.set_canary(tenant, &handler, Some(Canary { version, percent, abort }))?;
         }
         self.prune(&mut **db, (tenant, &handler), limits.max_versions);
-        // Matched by version: served only if active, or the canary.
-        let preloaded = vec![Arc::new(linked)];
-        self.serving.refresh_after_commit(&mut **db, preloaded);
         // Stored: what is active follows from the upload (no second read that could fail now).
         let active_version = if activate { Some(version) } else { db.versions(tenant, &handler).map(|v| v.1).unwrap_or(None) };
+        drop(db);
+        // Matched by version: served only if active, or the canary.
+        self.serving.refresh_after_commit(vec![Arc::new(linked)]);
         tracing::info!(tenant, handler, version, %sha256, activate, "handler version stored");
         Ok(Deployed { tenant: tenant.to_owned(), handler, version, sha256, size: component.len(), active_version })
     }
@@ -179,7 +179,8 @@ impl Releases {
         let canary = db.canary(tenant, handler)?.filter(|c| only.is_none_or(|v| v == c.version));
         let canary = canary.ok_or_else(|| StoreError::NotFound(format!("{tenant}/{handler} has no canary")))?;
         db.set_canary(tenant, handler, None)?;
-        self.serving.refresh_after_commit(&mut **db, Vec::new());
+        drop(db);
+        self.serving.refresh_after_commit(Vec::new());
         tracing::info!(tenant, handler, version = canary.version, "canary ended");
         Ok(canary)
     }
@@ -245,7 +246,8 @@ impl Releases {
         if db.canary(tenant, handler)?.is_some_and(|c| c.version == version) {
             db.set_canary(tenant, handler, None)?;
         }
-        self.serving.refresh_after_commit(&mut **db, vec![Arc::new(loaded)]);
+        drop(db);
+        self.serving.refresh_after_commit(vec![Arc::new(loaded)]);
         tracing::info!(tenant, handler, version, ?previous_version, "handler version activated");
         Ok(Activated { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version: version, previous_version })
     }

@@ -31,7 +31,7 @@ pub struct Serving {
     /// A component the snapshot waited for has been compiled: the next sync rebuilds it.
     recheck: AtomicBool,
     live: RwLock<Arc<Live>>,
-    /// Held by every swap of `live`, taken under the store's lock (see `change_keys`).
+    /// Held by every swap of `live` and a rebuild's read of the keys (see `change_keys`).
     swap: Mutex<()>,
 }
 
@@ -63,14 +63,13 @@ impl Serving {
     /// in [`Synced::to_compile`] for [`Artifacts::precompile`]. So a compile
     /// never holds back the rest of a change, a revoked key least of all.
     pub fn sync(&self) -> StoreResult<Synced> {
-        let mut db = self.shared.db();
-        let generation = db.generation()?;
+        let generation = self.shared.serving_db().generation()?;
         let recheck = self.recheck.swap(false, Ordering::AcqRel);
         if generation == self.generation.load(Ordering::Acquire) && !recheck {
             self.synced_at_ms.store(now_ms(), Ordering::Release);
             return Ok(Synced::default());
         }
-        let to_compile = self.refresh(&mut **db, Vec::new(), Compile::Later).inspect_err(|_| {
+        let to_compile = self.refresh(Vec::new(), Compile::Later).inspect_err(|_| {
             if recheck {
                 // Not rebuilt: the compiled version is still to be swapped in.
                 self.recheck_soon();
@@ -184,8 +183,8 @@ impl Serving {
     /// the caller holds the store's lock, and what this node has not
     /// compiled (a version deployed through another node) is left to the
     /// sync's compile thread, asked for at the next sync.
-    pub(super) fn refresh_after_commit(&self, db: &mut dyn Store, preloaded: Vec<Arc<Handler>>) {
-        match self.refresh(db, preloaded, Compile::Later) {
+    pub(super) fn refresh_after_commit(&self, preloaded: Vec<Arc<Handler>>) {
+        match self.refresh(preloaded, Compile::Later) {
             Ok(to_compile) if !to_compile.is_empty() => self.recheck_soon(),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "change stored; the snapshot follows when the store answers again"),
@@ -197,8 +196,8 @@ impl Serving {
     /// is copied (see [`Live::with_keys`]); tenants, gates and handlers are
     /// shared. The swap lock is taken before `db` is released, so key
     /// changes apply in the order they committed, and a rebuild (which
-    /// swaps under the same lock, and reads the store under `db`) never
-    /// swaps in an older view after a newer change. If the snapshot was the
+    /// reads the keys and swaps under the same lock) never swaps in an
+    /// older view of the keys after a newer change. If the snapshot was the
     /// store just before this change, it is the store at `generation` now:
     /// the sync finds nothing to rebuild.
     pub(super) fn change_keys(&self, db: MutexGuard<'_, Box<dyn Store>>, generation: i64, change: impl FnOnce(&mut KeyMap)) {
@@ -210,8 +209,9 @@ impl Serving {
         drop(swapping);
     }
 
-    /// The lock every swap of the snapshot holds; taken while the store's
-    /// lock is held, never the other way round.
+    /// The lock every swap of the snapshot holds; taken while a store
+    /// connection's lock is held (the main one by a key change, the
+    /// snapshot's by a rebuild), never the other way round.
     fn swapping(&self) -> MutexGuard<'_, ()> {
         self.swap.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -220,7 +220,9 @@ impl Serving {
     /// already loaded at the same version are reused, as are tenant gates
     /// whose limits did not change. Returns the components left to compile
     /// (under [`Compile::Later`]).
-    pub(super) fn refresh(&self, db: &mut dyn Store, preloaded: Vec<Arc<Handler>>, compile: Compile) -> StoreResult<Vec<String>> {
+    pub(super) fn refresh(&self, preloaded: Vec<Arc<Handler>>, compile: Compile) -> StoreResult<Vec<String>> {
+        let mut db = self.shared.serving_db();
+        let db = &mut **db;
         // Read first: a change committed while this runs bumps it again, and the next sync catches it.
         let generation = db.generation()?;
         let old = self.live();
@@ -277,14 +279,16 @@ impl Serving {
                 to_compile.push(sha);
             }
         }
+        // The keys are read under the swap lock: a key change committed
+        // before this read is in it, one committed after it waits to apply
+        // on top (see `change_keys`), so no revoked key comes back.
+        let _swapping = self.swapping();
         for (id, tenant, sha, scopes) in db.active_keys()? {
             if let Some(secret_sha256) = keys::digest_from_hex(&sha) {
                 live.keys_mut().insert(Arc::from(id), Arc::new(ActiveKey { tenant, secret_sha256, scopes }));
             }
         }
         self.drop_recreated_meanwhile(db, &mut live)?;
-        // After the key changes committed before this read (see `change_keys`).
-        let _swapping = self.swapping();
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         self.generation.store(generation, Ordering::Release);
         self.synced_at_ms.store(now_ms(), Ordering::Release);

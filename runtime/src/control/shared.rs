@@ -38,6 +38,10 @@ pub(super) struct Shared {
     /// The background compiler's own connection for its bulk reads and
     /// writes (an 18 MB component, a 38 MB artifact); `None` shares `db`.
     pub compile_db: Option<Connection>,
+    /// The snapshot's own connection, for its rebuilds and the sync's
+    /// generation checks: a rebuild never holds the lock that changes, a
+    /// tenant's reads or a compile take; `None` shares `db`.
+    pub serving_db: Option<Connection>,
     /// The store, for logs (no password).
     pub described: String,
     pub sandbox: Arc<Sandbox>,
@@ -66,6 +70,11 @@ impl Shared {
     /// The store's main connection.
     pub fn db(&self) -> MutexGuard<'_, Box<dyn Store>> {
         self.db.lock()
+    }
+
+    /// The snapshot's connection: its own where it has one.
+    pub fn serving_db(&self) -> MutexGuard<'_, Box<dyn Store>> {
+        self.serving_db.as_ref().unwrap_or(&self.db).lock()
     }
 
     /// The background compiler's connection: its own where it has one.

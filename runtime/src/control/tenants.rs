@@ -48,11 +48,10 @@ impl Tenants {
     pub fn create(&self, name: &str, overrides: &LimitOverrides) -> StoreResult<TenantInfo> {
         let name = valid_name(name).map_err(|e| StoreError::Invalid(e.to_string()))?;
         self.validate_limits(overrides)?;
-        let mut db = self.shared.db();
-        db.create_tenant(&name, overrides)?;
-        self.serving.refresh_after_commit(&mut **db, Vec::new());
-        let row = db.tenant(&name)?;
-        self.info(&mut **db, row)
+        self.shared.db().create_tenant(&name, overrides)?;
+        // The store's lock is released first: a rebuild runs on the snapshot's own connection.
+        self.serving.refresh_after_commit(Vec::new());
+        self.get(&name)
     }
 
     /// Changes some of a tenant's limits (fields absent in `patch` stay).
@@ -62,9 +61,9 @@ impl Tenants {
         overrides.merge(patch);
         self.validate_limits(&overrides)?;
         db.set_limits(name, &overrides)?;
-        self.serving.refresh_after_commit(&mut **db, Vec::new());
-        let row = db.tenant(name)?;
-        self.info(&mut **db, row)
+        drop(db);
+        self.serving.refresh_after_commit(Vec::new());
+        self.get(name)
     }
 
     fn validate_limits(&self, overrides: &LimitOverrides) -> StoreResult<()> {
@@ -81,9 +80,8 @@ impl Tenants {
 
     /// Deletes a tenant, its keys and handlers; its requests in flight finish.
     pub fn delete(&self, name: &str) -> StoreResult<()> {
-        let mut db = self.shared.db();
-        db.delete_tenant(name)?;
-        self.serving.refresh_after_commit(&mut **db, Vec::new());
+        self.shared.db().delete_tenant(name)?;
+        self.serving.refresh_after_commit(Vec::new());
         Ok(())
     }
 

@@ -120,6 +120,8 @@ impl Gateway {
             } else {
                 None
             },
+            // The snapshot's rebuilds never wait for a change or a tenant's read, nor they for it.
+            serving_store: Some(control::store::open(config.store.as_deref(), &config.data_dir)?),
         };
         let store = control::store::open(config.store.as_deref(), &config.data_dir)?;
         let control = ControlPlane::open(store, &config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;
