@@ -5,12 +5,15 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::live::NodeWatch;
 use super::shared::Shared;
 use super::store::{NodeRow, StoreResult};
-use super::sync;
+
+/// A node silent this long is listed as not alive: many heartbeats missed
+/// (a node whose store connection stalls reports nothing meanwhile).
+pub const ALIVE_WITHIN: Duration = Duration::from_secs(30);
 
 /// The cluster's nodes as this node sees them (see the module docs).
 pub struct Cluster {
@@ -46,14 +49,14 @@ impl Cluster {
     }
 
     /// Counts the nodes alive among `nodes` (a heartbeat that advanced
-    /// within [`sync::ALIVE_WITHIN`] by this node's clock, whatever the
+    /// within [`ALIVE_WITHIN`] by this node's clock, whatever the
     /// others' clocks say, see [`NodeWatch`]; at least this one) and keeps
     /// their rows. A node that stops cleanly deregisters at once; one that
     /// dies counts until it is seen silent that long (the others enforce
     /// less meanwhile, never more).
     pub(super) fn count_alive(&self, nodes: &[NodeRow]) -> usize {
         let mut watch = self.node_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let alive: Arc<[NodeRow]> = watch.alive(nodes, Instant::now(), sync::ALIVE_WITHIN).into_iter().cloned().collect();
+        let alive: Arc<[NodeRow]> = watch.alive(nodes, Instant::now(), ALIVE_WITHIN).into_iter().cloned().collect();
         drop(watch);
         let live = alive.len().max(1);
         *self.alive_nodes.write().unwrap_or_else(std::sync::PoisonError::into_inner) = alive;

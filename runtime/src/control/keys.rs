@@ -1,8 +1,11 @@
 //! API keys and the admin token. A key reads `fg_<id>_<secret>`: the id is
 //! public (listed, used to revoke), the secret is 256 random bits of which
-//! only the SHA-256 is stored. Comparisons run in constant time.
+//! only the SHA-256 is stored. Comparisons run in constant time. Secrets
+//! this node writes (key files, the cache key) are readable by their owner only.
 
-use anyhow::anyhow;
+use std::path::Path;
+
+use anyhow::{Context, anyhow};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -152,6 +155,20 @@ pub fn hex(bytes: &[u8]) -> String {
 /// SHA-256 of `bytes`, lower-case hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     hex(&Sha256::digest(bytes))
+}
+
+/// Writes a secret to a new file readable by its owner only.
+pub fn write_secret(path: &Path, secret: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let _ = std::fs::remove_file(path);
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let mut file = options.open(path).with_context(|| format!("cannot write {}", path.display()))?;
+    writeln!(file, "{secret}")?;
+    file.sync_all()?;
+    Ok(())
 }
 
 #[cfg(test)]

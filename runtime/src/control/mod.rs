@@ -54,11 +54,10 @@ use facegate_host_gpu::Models;
 
 pub use self::api::{Activated, CheckReport, CreatedKey, Deployed, HandlerInfo, SeededKey, TenantInfo, VersionsInfo};
 pub use self::artifacts::{Artifacts, engine_id};
-pub use self::cluster::Cluster;
+pub use self::cluster::{ALIVE_WITHIN, Cluster};
 pub use self::live::{CanaryCounts, Live, LiveCanary, Side, TenantEntry};
 pub use self::releases::{Release, Releases};
 pub use self::seal::{ArtifactKey, CACHE_KEY_FILE, CacheKey};
-pub use self::seed::write_secret;
 pub use self::serving::{Serving, Synced};
 pub use self::tenants::Tenants;
 pub use self::upload::{Change, ChangePlace, UploadHold};

@@ -108,7 +108,7 @@ impl CacheKey {
             Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
         }
         let key = keys::random::<32>()?;
-        super::write_secret(&path, &keys::hex(&key))?;
+        super::keys::write_secret(&path, &keys::hex(&key))?;
         Ok(Self(key))
     }
 

@@ -1,11 +1,11 @@
-//! Seeding an empty store from a directory of components, and writing
-//! secrets to files only their owner can read.
+//! Seeding an empty store from a directory of components: tenants, their
+//! handlers, and a key file each.
 
 use std::path::Path;
 
 use anyhow::Context;
 
-use super::keys::Scopes;
+use super::keys::{Scopes, write_secret};
 use super::{ControlPlane, SeededKey};
 use crate::admission::limits::LimitOverrides;
 use crate::sandbox::handler::valid_name;
@@ -82,18 +82,4 @@ impl ControlPlane {
         tracing::info!(tenant, key_id = %key.id, path = %path.display(), "seeded tenant; API key written");
         Ok(Some(SeededKey { tenant: tenant.to_owned(), key: key.key, path }))
     }
-}
-
-/// Writes a secret to a new file readable by its owner only.
-pub fn write_secret(path: &Path, secret: &str) -> anyhow::Result<()> {
-    use std::io::Write;
-    let _ = std::fs::remove_file(path);
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create_new(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-    let mut file = options.open(path).with_context(|| format!("cannot write {}", path.display()))?;
-    writeln!(file, "{secret}")?;
-    file.sync_all()?;
-    Ok(())
 }

@@ -33,9 +33,6 @@ use super::usage::UsagePolicy;
 pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
 /// How often a node reports itself.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
-/// A node silent this long is listed as not alive: many heartbeats missed
-/// (a node whose store connection stalls reports nothing meanwhile).
-pub const ALIVE_WITHIN: Duration = Duration::from_secs(30);
 /// How long to wait before listening again after the listener failed.
 const RELISTEN_AFTER: Duration = Duration::from_secs(2);
 

@@ -24,7 +24,7 @@ use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::control::keys::{self, Scopes};
 use crate::control::store::AbortRule;
 use crate::control::store::{StoreError, now_ms};
-use crate::control::sync::ALIVE_WITHIN;
+use crate::control::ALIVE_WITHIN;
 use crate::control::{Change, ChangePlace, ControlPlane, Release, UploadHold};
 use crate::admission::limits::Limit;
 use crate::sandbox::compile::CompileError;
