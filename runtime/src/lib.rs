@@ -25,8 +25,8 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod http;
-pub mod telemetry;
 pub mod sandbox;
 pub mod serve;
+pub mod telemetry;
 
 pub use serve::{Gateway, batcher_config, bind, load_models, run};

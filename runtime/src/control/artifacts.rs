@@ -23,8 +23,8 @@ use wasmtime::component::Component;
 
 use super::blobs::{ArtifactCache, Unsealed};
 
-use super::store::{ActiveHandler, SharedArtifact, Store, StoreError, StoreResult};
 use super::shared::Shared;
+use super::store::{ActiveHandler, SharedArtifact, Store, StoreError, StoreResult};
 use super::{keys, validate};
 use crate::sandbox::handler::Handler;
 
@@ -77,8 +77,16 @@ impl Artifacts {
 
     pub(super) fn link(&self, component: &Component, active: &ActiveHandler, outgoing_http: bool) -> StoreResult<Handler> {
         validate::check_imports(self.shared.sandbox.engine(), component).map_err(StoreError::Conflict)?;
-        Handler::link(self.shared.sandbox.linker(), component, &active.tenant, &active.handler, active.version, &active.sha256, outgoing_http)
-            .map_err(|e| StoreError::Internal(anyhow::anyhow!(e)))
+        Handler::link(
+            self.shared.sandbox.linker(),
+            component,
+            &active.tenant,
+            &active.handler,
+            active.version,
+            &active.sha256,
+            outgoing_http,
+        )
+        .map_err(|e| StoreError::Internal(anyhow::anyhow!(e)))
     }
 
     /// The compiled component (see the module docs for where it comes from).

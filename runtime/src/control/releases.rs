@@ -141,7 +141,7 @@ impl Releases {
         let active_version = if activate { Some(version) } else { db.versions(tenant, &handler).map(|v| v.1).unwrap_or(None) };
         drop(db);
         // Matched by version: served only if active, or the canary.
-        self.serving.refresh_after_commit(vec![Arc::new(linked)]);
+        self.serving.refresh_after_commit(tenant, vec![Arc::new(linked)]);
         tracing::info!(tenant, handler, version, %sha256, activate, "handler version stored");
         Ok(Deployed { tenant: tenant.to_owned(), handler, version, sha256, size: component.len(), active_version })
     }
@@ -180,7 +180,7 @@ impl Releases {
         let canary = canary.ok_or_else(|| StoreError::NotFound(format!("{tenant}/{handler} has no canary")))?;
         db.set_canary(tenant, handler, None)?;
         drop(db);
-        self.serving.refresh_after_commit(Vec::new());
+        self.serving.refresh_after_commit(tenant, Vec::new());
         tracing::info!(tenant, handler, version = canary.version, "canary ended");
         Ok(canary)
     }
@@ -247,7 +247,7 @@ impl Releases {
             db.set_canary(tenant, handler, None)?;
         }
         drop(db);
-        self.serving.refresh_after_commit(vec![Arc::new(loaded)]);
+        self.serving.refresh_after_commit(tenant, vec![Arc::new(loaded)]);
         tracing::info!(tenant, handler, version, ?previous_version, "handler version activated");
         Ok(Activated { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version: version, previous_version })
     }
@@ -279,4 +279,3 @@ fn check_handler_quota(db: &mut dyn Store, tenant: &str, handler: &str, max_hand
     }
     Ok(())
 }
-

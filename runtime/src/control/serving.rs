@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use super::artifacts::{Artifacts, Compile};
 use super::cluster::Cluster;
-use super::shared::Shared;
 use super::keys;
 use super::live::{ActiveKey, KeyMap, Live, LiveCanary, TenantEntry};
-use super::store::{self, Canary, Store, StoreResult, now_ms};
+use super::shared::Shared;
+use super::store::{self, Canary, Store, StoreError, StoreResult, now_ms};
 use crate::admission::gate::new_gate;
 use crate::sandbox::handler::Handler;
 
@@ -176,15 +176,16 @@ impl Serving {
         }
     }
 
-    /// After a change is committed: the change stands whatever happens next,
+    /// After a change of `tenant` is committed (only its entry is rebuilt,
+    /// see [`Self::refresh_tenant`]): the change stands whatever happens next,
     /// so a snapshot that cannot be rebuilt now (the store went away) is
     /// logged, not reported as the change failing; the sync thread retries
     /// (the generation it holds is still the old one). It never compiles:
     /// the caller holds the store's lock, and what this node has not
     /// compiled (a version deployed through another node) is left to the
     /// sync's compile thread, asked for at the next sync.
-    pub(super) fn refresh_after_commit(&self, preloaded: Vec<Arc<Handler>>) {
-        match self.refresh(preloaded, Compile::Later) {
+    pub(super) fn refresh_after_commit(&self, tenant: &str, preloaded: Vec<Arc<Handler>>) {
+        match self.refresh_tenant(tenant, &preloaded, Compile::Later) {
             Ok(to_compile) if !to_compile.is_empty() => self.recheck_soon(),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "change stored; the snapshot follows when the store answers again"),
@@ -222,7 +223,11 @@ impl Serving {
     /// (under [`Compile::Later`]).
     pub(super) fn refresh(&self, preloaded: Vec<Arc<Handler>>, compile: Compile) -> StoreResult<Vec<String>> {
         let mut db = self.shared.serving_db();
-        let db = &mut **db;
+        self.rebuild_all(&mut **db, &preloaded, compile)
+    }
+
+    /// [`Self::refresh`] on the snapshot's connection `db`, held throughout.
+    fn rebuild_all(&self, db: &mut dyn Store, preloaded: &[Arc<Handler>], compile: Compile) -> StoreResult<Vec<String>> {
         // Read first: a change committed while this runs bumps it again, and the next sync catches it.
         let generation = db.generation()?;
         let old = self.live();
@@ -236,48 +241,10 @@ impl Serving {
         let mut to_compile = Vec::new();
         for active in db.active_handlers()? {
             let Some(entry) = live.tenants_mut().get_mut(&active.tenant) else { continue };
-            let outgoing_http = entry.gate.limits.outgoing_http;
-            let same = |h: &&Arc<Handler>| h.version == active.version && h.sha256 == active.sha256 && h.outgoing_http == outgoing_http;
-            // What this tenant (this incarnation of it) served before.
-            let served = old
-                .tenants
-                .get(&active.tenant)
-                .filter(|e| e.incarnation == entry.incarnation)
-                .and_then(|e| e.handlers.get(&active.handler));
-            let reused = preloaded
-                .iter()
-                .find(|h| *h.tenant == *active.tenant && h.name == active.handler && same(h))
-                .or_else(|| served.filter(same))
-                .cloned();
-            let loaded = match reused {
-                Some(handler) => Ok(Some(handler)),
-                None => self.artifacts.load_handler_if(db, &active, outgoing_http, compile).map(|h| h.map(Arc::new)),
-            };
-            // The version being served stays (if its grant did not change)
-            // while the new one compiles, or when it cannot be loaded: a
-            // change made elsewhere must not take the handler away.
-            let kept = || served.filter(|h| h.outgoing_http == outgoing_http).cloned();
-            let handler = match loaded {
-                Ok(Some(handler)) => Some(handler),
-                Ok(None) => {
-                    tracing::info!(tenant = %active.tenant, handler = %active.handler, version = active.version, "compiling a version deployed elsewhere; serving the previous one meanwhile");
-                    to_compile.push(active.sha256.clone());
-                    kept()
-                }
-                Err(e) => {
-                    let kept = kept();
-                    tracing::error!(tenant = %active.tenant, handler = %active.handler, version = active.version, kept = ?kept.as_ref().map(|h| h.version), error = %e, "cannot load handler version");
-                    kept
-                }
-            };
-            if let Some(handler) = handler {
-                entry.handlers.insert(active.handler, handler);
-            }
+            to_compile.extend(self.serve_active(db, &old, (preloaded, compile), entry, active));
         }
         for (version, canary) in db.canaries()? {
-            if let Some(sha) = self.canary_into(db, &old, (&preloaded, compile), &mut live, (version, canary)) {
-                to_compile.push(sha);
-            }
+            to_compile.extend(self.canary_into(db, &old, (preloaded, compile), &mut live, (version, canary)));
         }
         // The keys are read under the swap lock: a key change committed
         // before this read is in it, one committed after it waits to apply
@@ -293,6 +260,111 @@ impl Serving {
         self.generation.store(generation, Ordering::Release);
         self.synced_at_ms.store(now_ms(), Ordering::Release);
         Ok(to_compile)
+    }
+
+    /// Rebuilds only `tenant`'s entry after a change that touched only it
+    /// (its limits, a version, a canary; its creation or deletion): the
+    /// other tenants' entries and the keys are shared with the current
+    /// snapshot, not read again. A tenant deleted and created again
+    /// meanwhile is rebuilt with everything else. The snapshot's generation
+    /// is left as it was: the sync's next check rebuilds it whole, off the
+    /// change's path.
+    pub(super) fn refresh_tenant(&self, tenant: &str, preloaded: &[Arc<Handler>], compile: Compile) -> StoreResult<Vec<String>> {
+        let mut guard = self.shared.serving_db();
+        let db = &mut **guard;
+        let old = self.live();
+        let row = tenant_row(db, tenant)?;
+        let incarnation = row.as_ref().map(|r| r.incarnation.clone());
+        if old.tenants.get(tenant).is_some_and(|was| incarnation.as_ref().is_some_and(|now| *now != was.incarnation)) {
+            return self.rebuild_all(db, preloaded, compile);
+        }
+        let mut live = Live { tenants: Arc::clone(&old.tenants), keys: Arc::default() };
+        if let Some(was) = live.tenants_mut().remove(tenant)
+            && row.is_none()
+        {
+            self.forget_tenant(tenant, &was);
+        }
+        let mut to_compile = Vec::new();
+        if let Some(row) = row {
+            let (name, mut entry) = self.tenant_entry(&old, row);
+            for active in db.active_handlers()?.into_iter().filter(|a| a.tenant == tenant) {
+                to_compile.extend(self.serve_active(db, &old, (preloaded, compile), &mut entry, active));
+            }
+            live.tenants_mut().insert(name, entry);
+            for (version, canary) in db.canaries()?.into_iter().filter(|(v, _)| v.tenant == tenant) {
+                to_compile.extend(self.canary_into(db, &old, (preloaded, compile), &mut live, (version, canary)));
+            }
+        }
+        // Deleted or created again while this read: rebuilt whole instead.
+        if tenant_row(db, tenant)?.map(|r| r.incarnation) != incarnation {
+            return self.rebuild_all(db, preloaded, compile);
+        }
+        let _swapping = self.swapping();
+        let current = self.live();
+        live.keys = Arc::clone(&current.keys);
+        if incarnation.is_none() {
+            live.keys_mut().retain(|_, key| key.tenant != tenant);
+        }
+        *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
+        Ok(to_compile)
+    }
+
+    /// Puts `active` into `entry`: the handler served before or `preloaded`
+    /// if the same version, else loaded. Returns its component when it must
+    /// be compiled first (the version served before stays meanwhile).
+    fn serve_active(
+        &self,
+        db: &mut dyn Store,
+        old: &Live,
+        (preloaded, compile): (&[Arc<Handler>], Compile),
+        entry: &mut TenantEntry,
+        active: store::ActiveHandler,
+    ) -> Option<String> {
+        let outgoing_http = entry.gate.limits.outgoing_http;
+        let same = |h: &&Arc<Handler>| h.version == active.version && h.sha256 == active.sha256 && h.outgoing_http == outgoing_http;
+        // What this tenant (this incarnation of it) served before.
+        let served =
+            old.tenants.get(&active.tenant).filter(|e| e.incarnation == entry.incarnation).and_then(|e| e.handlers.get(&active.handler));
+        let reused = preloaded
+            .iter()
+            .find(|h| *h.tenant == *active.tenant && h.name == active.handler && same(h))
+            .or_else(|| served.filter(same))
+            .cloned();
+        let loaded = match reused {
+            Some(handler) => Ok(Some(handler)),
+            None => self.artifacts.load_handler_if(db, &active, outgoing_http, compile).map(|h| h.map(Arc::new)),
+        };
+        // The version being served stays (if its grant did not change)
+        // while the new one compiles, or when it cannot be loaded: a
+        // change made elsewhere must not take the handler away.
+        let kept = || served.filter(|h| h.outgoing_http == outgoing_http).cloned();
+        let mut to_compile = None;
+        let handler = match loaded {
+            Ok(Some(handler)) => Some(handler),
+            Ok(None) => {
+                tracing::info!(tenant = %active.tenant, handler = %active.handler, version = active.version, "compiling a version deployed elsewhere; serving the previous one meanwhile");
+                to_compile = Some(active.sha256.clone());
+                kept()
+            }
+            Err(e) => {
+                let kept = kept();
+                tracing::error!(tenant = %active.tenant, handler = %active.handler, version = active.version, kept = ?kept.as_ref().map(|h| h.version), error = %e, "cannot load handler version");
+                kept
+            }
+        };
+        if let Some(handler) = handler {
+            entry.handlers.insert(active.handler, handler);
+        }
+        to_compile
+    }
+}
+
+/// `tenant`'s row, `None` if there is no such tenant.
+fn tenant_row(db: &mut dyn Store, tenant: &str) -> StoreResult<Option<store::TenantRow>> {
+    match db.tenant(tenant) {
+        Ok(row) => Ok(Some(row)),
+        Err(StoreError::NotFound(_)) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 

@@ -50,7 +50,7 @@ impl Tenants {
         self.validate_limits(overrides)?;
         self.shared.db().create_tenant(&name, overrides)?;
         // The store's lock is released first: a rebuild runs on the snapshot's own connection.
-        self.serving.refresh_after_commit(Vec::new());
+        self.serving.refresh_after_commit(&name, Vec::new());
         self.get(&name)
     }
 
@@ -62,7 +62,7 @@ impl Tenants {
         self.validate_limits(&overrides)?;
         db.set_limits(name, &overrides)?;
         drop(db);
-        self.serving.refresh_after_commit(Vec::new());
+        self.serving.refresh_after_commit(name, Vec::new());
         self.get(name)
     }
 
@@ -81,7 +81,7 @@ impl Tenants {
     /// Deletes a tenant, its keys and handlers; its requests in flight finish.
     pub fn delete(&self, name: &str) -> StoreResult<()> {
         self.shared.db().delete_tenant(name)?;
-        self.serving.refresh_after_commit(Vec::new());
+        self.serving.refresh_after_commit(name, Vec::new());
         Ok(())
     }
 

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use wasmtime::component::Component;
 
-use super::blobs::ArtifactCache;
 use super::artifacts::write_artifact;
+use super::blobs::ArtifactCache;
 use super::compose;
 use super::keys::sha256_hex;
 use super::seal::ArtifactKey;

@@ -19,14 +19,14 @@ use super::app::App;
 use super::auth::bearer;
 use super::body::{content_length, read_body};
 use super::response::{self, Body};
+use crate::admission::limits::Limit;
 use crate::admission::limits::LimitOverrides;
 use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
+use crate::control::ALIVE_WITHIN;
 use crate::control::keys::{self, Scopes};
 use crate::control::store::AbortRule;
 use crate::control::store::{StoreError, now_ms};
-use crate::control::ALIVE_WITHIN;
 use crate::control::{Change, ChangePlace, ControlPlane, Release, UploadHold};
-use crate::admission::limits::Limit;
 use crate::sandbox::compile::CompileError;
 
 /// Longest an admin upload may take to arrive.

@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::admission::slots::InstancePool;
 use crate::config::ServeConfig;
 use crate::control::ControlPlane;
+use crate::sandbox::Sandbox;
 use crate::telemetry::trace::Tracing;
 use crate::telemetry::{HttpMetrics, LimitHits};
-use crate::sandbox::Sandbox;
 use facegate_host_gpu::Models;
 
 /// Which routes a listener serves.

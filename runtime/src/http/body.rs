@@ -10,8 +10,8 @@ use hyper::header::{CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
 use hyper::{Request, Response, StatusCode};
 
 use super::response::{self, Body};
-use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::admission::limits::Limit;
+use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 
 /// Longest a client may take to send a request body (also capped by the request timeout).
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);

@@ -14,18 +14,18 @@ use super::app::{App, REQUEST_ID_HEADER, VERSION_HEADER};
 use super::auth::bearer;
 use super::body::{content_length, read_body};
 use super::response::{self, Body};
+use crate::admission::gate::TenantGate;
+use crate::admission::limits::Limit;
 use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::admission::slots::Refusal;
-use crate::admission::gate::TenantGate;
 use crate::control::keys::Scopes;
 use crate::control::store::StoreError;
 use crate::control::{LiveCanary, Side};
-use crate::admission::limits::Limit;
+use crate::sandbox::handler::Handler;
+use crate::sandbox::{RequestTag, SandboxError, SandboxLimits};
 use crate::telemetry::logs::{LogOwner, LogRecord};
 use crate::telemetry::trace::RequestTrace;
 use crate::telemetry::usage::{BytesOut, Usage, UsageKey};
-use crate::sandbox::handler::Handler;
-use crate::sandbox::{RequestTag, SandboxError, SandboxLimits};
 
 /// A number from 0 to 99, uniformly (99, the active version's side, when
 /// the system has no randomness to give).

@@ -25,13 +25,13 @@ use super::app::App;
 use super::auth::bearer;
 use super::peers::{self, Asked, Line, PEER_TIMEOUT, Peer, PeerLines, PeerTls, Stamp};
 use super::response::{self, Body};
+use crate::admission::limits::Limit;
 use crate::admission::memory::{Charge, MemoryBudget, Refusal};
 use crate::config::valid_node_id;
 use crate::control::ControlPlane;
 use crate::control::keys::Scopes;
-use crate::admission::limits::Limit;
-use crate::telemetry::logs::{Follower, LogOwner, LogRecord, MAX_FOLLOWERS, TenantLogs};
 use crate::sandbox::handler::valid_name;
+use crate::telemetry::logs::{Follower, LogOwner, LogRecord, MAX_FOLLOWERS, TenantLogs};
 
 /// Longest one follow stays open; the client asks again with `since=`.
 const FOLLOW_FOR: Duration = Duration::from_secs(60);

@@ -25,10 +25,10 @@ use super::admin::{Activate, AdminResult, Held, StoreCall, change_of, created, k
 use super::app::{App, REQUEST_ID_HEADER};
 use super::auth::bearer;
 use super::response::{self, Body};
+use crate::admission::limits::Limit;
 use crate::control::keys::Scopes;
 use crate::control::store::StoreError;
 use crate::control::{Change, ControlPlane};
-use crate::admission::limits::Limit;
 
 /// Largest body of a tenant's call that uploads nothing (JSON of a few fields).
 const SMALL_BODY_BYTES: usize = 64 << 10;

@@ -18,12 +18,9 @@ use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 
+use crate::admission::limits::Limit;
 use crate::admission::limits::TenantLimits;
 use crate::admission::memory::{MemoryBudget, NodeMemoryExhausted, Refusal};
-use crate::telemetry::logs::{LogOwner, LogRecord, TenantLogs};
-use crate::telemetry::trace::RequestTrace;
-use crate::admission::limits::Limit;
-use crate::telemetry::LimitHits;
 use crate::sandbox::answer_end;
 use crate::sandbox::face_detect::{self, FaceDetectCtx};
 use crate::sandbox::handler::Handler;
@@ -32,6 +29,9 @@ use crate::sandbox::outgoing::Egress;
 use crate::sandbox::state::{self, GatewayHooks, RequestState};
 use crate::sandbox::stdio::escape_for_log;
 use crate::sandbox::warm::{WARM_MAX_MEMORY, Warm, WarmBudget};
+use crate::telemetry::LimitHits;
+use crate::telemetry::logs::{LogOwner, LogRecord, TenantLogs};
+use crate::telemetry::trace::RequestTrace;
 use facegate_host_gpu::Models;
 use opentelemetry::KeyValue;
 

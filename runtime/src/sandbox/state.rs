@@ -9,11 +9,11 @@ use wasmtime_wasi::p2::{DynInputStream, DynOutputStream};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
-use crate::telemetry::trace::RequestTrace;
 use crate::sandbox::face_detect::{FaceDetectCtx, FaceDetectView};
 use crate::sandbox::instance_memory::InstanceLimiter;
 use crate::sandbox::outgoing::{Caller, Egress, Refusals, Sent};
 use crate::sandbox::stdio::{CappedCapture, STDIO_CAPTURE_BYTES};
+use crate::telemetry::trace::RequestTrace;
 
 /// Default most host resources (wasi:http fields, bodies, streams,
 /// pollables, ...) one request may hold at once. Rust handlers use about 15.

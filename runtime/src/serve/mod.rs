@@ -21,10 +21,10 @@ use crate::control::store::NodeLoad;
 use crate::control::sync::{NodeIdentity, SyncHandle};
 use crate::control::{ControlPlane, ControlSettings};
 use crate::http::{App, Plane};
-use crate::telemetry::trace::Tracing;
 use crate::sandbox::compile::CompilePool;
 use crate::sandbox::engine::{EngineLimits, EpochTicker};
 use crate::sandbox::{Sandbox, engine, outgoing};
+use crate::telemetry::trace::Tracing;
 use crate::{control, http, telemetry};
 
 /// Loads ONNX Runtime and the model, and starts one batcher with one

@@ -191,7 +191,10 @@ fn migrate(client: &mut Client) -> StoreResult<()> {
 /// Adds the usage figures declared since the table was made (see [`missing_usage_columns`]).
 fn add_usage_columns(tx: &mut postgres::Transaction<'_>) -> StoreResult<()> {
     let rows = tx
-        .query("SELECT column_name::TEXT FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = 'usage'", &[])
+        .query(
+            "SELECT column_name::TEXT FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = 'usage'",
+            &[],
+        )
         .map_err(db_error)?;
     let columns: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
     for column in missing_usage_columns(&columns) {
