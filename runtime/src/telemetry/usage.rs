@@ -315,9 +315,11 @@ mod tests {
     fn figures_go_out_and_come_back_in_the_order_of_their_names() {
         let usage = Usage { requests_4xx: 4, device_us: 6, peak_memory_bytes: 10, ..Usage::default() };
         let figures = usage.figures();
-        assert_eq!((figures[2], figures[5], figures[9]), (4, 6, 10));
-        assert_eq!((Usage::FIELDS[2], Usage::FIELDS[5], Usage::FIELDS[9]), ("requests_4xx", "device_us", "peak_memory_bytes"));
+        let at = |name: &str| Usage::FIELDS.iter().position(|f| *f == name).unwrap();
+        assert_eq!((figures[at("requests_4xx")], figures[at("device_us")], figures[at("peak_memory_bytes")]), (4, 6, 10));
         assert_eq!(Usage::from_figures(figures), usage);
+        let numbered: [u64; Usage::COUNT] = std::array::from_fn(|i| i as u64 + 1);
+        assert_eq!(Usage::from_figures(numbered).figures(), numbered, "every figure out and back in its place");
         let json = serde_json::to_value(usage).unwrap();
         assert!(Usage::FIELDS.iter().zip(figures).all(|(name, n)| json[name] == n), "{json}");
     }
