@@ -16,6 +16,7 @@
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest, Sha256};
 use wasmtime::Engine;
@@ -42,14 +43,35 @@ pub(super) enum Compile {
     Later,
 }
 
+/// Where this node's compiled components came from, counted since start
+/// (`/metrics`): compiled here, or loaded from an artifact another node
+/// shared through the store. Cached artifacts of this node count as neither.
+#[derive(Debug, Default)]
+struct Sources {
+    compiled: AtomicU64,
+    shared: AtomicU64,
+}
+
 /// The control plane's part for compiled components (see the module docs).
 pub struct Artifacts {
     shared: Arc<Shared>,
+    sources: Sources,
 }
 
 impl Artifacts {
     pub(super) fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
+        Self { shared, sources: Sources::default() }
+    }
+
+    /// Components this node compiled, and artifacts of other nodes it
+    /// loaded instead of compiling, since it started.
+    pub fn sources(&self) -> (u64, u64) {
+        (self.sources.compiled.load(Ordering::Relaxed), self.sources.shared.load(Ordering::Relaxed))
+    }
+
+    /// Counts a component compiled here (an upload's compile among them).
+    pub(super) fn compiled_here(&self) {
+        self.sources.compiled.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The active version `active`, loaded and linked (compiled here if no artifact is at hand).
@@ -152,6 +174,7 @@ impl Artifacts {
         let engine = self.shared.sandbox.engine().clone();
         let compiled = self.shared.compile.run(move || Component::new(&engine, &bytes)).map_err(super::shared::compile_refusal)?;
         let component = compiled.map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
+        self.compiled_here();
         match write_artifact(&self.shared.cache, &self.shared.engine_id, sha256, &component) {
             Ok(artifact) => self.share(&mut **self.shared.db(), sha256, artifact),
             // The cache only saves the next compile: a full disk must not stop serving.
@@ -186,6 +209,7 @@ impl Artifacts {
     /// the artifact too, unless the cache could not keep it.
     fn compile_component(&self, sha256: &str, bytes: &[u8]) -> StoreResult<(Component, Option<Vec<u8>>)> {
         let component = Component::new(self.shared.sandbox.engine(), bytes).map_err(|e| anyhow::anyhow!("component {sha256}: {e:#}"))?;
+        self.compiled_here();
         // The cache only saves the next compile: a full disk must not stop serving.
         let artifact = write_artifact(&self.shared.cache, &self.shared.engine_id, sha256, &component)
             .map_err(|e| tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached"))
@@ -237,6 +261,7 @@ impl Artifacts {
         let component = deserialize(self.shared.sandbox.engine(), &artifact.bytes)
             .map_err(|e| tracing::warn!(error = %e, "shared artifact unusable; compiling"))
             .ok()?;
+        self.sources.shared.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = self.shared.cache.put(sha256, &self.shared.engine_id, &artifact.bytes) {
             tracing::warn!(error = %format!("{e:#}"), "precompiled artifact not cached");
         }

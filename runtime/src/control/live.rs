@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::keys::{self, Scopes};
-use super::store::Canary;
 use super::store::NodeRow;
+use super::store::{AbortRule, Canary};
 use crate::admission::gate::TenantGate;
 use crate::sandbox::handler::Handler;
 
@@ -64,6 +64,27 @@ pub struct CanaryCounts {
     aborting: AtomicBool,
 }
 
+impl CanaryCounts {
+    /// Counts an answer of `status` from `side`; true once, when `rule`
+    /// first holds: the canary has served `after` answers and its share of
+    /// 5xx exceeds the active version's by more than `margin`.
+    fn record(&self, rule: Option<AbortRule>, side: Side, status: u16) -> bool {
+        let counts = match side {
+            Side::Stable => &self.stable,
+            Side::Canary => &self.canary,
+        };
+        counts[0].fetch_add(1, Ordering::Relaxed);
+        counts[1].fetch_add(u64::from(status >= 500), Ordering::Relaxed);
+        let Some(rule) = rule else { return false };
+        let share = |c: &[AtomicU64; 2]| {
+            let n = c[0].load(Ordering::Relaxed);
+            (n, if n == 0 { 0.0 } else { c[1].load(Ordering::Relaxed) as f64 / n as f64 })
+        };
+        let ((served, canary_errors), (_, stable_errors)) = (share(&self.canary), share(&self.stable));
+        served >= rule.after && canary_errors > stable_errors + rule.margin && !self.aborting.swap(true, Ordering::AcqRel)
+    }
+}
+
 impl LiveCanary {
     /// Which side a request drawn `draw` (0 to 99, uniform) goes to.
     pub fn side(&self, draw: u8) -> Side {
@@ -73,19 +94,7 @@ impl LiveCanary {
     /// Counts an answer of `status` from `side`; true once, when the abort
     /// rule first holds (the caller then ends the canary).
     pub fn record(&self, side: Side, status: u16) -> bool {
-        let counts = match side {
-            Side::Stable => &self.counts.stable,
-            Side::Canary => &self.counts.canary,
-        };
-        counts[0].fetch_add(1, Ordering::Relaxed);
-        counts[1].fetch_add(u64::from(status >= 500), Ordering::Relaxed);
-        let Some(rule) = self.canary.abort else { return false };
-        let share = |c: &[AtomicU64; 2]| {
-            let n = c[0].load(Ordering::Relaxed);
-            (n, if n == 0 { 0.0 } else { c[1].load(Ordering::Relaxed) as f64 / n as f64 })
-        };
-        let ((served, canary_errors), (_, stable_errors)) = (share(&self.counts.canary), share(&self.counts.stable));
-        served >= rule.after && canary_errors > stable_errors + rule.margin && !self.counts.aborting.swap(true, Ordering::AcqRel)
+        self.counts.record(self.canary.abort, side, status)
     }
 
     /// An abort that could not reach the store: the rule may fire again.
@@ -248,5 +257,53 @@ mod tests {
         assert_eq!(watch.alive(&[row("me", 50_000)], t0 + Duration::from_secs(50), WINDOW).len(), 1, "rows removed are forgotten");
         assert_eq!(watch.seen.len(), 1);
         assert!(NodeWatch::default().alive(&[], t0, WINDOW).is_empty(), "none without rows");
+    }
+
+    /// Records `answers` (side, status) in order; what each `record` returned.
+    fn answers(counts: &CanaryCounts, rule: AbortRule, answers: &[(Side, u16)]) -> Vec<bool> {
+        answers.iter().map(|&(side, status)| counts.record(Some(rule), side, status)).collect()
+    }
+
+    #[test]
+    fn a_failing_canary_is_aborted_at_its_after_th_answer_not_before_and_once() {
+        let rule = AbortRule { margin: 0.1, after: 5 };
+        let counts = CanaryCounts::default();
+        let fired = answers(&counts, rule, &[(Side::Canary, 500); 7]);
+        assert_eq!(fired, [false, false, false, false, true, false, false], "at the 5th answer (after = 5), and once");
+        counts.aborting.store(false, Ordering::Release); // as `LiveCanary::abort_failed`
+        assert!(counts.record(Some(rule), Side::Canary, 500), "an abort that failed fires again at the next failing answer");
+
+        let late = CanaryCounts::default();
+        assert_eq!(answers(&late, AbortRule { after: 6, ..rule }, &[(Side::Canary, 500); 6]), [false, false, false, false, false, true]);
+    }
+
+    #[test]
+    fn the_margin_is_over_the_active_versions_share_and_strict() {
+        // The active version: 1 of 4 answers a 5xx (0.25); margin 0.25, so
+        // the canary must fail more than half its answers.
+        let rule = AbortRule { margin: 0.25, after: 4 };
+        let counts = CanaryCounts::default();
+        let stable = [(Side::Stable, 200), (Side::Stable, 503), (Side::Stable, 200), (Side::Stable, 404)];
+        assert_eq!(answers(&counts, rule, &stable), [false; 4], "the active version's answers alone abort nothing");
+        let canary = [(Side::Canary, 500), (Side::Canary, 502), (Side::Canary, 200), (Side::Canary, 200)];
+        assert_eq!(answers(&counts, rule, &canary), [false; 4], "2 of 4 (0.5) is at 0.25 + 0.25, not over");
+        assert!(counts.record(Some(rule), Side::Canary, 500), "3 of 5 (0.6) is over");
+        assert_eq!(counts.stable.each_ref().map(|n| n.load(Ordering::Relaxed)), [4, 1]);
+        assert_eq!(counts.canary.each_ref().map(|n| n.load(Ordering::Relaxed)), [5, 3]);
+
+        // The same canary beside an active version that never fails: over at once.
+        let clean = CanaryCounts::default();
+        let stable = [(Side::Stable, 200); 4];
+        assert_eq!(answers(&clean, rule, &[&stable[..], &canary[..]].concat()), [false, false, false, false, false, false, false, true]);
+    }
+
+    #[test]
+    fn only_5xx_answers_count_and_no_rule_never_aborts() {
+        let rule = AbortRule { margin: 0.0, after: 1 };
+        let counts = CanaryCounts::default();
+        assert_eq!(answers(&counts, rule, &[(Side::Canary, 404), (Side::Canary, 429), (Side::Canary, 499)]), [false; 3]);
+        assert!(counts.record(Some(rule), Side::Canary, 500), "the first 5xx is over a margin of 0");
+        let unruled = CanaryCounts::default();
+        assert!((0..100).all(|_| !unruled.record(None, Side::Canary, 500)), "without a rule: never");
     }
 }

@@ -120,6 +120,7 @@ impl Releases {
         // tenant's place and its charge until it ends.
         let (prepared, mut hold) = self.shared.compile.run(move || (upload.prepare(), hold)).map_err(compile_refusal)?;
         let prepared = prepared?;
+        self.artifacts.compiled_here();
         // From here on the upload holds what is stored, its component (a
         // charge that shrinks is never refused).
         let _ = hold.memory.resize(prepared.component.len());

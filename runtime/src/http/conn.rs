@@ -946,6 +946,20 @@ mod tests {
         assert_eq!(client_key(ip("10.0.0.1")), ip("10.0.0.1"));
     }
 
+    /// One host's /64 is one client: addresses it rotates through share
+    /// its cap; the next /64 over, and IPv4, have their own.
+    #[test]
+    fn the_per_ip_cap_counts_an_ipv6_64_as_one_client() {
+        let per_ip = PerIp { cap: 2, open: Arc::default() };
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let held = [per_ip.take(ip("2001:db8:1:2::1")).unwrap(), per_ip.take(ip("2001:db8:1:2:ffff:ffff:ffff:fffe")).unwrap()];
+        assert_eq!(per_ip.take(ip("2001:db8:1:2:1234::9")).err(), Some(CloseReason::PerIpCap), "a third address of the same /64");
+        assert!(per_ip.take(ip("2001:db8:1:3::1")).is_ok(), "the next /64 is another client");
+        assert!(per_ip.take(ip("::ffff:192.0.2.1")).is_ok(), "a mapped IPv4 address counts as itself");
+        drop(held);
+        assert!(per_ip.take(ip("2001:db8:1:2::42")).is_ok(), "the /64's shares came back");
+    }
+
     #[test]
     fn per_ip_shares_come_back_on_drop() {
         let per_ip = PerIp { cap: 2, open: Arc::default() };

@@ -839,4 +839,38 @@ mod tests {
         assert_eq!(budget.used(), 0);
         assert!(reader_bytes(2) < 1 << 20, "a reader of two nodes holds a few hundred KiB: {}", reader_bytes(2));
     }
+
+    /// A follow ends cleanly at its end, even while records keep coming;
+    /// the gateway gives each follow a minute, as docs/api.md says.
+    #[tokio::test]
+    async fn a_follow_ends_cleanly_at_its_end_while_records_keep_coming() {
+        assert_eq!(FOLLOW_FOR, Duration::from_secs(60), "docs/api.md: a follow lasts up to a minute");
+        let (logs, owner) = local_log(0, 0);
+        let budget = MemoryBudget::new(64 << 20);
+        let (out, mut body) = Out::new(charge_reader(&budget, "t", 1).unwrap(), WRITE_TIMEOUT);
+        let follower = logs.follow(&owner).unwrap();
+        let (started, lasts) = (Instant::now(), Duration::from_millis(500));
+        tokio::spawn(follow((Arc::clone(&logs), follower), (|| true, "a".into()), (None, None, started + lasts), out));
+        // Records for 5 s, well past the follow's end.
+        let (writing, writer) = (Arc::clone(&logs), owner.clone());
+        let writer = tokio::spawn(async move {
+            for _ in 0..500 {
+                writing.push(&writer, LogRecord::output(0, ("h", 1), "r", "z".repeat(100)));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        let read = async {
+            let mut lines = 0;
+            while let Some(frame) = body.frame().await {
+                lines += frame.expect("a clean end, not an error").into_data().unwrap().iter().filter(|b| **b == b'\n').count();
+            }
+            lines
+        };
+        let lines = tokio::time::timeout(Duration::from_secs(10), read).await.expect("the follow ended");
+        let took = started.elapsed();
+        writer.abort();
+        assert!(lines > 0, "it followed");
+        assert!(took >= lasts && took < lasts + Duration::from_secs(3), "ended {took:?} after it began, its end {lasts:?}");
+        assert_eq!(budget.used(), 0, "its charge given back");
+    }
 }

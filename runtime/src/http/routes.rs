@@ -122,10 +122,13 @@ impl App {
         };
         let mut text = telemetry::render(&self.metrics, self.hits(), &self.models, instances);
         let memory = self.sandbox.memory();
+        let (components_compiled, components_shared) = self.control.artifacts.sources();
         let node = telemetry::NodeGauges {
             memory_budget: memory.total(),
             memory_charged: memory.used(),
             live_nodes: self.control.cluster.live_nodes(),
+            components_compiled,
+            components_shared,
         };
         telemetry::render_node(&mut text, node);
         response::text("text/plain; version=0.0.4", text)

@@ -11,6 +11,7 @@ use super::app::App;
 use super::response::{self, Body};
 use crate::control::store::now_ms;
 use crate::control::usage::{Rollup, to_csv};
+use crate::telemetry::usage::BUCKET_MS;
 
 /// Longest period one report may cover: a year and a bit of minute buckets.
 const MAX_SPAN_MS: i64 = 400 * 86_400_000;
@@ -91,9 +92,15 @@ impl App {
         let own = only.is_some();
         let rows = tokio::task::spawn_blocking(move || {
             // A tenant reads its own usage since it was created: an earlier
-            // tenant of the same name's rows stay the operator's.
+            // tenant of the same name's rows stay the operator's. From the
+            // start of the usage bucket (minute) it was created in: its
+            // first requests are metered in that bucket, which starts
+            // before it.
             let from_ms = match (&tenant, own) {
-                (Some(t), true) => span.0.max(control.tenants.get(t)?.created_at.saturating_mul(1000)),
+                (Some(t), true) => {
+                    let created_ms = control.tenants.get(t)?.created_at.saturating_mul(1000);
+                    span.0.max(created_ms - created_ms.rem_euclid(BUCKET_MS))
+                }
                 _ => span.0,
             };
             control.usage.read(tenant.as_deref(), (from_ms, span.1), by)

@@ -526,6 +526,9 @@ mod tests {
         assert!(read.dropped > 900 && read.records.len() + read.dropped as usize == 1000, "{}", read.dropped);
         let (first, last) = (read.records[0].seq, read.records.last().unwrap().seq);
         assert_eq!(last - first + 1, read.records.len() as u64, "consecutive: the newest stay");
+        let number = |r: &LogRecord| -> u64 { r.line.as_deref().unwrap().split(' ').nth(1).unwrap().parse().unwrap() };
+        assert_eq!(number(read.records.last().unwrap()), 999, "the newest record kept");
+        assert_eq!(number(&read.records[0]), read.dropped, "exactly the oldest dropped: lines 0 to {} gone", read.dropped - 1);
         assert!(logs.read(&t, Some(u64::MAX), None).records.is_empty(), "a cursor past the end reads nothing, never overflows");
     }
 }

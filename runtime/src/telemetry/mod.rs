@@ -294,6 +294,10 @@ pub struct NodeGauges {
     /// Live nodes of the cluster, this one included (each enforces its
     /// share of a tenant's rate and concurrency).
     pub live_nodes: usize,
+    /// Components compiled here since start.
+    pub components_compiled: u64,
+    /// Artifacts another node shared, loaded here instead of compiling, since start.
+    pub components_shared: u64,
 }
 
 /// Appends the node's own gauges.
@@ -306,6 +310,12 @@ pub fn render_node(out: &mut String, node: NodeGauges) {
     let _ = writeln!(out, "facegate_memory_charged_bytes {}", node.memory_charged);
     out.push_str("# HELP facegate_live_nodes Live nodes of the cluster as this node counts them (tenants' rate and concurrency are shared among them).\n# TYPE facegate_live_nodes gauge\n");
     let _ = writeln!(out, "facegate_live_nodes {}", node.live_nodes);
+    out.push_str(
+        "# HELP facegate_components_compiled_total Components this node compiled.\n# TYPE facegate_components_compiled_total counter\n",
+    );
+    let _ = writeln!(out, "facegate_components_compiled_total {}", node.components_compiled);
+    out.push_str("# HELP facegate_components_shared_loaded_total Artifacts other nodes compiled and shared, loaded instead of compiling.\n# TYPE facegate_components_shared_loaded_total counter\n");
+    let _ = writeln!(out, "facegate_components_shared_loaded_total {}", node.components_shared);
 }
 
 /// Renders everything in Prometheus text format.

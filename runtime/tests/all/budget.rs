@@ -49,6 +49,8 @@ fn key(data: &Path, tenant: &str) -> String {
 struct Outcome {
     /// (status, error code) of each hostile request.
     attacks: Vec<(u16, String)>,
+    /// The tenant of each hostile request (as `attacks`).
+    attackers: Vec<String>,
     neighbour: Vec<u16>,
     slowest_health: Duration,
     peak_rss_mib: u64,
@@ -99,14 +101,15 @@ fn attack(server: &Server, attackers: &[(&str, String)], neighbour_key: &str, pe
                     let body: serde_json::Value = response.json().unwrap_or_default();
                     let code = body["error"]["code"].as_str().unwrap_or("").to_owned();
                     assert!(status != 503 || retry_after, "a 503 without Retry-After: {body}");
-                    (status, code)
+                    (tenant.to_owned(), (status, code))
                 })
             })
             .collect();
-        let attacks = hostile.into_iter().map(|h| h.join().unwrap()).collect();
+        let (attackers, attacks) = hostile.into_iter().map(|h| h.join().unwrap()).unzip();
         stop.store(true, Ordering::SeqCst);
         Outcome {
             attacks,
+            attackers,
             neighbour: neighbour.join().unwrap(),
             slowest_health: *slowest.lock().unwrap(),
             peak_rss_mib: peak.load(Ordering::SeqCst),
@@ -158,8 +161,13 @@ fn one_or_two_tenants_holding_memory_at_once_stay_within_the_node_budget() {
         anonymous().get(format!("http://{}/metrics", server.addr)).bearer_auth(harness::ADMIN_TOKEN).send().unwrap().text().unwrap();
     let hits =
         |tenant: &str| harness::metric(&metrics, &format!("facegate_limit_hits_total{{tenant=\"{tenant}\",limit=\"memory_budget\"}}"));
-    let refused = |o: &Outcome| o.attacks.iter().filter(|(s, _)| *s == 503).count() as f64;
-    assert!(hits("evil").unwrap_or(0.0) + hits("evil2").unwrap_or(0.0) >= refused(&one) + refused(&two), "{metrics}");
+    let refused = |o: &Outcome, tenant: &str| o.attackers.iter().zip(&o.attacks).filter(|(t, (s, _))| *t == tenant && *s == 503).count();
+    for tenant in ["evil", "evil2"] {
+        // Each attacker's own: not the other's refusals counted against it, nor its own missed.
+        let counted = hits(tenant).unwrap_or(0.0);
+        let refusals = refused(&one, tenant) + refused(&two, tenant);
+        assert_eq!(counted, refusals as f64, "{tenant}: {refusals} refusals, {counted} memory_budget hits counted:\n{metrics}");
+    }
     assert_eq!(hits("demo"), None, "the neighbour hit no budget");
     assert!(harness::metric(&metrics, "facegate_memory_budget_bytes").is_some_and(|b| b > 0.0), "{metrics}");
 }
@@ -255,4 +263,67 @@ fn a_slow_chunked_upload_is_charged_what_it_sent_not_the_largest_body() {
     let mut head = [0u8; 12];
     last.read_exact(&mut head).unwrap();
     assert_eq!(&head, b"HTTP/1.1 200", "{}", String::from_utf8_lossy(&head));
+}
+
+/// `FACEGATE_MEMORY_BUDGET_MIB` sets the node's budget as
+/// `--memory-budget-mib` does: `/metrics` reports the same budget for
+/// either (less what the instance pool keeps resident), and not the one
+/// the node takes by default from the machine's memory.
+#[test]
+fn the_memory_budget_is_set_from_the_environment() {
+    let from_env = Server::start_after("export FACEGATE_MEMORY_BUDGET_MIB=384", &harness::fresh_dir("budget-env"), &[]);
+    let from_flag = Server::start_with(&harness::fresh_dir("budget-flag"), &["--memory-budget-mib", "384"]);
+    let by_default = Server::start(&harness::fresh_dir("budget-default"));
+    let [env, flag, default] = [&from_env, &from_flag, &by_default].map(|s| gauge(s, "facegate_memory_budget_bytes"));
+    assert_eq!(env, flag, "FACEGATE_MEMORY_BUDGET_MIB=384 and --memory-budget-mib 384 give the same budget");
+    assert_ne!(env, default, "the variable changed nothing: the default budget is {default} bytes too");
+}
+
+/// A request whose memory grows past what the node's budget can give, but
+/// within its own limit (512 MiB), fails cleanly while it runs: 503
+/// `overloaded` with `Retry-After`, counted as its tenant's
+/// `memory_budget` hit, its charge given back; a request running beside
+/// it is served, and so is the tenant's next request of a size that fits.
+#[test]
+fn a_growth_past_the_node_budget_is_refused_inside_its_request() {
+    const MIB: f64 = (1 << 20) as f64;
+    let data = harness::fresh_dir("budget-growth");
+    let seed = harness::fresh_dir("budget-growth-seed");
+    harness::install(&seed, "grower", "attack", &harness::guest("hostile"));
+    harness::install(&seed, "neighbour", "attack", &harness::guest("hostile"));
+    let args = ["--seed-dir", seed.to_str().unwrap(), "--memory-budget-mib", "512", "--memory-limit-mib", "512"];
+    let server = Server::start_with(&data, &args);
+    let (grower, neighbour) = (key(&data, "grower"), key(&data, "neighbour"));
+    // Past what requests may hold (the budget less the pool's resident pages), within the request's own limit.
+    let budget = gauge(&server, "facegate_memory_budget_bytes") / MIB;
+    let wanted = budget as u64 + 16;
+    assert!(wanted + 8 < 512, "the budget for requests is {budget} MiB");
+
+    let (grown, beside) = std::thread::scope(|s| {
+        let beside = s.spawn(|| hold(&server, &neighbour, "neighbour", 32, 2000));
+        std::thread::sleep(Duration::from_millis(300));
+        let url = format!("http://{}/v1/grower/attack?attack=hold&mib={wanted}&ms=0", server.addr);
+        let response = client_with_key(&grower).get(url).send().unwrap();
+        let (status, retry) = (response.status().as_u16(), response.headers().contains_key("retry-after"));
+        let body: serde_json::Value = response.json().unwrap_or_default();
+        ((status, retry, body), beside.join().unwrap())
+    });
+    let (status, retry, body) = grown;
+    assert_eq!((status, body["error"]["code"].as_str(), retry), (503, Some("overloaded"), true), "{body}");
+    assert_eq!(beside, 200, "the request beside it was served");
+    assert_eq!(hold(&server, &grower, "grower", 64, 0), 200, "the grower's next request, of a size that fits, is served");
+    let metrics =
+        anonymous().get(format!("http://{}/metrics", server.addr)).bearer_auth(harness::ADMIN_TOKEN).send().unwrap().text().unwrap();
+    let hits =
+        |tenant: &str| harness::metric(&metrics, &format!("facegate_limit_hits_total{{tenant=\"{tenant}\",limit=\"memory_budget\"}}"));
+    assert_eq!((hits("grower"), hits("neighbour")), (Some(1.0), None), "{metrics}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while gauge(&server, "facegate_memory_charged_bytes") / MIB > 8.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the charges were not given back: {} MiB",
+            gauge(&server, "facegate_memory_charged_bytes") / MIB
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

@@ -137,6 +137,13 @@ fn three_nodes_on_one_postgres_store_act_as_one_gateway() {
     // Deploys through A (the response comes once A has compiled and stored
     // the version): served by B and C, which load A's artifact.
     let mut figures = Vec::new();
+    let sources = |server: &Server| {
+        let text = crate::harness::anonymous().get(format!("http://{}/metrics", server.addr)).bearer_auth(crate::harness::ADMIN_TOKEN);
+        let text = text.send().unwrap().text().unwrap();
+        let count = |series: &str| crate::harness::metric(&text, series).unwrap_or_else(|| panic!("no {series}"));
+        (count("facegate_components_compiled_total"), count("facegate_components_shared_loaded_total"))
+    };
+    let before = [&a, &b, &c].map(sources);
     for (version, bytes) in [(1, &detect), (2, &small), (3, &blur)] {
         a.json(a.admin(Method::PUT, "tenants/t/handlers/h").body(bytes.clone()));
         for (name, other) in [("B", &b), ("C", &c)] {
@@ -145,6 +152,10 @@ fn three_nodes_on_one_postgres_store_act_as_one_gateway() {
             figures.push(format!("v{version} ({} KiB) deployed through A, served by {name} after {took:?}", bytes.len() >> 10));
         }
     }
+    // A compiled each deploy; B and C compiled none of them: they loaded the artifacts A shared.
+    let after = [&a, &b, &c].map(sources);
+    let deltas: Vec<(f64, f64)> = before.iter().zip(&after).map(|(b, a)| (a.0 - b.0, a.1 - b.1)).collect();
+    assert_eq!(deltas, [(3.0, 0.0), (0.0, 3.0), (0.0, 3.0)], "(compiled, shared artifacts loaded) by A, B and C over the deploys");
     // A rollback through C, then an activation through B (versions they have loaded before).
     c.json(c.admin(Method::POST, "tenants/t/handlers/h/rollback"));
     for (name, other) in [("A", &a), ("B", &b)] {
@@ -154,7 +165,9 @@ fn three_nodes_on_one_postgres_store_act_as_one_gateway() {
     b.json(b.admin(Method::POST, "tenants/t/handlers/h/activate").json(&json!({ "version": 1 })));
     for (name, other) in [("A", &a), ("C", &c)] {
         let took = within(PROPAGATION, "an activation through B", || other.probe(&key).1 == Some(1));
-        assert_eq!(other.call(&key), (200, Some(1)), "{name} finds the faces with v1");
+        let (status, version, faces) = crate::detect::detect_at(other.addr, "/v1/t/h", &key);
+        assert_eq!((status, version), (200, Some(1)), "{name} serves v1: {faces}");
+        crate::detect::assert_body_matches_reference("grace_hopper.jpg", &faces);
         figures.push(format!("activation through B served by {name} after {took:?}"));
     }
     // A key revoked through B is refused by A.
@@ -468,7 +481,13 @@ fn a_tenants_log_is_read_from_every_live_node() {
     let by_id = |id: &String| requests.iter().find(|r| r["request_id"] == id.as_str()).map(|r| r["node"].as_str().unwrap().to_owned());
     let nodes: Vec<Option<String>> = ids.iter().map(by_id).collect();
     let expected: Vec<Option<String>> = ["node-a", "node-a", "node-a", "node-b", "node-b", "node-b"].map(|n| Some(n.to_owned())).into();
-    assert_eq!(nodes, expected, "each request once, named by the node that served it: {records:?}");
+    assert_eq!(nodes, expected, "each request named by the node that served it: {records:?}");
+    let times_seen = |id: &String| requests.iter().filter(|r| r["request_id"] == id.as_str()).count();
+    assert_eq!(ids.iter().map(times_seen).collect::<Vec<_>>(), [1; 6], "each request exactly once in the merged log: {records:?}");
+    let mut places: Vec<(&str, u64)> = records.iter().map(|r| (r["node"].as_str().unwrap(), r["seq"].as_u64().unwrap())).collect();
+    places.sort_unstable();
+    places.dedup();
+    assert_eq!(places.len(), records.len(), "no record twice (by node and seq): {records:?}");
     let times: Vec<i64> = records.iter().map(|r| r["time_ms"].as_i64().unwrap()).collect();
     assert!(times.is_sorted(), "in time order: {times:?}");
     assert!(cursor.contains("node-a:") && cursor.contains("node-b:"), "the cursor names both nodes: {cursor}");

@@ -48,6 +48,13 @@ fn a_reserved_core_runs_inference_and_the_others_everything_else() {
             "cores: SKIPPED a_reserved_core_runs_inference_and_the_others_everything_else: this process may run on {allowed:?} only, it needs 2 cores\n"
         );
         std::io::Write::write_all(&mut std::io::stderr(), note.as_bytes()).unwrap();
+        // What still holds on one core: the split the gateway would make
+        // refuses it, and splits two cores as this test expects.
+        let refused = facegate::serve::cores::split(&allowed, 1).unwrap_err().to_string();
+        assert!(refused.contains("no core for the handlers"), "{refused}");
+        let two = [allowed[0], allowed[0] + 1];
+        let split = facegate::serve::cores::split(&two, 1).unwrap();
+        assert_eq!((split.inference, split.handlers), (vec![two[1]], vec![two[0]]));
         return;
     }
     let (inference, handlers) = (vec![*allowed.last().unwrap()], allowed[..allowed.len() - 1].to_vec());

@@ -256,3 +256,67 @@ fn serve_one(mut stream: TcpStream, counts: &Mutex<Counts>, hold: Duration) {
     // Counted closed before the socket is: the server never counts more than the client holds.
     counts.lock().unwrap().open -= 1;
 }
+
+/// The node's cap on outgoing connections holds across tenants: with a
+/// total of 4 and a share of 3, a tenant that holds its 3 leaves a second
+/// tenant one place (its other tries fail at once with
+/// `connection-limit-reached`, counted as its limit hit), though neither
+/// is past its own share, and no more than 4 are ever open at the server.
+#[test]
+fn all_tenants_outgoing_connections_are_capped_together() {
+    const TOTAL: usize = 4;
+    const SHARE: usize = 3;
+    const REQUESTS: usize = 6;
+    let slow = TestServer::start("127.0.0.1", Duration::from_secs(3));
+    let seed = harness::fresh_dir("egress-total-seed");
+    for tenant in ["first", "second"] {
+        harness::install(&seed, tenant, "attack", &guest("hostile"));
+    }
+    let data = harness::fresh_dir("egress-total-data");
+    let mut config = harness::config(data.clone(), Some(seed));
+    config.outgoing_allow_private = true;
+    config.outgoing_ports = vec![slow.addr.port()];
+    config.outgoing_max_connections_per_tenant = SHARE as u32;
+    config.outgoing_max_connections = TOTAL as u32;
+    let addr = harness::start(config);
+    let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
+    let grant = |tenant: &str| {
+        let request = anonymous().request(Method::PATCH, format!("http://{addr}/admin/v1/tenants/{tenant}")).bearer_auth(ADMIN_TOKEN);
+        assert_eq!(request.json(&json!({ "outgoing_http": true })).send().unwrap().status(), 200);
+    };
+    grant("first");
+    grant("second");
+    let fetch_many = |tenant: &str| {
+        let url = format!("http://{addr}/v1/{tenant}/attack?attack=fetch-many&n={REQUESTS}&url=http://127.0.0.1:{}/", slow.addr.port());
+        let response = client_with_key(&key(tenant)).get(url).send().unwrap();
+        assert_eq!(response.status(), 200);
+        let body: Value = response.json().unwrap();
+        let outcomes: BTreeMap<String, usize> = serde_json::from_value(body["outcomes"].clone()).unwrap();
+        let count = |outcome: &str| outcomes.iter().filter(|(key, _)| key.ends_with(outcome)).map(|(_, n)| n).sum::<usize>();
+        assert_eq!(count("ok: 200") + count("ConnectionLimitReached"), REQUESTS, "{tenant}: {outcomes:?}");
+        count("ok: 200")
+    };
+    let (first, second) = std::thread::scope(|s| {
+        let first = s.spawn(|| fetch_many("first"));
+        // The first tenant holds its share (for 3 s) before the second asks.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while slow.counts.lock().unwrap().open < SHARE {
+            assert!(std::time::Instant::now() < deadline, "the first tenant never held its {SHARE} connections");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let second = fetch_many("second");
+        (first.join().unwrap(), second)
+    });
+    assert_eq!((first, second), (SHARE, TOTAL - SHARE), "connections each tenant got: its share, then what the total left");
+    assert_eq!(slow.most_open(), TOTAL, "connections open at the server at once");
+    // A request's hits are counted once its guest has finished, just after its response.
+    let hits = (0..50).find_map(|_| {
+        let metrics = anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
+        let hits = harness::metric(&metrics, "facegate_limit_hits_total{tenant=\"second\",limit=\"outgoing_connections\"}");
+        hits.or_else(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            None
+        })
+    });
+    assert!(hits.is_some_and(|h| h >= 1.0), "the second tenant's refusals are its limit hit: {hits:?}");
+}

@@ -428,13 +428,14 @@ fn slow_uploads_do_not_pin_instance_slots() {
 }
 
 /// Two busy tenants of equal weight get equal device time, though one sends
-/// 640² images and the other 320² ones (4× fewer pixels), the device takes
-/// the small ones one per batch and the large ones up to four, and the
-/// large tenant's few clients let its queue drain after each of its
-/// batches: the gateway charges each call its share of the measured device
-/// time, and reports device time per tenant. Charging samples instead
-/// would give the 640² tenant about 4× the time; the deficit round-robin
-/// this gateway used before gave it 1.1–1.75× here.
+/// 640² images and the other 320² ones (4× fewer pixels) with as many
+/// clients, and the device takes the small ones one per batch and the
+/// large ones up to four: the gateway charges each call its share of the
+/// measured device time, and reports device time per tenant. Charging
+/// samples instead, or serving calls first come first served (as many
+/// calls of each tenant wait, so as many of each run), would give the 640²
+/// tenant about 4× the time; the deficit round-robin this gateway used
+/// before gave it 1.1–1.75× with fewer large clients.
 #[test]
 fn busy_tenants_share_device_time_whatever_their_image_sizes() {
     let seed = harness::fresh_dir("fair-seed");
@@ -457,8 +458,10 @@ fn busy_tenants_share_device_time_whatever_their_image_sizes() {
         (of("large"), of("modest"))
     };
     let (before, after) = std::thread::scope(|s| {
-        // Enough clients that both tenants always have calls waiting.
-        for (tenant, side, clients) in [("large", 640, 4), ("modest", 320, 16)] {
+        // Enough clients that both tenants always have calls waiting; as
+        // many of each, so that first come, first served would give each
+        // tenant as many calls, and the large one 4× the device time.
+        for (tenant, side, clients) in [("large", 640, 8), ("modest", 320, 8)] {
             for _ in 0..clients {
                 let (client, stop) = (client_with_key(&key(tenant)), &stop);
                 s.spawn(move || {

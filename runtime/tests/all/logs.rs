@@ -159,23 +159,158 @@ fn a_follower_gets_a_new_record_within_a_second() {
     }
 }
 
+/// Follows a log with `key` from its start; the records it sends come on
+/// the receiver, which hangs up when the follow's answer ends.
+fn follow(addr: SocketAddr, key: &str) -> (u16, std::sync::mpsc::Receiver<Value>) {
+    let url = format!("http://{addr}/tenant/v1/logs?follow=true");
+    let response = client_with_key(key).get(url).send().unwrap();
+    let status = response.status().as_u16();
+    let (tx, rx) = std::sync::mpsc::channel();
+    if status == 200 {
+        std::thread::spawn(move || {
+            for line in BufReader::new(response).lines() {
+                let Ok(line) = line else { return };
+                let _ = tx.send(serde_json::from_str::<Value>(&line).unwrap());
+            }
+        });
+    }
+    (status, rx)
+}
+
+/// A tenant's 8 follows on a node hold its 8 follower places: a 9th is
+/// refused, 429 `too_many_followers` with `Retry-After`. Revoking their
+/// key ends all 8 within a few seconds (checked every second, well before
+/// a follow's minute), and their places come back.
+#[test]
+fn a_follow_ends_when_its_key_is_revoked_and_a_ninth_is_refused() {
+    let addr = log_gateway().addr;
+    let admin = |method: Method, path: &str| anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(ADMIN_TOKEN);
+    let created = admin(Method::POST, "tenants").json(&json!({ "name": "followed", "limits": { "rps": 0, "api_rps": 0 } }));
+    assert_eq!(created.send().unwrap().status(), 201);
+    let deployed = admin(Method::PUT, "tenants/followed/handlers/attack").body(std::fs::read(guest("hostile")).unwrap());
+    assert_eq!(deployed.send().unwrap().status(), 201);
+    let key = |scopes: &[&str]| -> (String, String) {
+        let made: Value = admin(Method::POST, "tenants/followed/keys").json(&json!({ "scopes": scopes })).send().unwrap().json().unwrap();
+        (made["key"].as_str().unwrap().to_owned(), made["id"].as_str().unwrap().to_owned())
+    };
+    let ((revoked, revoked_id), (other, _), (invoke, _)) = (key(&["read"]), key(&["read"]), key(&["invoke"]));
+
+    let follows: Vec<_> = (0..8).map(|_| follow(addr, &revoked)).collect();
+    assert!(follows.iter().all(|(status, _)| *status == 200), "8 follows let in");
+    let ninth = client_with_key(&other).get(format!("http://{addr}/tenant/v1/logs?follow=true")).send().unwrap();
+    assert_eq!(ninth.status(), 429, "a 9th follow of the tenant, whatever its key");
+    assert!(ninth.headers().contains_key("retry-after"), "{:?}", ninth.headers());
+    let body: Value = ninth.json().unwrap();
+    assert_eq!(body["error"]["code"], "too_many_followers", "{body}");
+
+    // They follow: each gets a new request's record.
+    let id = client_with_key(&invoke).get(format!("http://{addr}/v1/followed/attack?attack=count")).send().unwrap();
+    assert_eq!(id.status(), 200);
+    let id = id.headers()["x-request-id"].to_str().unwrap().to_owned();
+    for (_, records) in &follows {
+        let got = std::iter::from_fn(|| records.recv_timeout(Duration::from_secs(5)).ok()).find(|r| r["request_id"] == id.as_str());
+        assert!(got.is_some(), "each follower gets the request's record");
+    }
+
+    let revoke = admin(Method::DELETE, &format!("tenants/followed/keys/{revoked_id}")).send().unwrap();
+    assert_eq!(revoke.status(), 200);
+    let revoked_at = Instant::now();
+    for (_, records) in &follows {
+        loop {
+            match records.recv_timeout(Duration::from_secs(10).saturating_sub(revoked_at.elapsed())) {
+                Ok(_) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("a follow still open 10 s after its key was revoked"),
+            }
+        }
+    }
+    eprintln!("8 follows ended {:?} after their key was revoked", revoked_at.elapsed());
+    let until = Instant::now() + Duration::from_secs(5);
+    while follow(addr, &other).0 != 200 {
+        assert!(Instant::now() < until, "the revoked key's follower places are given back");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `facegate logs --json` as `key`'s tenant, with `args`: the records printed.
+fn cli_logs(addr: SocketAddr, key: &str, args: &[&str]) -> Vec<Value> {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_facegate"))
+        .args(["logs", "--json"])
+        .args(args)
+        .env("FACEGATE_URL", format!("http://{addr}"))
+        .env("FACEGATE_KEY", key)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "facegate logs {args:?}: {stdout}{}", String::from_utf8_lossy(&output.stderr));
+    stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// `facegate logs --since` with the last record printed (as `node:seq`, or
+/// its bare `seq`) prints exactly what came after: the two reads together
+/// are the whole log, no record twice, none missing.
+#[test]
+fn the_cli_resumes_from_a_cursor_with_no_duplicate_and_no_gap() {
+    let addr = log_gateway().addr;
+    let admin = |method: Method, path: &str| anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(ADMIN_TOKEN);
+    let created = admin(Method::POST, "tenants").json(&json!({ "name": "resumed", "limits": { "rps": 0, "api_rps": 0 } }));
+    assert_eq!(created.send().unwrap().status(), 201);
+    let deployed = admin(Method::PUT, "tenants/resumed/handlers/attack").body(std::fs::read(guest("hostile")).unwrap());
+    assert_eq!(deployed.send().unwrap().status(), 201);
+    let key = |scopes: &[&str]| -> String {
+        let made: Value = admin(Method::POST, "tenants/resumed/keys").json(&json!({ "scopes": scopes })).send().unwrap().json().unwrap();
+        made["key"].as_str().unwrap().to_owned()
+    };
+    let (read, invoke) = (key(&["read"]), key(&["invoke"]));
+    let call = || {
+        let response = client_with_key(&invoke).get(format!("http://{addr}/v1/resumed/attack?attack=count")).send().unwrap();
+        assert_eq!(response.status(), 200);
+        response.headers()["x-request-id"].to_str().unwrap().to_owned()
+    };
+    let request_ids = |records: &[Value]| -> Vec<String> {
+        records.iter().filter(|r| r["kind"] == "request").map(|r| r["request_id"].as_str().unwrap().to_owned()).collect()
+    };
+    let seqs = |records: &[Value]| -> Vec<u64> { records.iter().map(|r| r["seq"].as_u64().unwrap()).collect() };
+
+    let before: Vec<String> = (0..3).map(|_| call()).collect();
+    let first = cli_logs(addr, &read, &[]);
+    assert_eq!(request_ids(&first), before, "{first:?}");
+    let last = first.last().unwrap();
+    let (node, seq) = (last["node"].as_str().unwrap(), last["seq"].as_u64().unwrap());
+    let after: Vec<String> = (0..3).map(|_| call()).collect();
+    let all = cli_logs(addr, &read, &[]);
+    for cursor in [format!("{node}:{seq}"), seq.to_string()] {
+        let resumed = cli_logs(addr, &read, &["--since", &cursor]);
+        assert_eq!(request_ids(&resumed), after, "--since {cursor}: exactly the requests after it, once each: {resumed:?}");
+        assert!(seqs(&resumed).iter().all(|s| *s > seq), "--since {cursor}: nothing at or before it");
+        assert_eq!([seqs(&first), seqs(&resumed)].concat(), seqs(&all), "--since {cursor}: the two reads make the whole log");
+    }
+}
+
 /// A handler flooding its output keeps its tenant's log within the bound:
-/// the oldest records go, and are counted.
+/// the oldest records go, and are counted; the newest request's stay.
 #[test]
 fn a_flood_of_output_stays_within_the_bound() {
     let gateway = log_gateway();
-    for _ in 0..8 {
-        assert_eq!(gateway.attack("logb", "stderr").0, 200);
-    }
-    let until = Instant::now() + Duration::from_secs(5);
-    let (records, dropped) = loop {
-        let read = gateway.read("logb", "");
-        if read.1 > 0 || Instant::now() > until {
-            break read;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    // Each writes 64 MiB to stderr, of which its log keeps 16 KiB: eight
+    // of them are twice the bound.
+    let ids: Vec<String> = (0..8)
+        .map(|_| {
+            let (status, id) = gateway.attack("logb", "stderr");
+            assert_eq!(status, 200);
+            id
+        })
+        .collect();
+    // A request's records are in its log before its answer.
+    let (records, dropped) = gateway.read("logb", "");
     assert!(dropped > 0, "the oldest were dropped");
+    let kept = |id: &String| records.iter().filter(|r| r["request_id"] == id.as_str()).count();
+    let newest = ids.last().unwrap();
+    assert!(records.iter().any(|r| r["kind"] == "request" && r["request_id"] == newest.as_str()), "the newest request's record kept");
+    assert!(kept(newest) > 1, "and its output lines");
+    assert_eq!(kept(&ids[0]), 0, "the oldest request's records all dropped");
+    let has: Vec<bool> = ids.iter().map(|id| kept(id) > 0).collect();
+    assert!(has.windows(2).all(|w| !w[0] || w[1]), "only the oldest dropped, oldest first: {has:?}");
     let text: usize = records.iter().map(|r| r["line"].as_str().map_or(0, str::len) + r["request_id"].as_str().unwrap().len()).sum();
     assert!(text <= LOG_BYTES as usize, "{text} bytes of text kept");
 }

@@ -5,6 +5,7 @@
 
 mod bad_input;
 mod budget;
+mod canary;
 mod cluster;
 mod connections;
 mod console;

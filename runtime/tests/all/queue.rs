@@ -79,3 +79,112 @@ fn queue_depth_and_wait_follow_the_calls_waiting_for_a_device() {
     assert!(quick < calls, "calls that queued behind a batch waited more than 1 ms: {quick} of {calls} did not");
     assert!(waited > 0.0, "{waited}");
 }
+
+/// The deadline of the backlog test's requests, ms.
+const BACKLOG_DEADLINE_MS: u64 = 3_000;
+/// Requests of the flooding tenant at once: at a 1280² tensor each (tens
+/// of milliseconds of device time or more), far more work than fits in
+/// [`BACKLOG_DEADLINE_MS`].
+const FLOOD: usize = 48;
+
+/// What a refused (or served) request answered: status, error code,
+/// `Retry-After` (seconds) and message.
+struct Answer {
+    status: u16,
+    code: String,
+    retry_after: Option<u64>,
+    message: String,
+    /// The handler's `infer` outcomes (`["ok"]` when its call ran).
+    outcomes: Value,
+}
+
+/// One `infer` call of a `side`² tensor by `tenant`'s hostile handler.
+fn big_tensor(addr: std::net::SocketAddr, key: &str, tenant: &str, side: u32) -> Answer {
+    let url = format!("http://{addr}/v1/{tenant}/attack?attack=big-tensor&side={side}");
+    let response = client_with_key(key).get(url).send().unwrap();
+    let status = response.status().as_u16();
+    let retry_after = response.headers().get("retry-after").map(|v| v.to_str().unwrap().parse().unwrap());
+    let body: Value = response.json().unwrap_or_default();
+    let (code, message) = (body["error"]["code"].as_str().unwrap_or(""), body["error"]["message"].as_str().unwrap_or(""));
+    Answer { status, code: code.to_owned(), retry_after, message: message.to_owned(), outcomes: body["outcomes"].clone() }
+}
+
+/// The wait a backlog refusal states ("the inference work queued ahead
+/// would take 3.2 s, ..."), seconds.
+fn stated_wait(message: &str) -> f64 {
+    let rest = message.split("would take ").nth(1).unwrap_or_else(|| panic!("no wait stated: {message}"));
+    rest.split(' ').next().unwrap().parse().unwrap_or_else(|e| panic!("{e}: {message}"))
+}
+
+/// A request is refused at admission because the inference work queued
+/// ahead of it would outlast its deadline, not because the gateway is
+/// busy: one after another (a short backlog) nothing is refused; with
+/// [`FLOOD`] of one tenant's requests at once, some are refused 503
+/// `overloaded`, each stating a wait past the admission headroom (0.8) of
+/// its deadline and carrying that wait, rounded up to whole seconds, as
+/// `Retry-After`; each refusal is counted as the tenant's `backlog` hit;
+/// and a neighbour tenant with the same deadline, whose own work ahead is
+/// short (a 320² call: its fair share waits for about the batch in flight),
+/// is served meanwhile, its call run.
+#[test]
+fn requests_are_refused_when_the_backlog_would_outlast_their_deadline() {
+    let seed = harness::fresh_dir("backlog-seed");
+    for tenant in ["flood", "light"] {
+        harness::install(&seed, tenant, "attack", &harness::guest("hostile"));
+    }
+    let data = harness::fresh_dir("backlog-data");
+    let mut config = harness::config(data.clone(), Some(seed));
+    config.limits.timeout_ms = BACKLOG_DEADLINE_MS;
+    config.limits.max_concurrency = FLOOD as u32;
+    let addr = harness::start(config);
+    let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
+    let (flood, light) = (key("flood"), key("light"));
+
+    // A short backlog: one request at a time. (The first teaches the
+    // gateway the handler's usual call, which admission then predicts.)
+    for _ in 0..3 {
+        let answer = big_tensor(addr, &flood, "flood", 1280);
+        assert_eq!(answer.status, 200, "one at a time, nothing waits: {} {}", answer.code, answer.message);
+    }
+    assert_eq!(big_tensor(addr, &light, "light", 320).status, 200);
+
+    let (answers, neighbour) = std::thread::scope(|s| {
+        let flood: Vec<_> = (0..FLOOD).map(|_| s.spawn(|| big_tensor(addr, &flood, "flood", 1280))).collect();
+        // The neighbour asks once the flood is queued.
+        std::thread::sleep(Duration::from_millis(300));
+        let neighbour = big_tensor(addr, &light, "light", 320);
+        (flood.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>(), neighbour)
+    });
+    let refused: Vec<&Answer> = answers.iter().filter(|a| a.status == 503).collect();
+    let statuses: Vec<u16> = answers.iter().map(|a| a.status).collect();
+    eprintln!("backlog: {} of {FLOOD} refused; statuses {statuses:?}", refused.len());
+    assert!(!refused.is_empty(), "{FLOOD} requests of far more work than their deadline: none refused: {statuses:?}");
+    assert!(answers.iter().any(|a| a.status == 200), "the work that fits is served: {statuses:?}");
+    let deadline = BACKLOG_DEADLINE_MS as f64 / 1000.0;
+    for answer in &refused {
+        assert_eq!(answer.code, "overloaded", "{}", answer.message);
+        let wait = stated_wait(&answer.message);
+        // Admission keeps the usual call's predicted wait within 0.8 of the
+        // deadline less the guest's own time (a few milliseconds here).
+        assert!(wait > 0.8 * deadline - 0.2, "refused with only {wait} s of work ahead of a {deadline} s deadline: {}", answer.message);
+        let retry = answer.retry_after.unwrap_or_else(|| panic!("a refusal without Retry-After: {}", answer.message));
+        // The message rounds the wait to 0.1 s; Retry-After rounds it up to whole seconds.
+        assert!(
+            retry as f64 >= wait - 0.05 && (retry as f64) < wait.max(1.0) + 1.0,
+            "Retry-After {retry} s for an estimated wait of {wait} s"
+        );
+    }
+    assert_eq!(
+        (neighbour.status, &neighbour.outcomes),
+        (200, &json!(["ok"])),
+        "the neighbour's own backlog is short: {} {}",
+        neighbour.code,
+        neighbour.message
+    );
+    let metrics = anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
+    let hits = |tenant: &str| metric(&metrics, &format!("facegate_limit_hits_total{{tenant=\"{tenant}\",limit=\"backlog\"}}"));
+    // (A call checked again as it queues may be refused inside a served request too.)
+    let counted = hits("flood").unwrap_or(0.0);
+    assert!(counted >= refused.len() as f64, "{} refusals, {counted} counted as the flood's backlog hits:\n{metrics}", refused.len());
+    assert_eq!(hits("light"), None, "the neighbour was never refused for the backlog");
+}

@@ -245,3 +245,25 @@ fn foreign_dir() -> Option<PathBuf> {
     std::os::unix::fs::chown(&dir, Some(65_534), Some(65_534)).unwrap();
     Some(dir)
 }
+
+/// `FACEGATE_METRICS_TOKEN` sets the metrics token as `--metrics-token`
+/// does: `/metrics` opens with it and with the admin token, not without a
+/// token or with another, and the admin API does not open with it.
+#[test]
+fn the_metrics_token_is_set_from_the_environment() {
+    let server = Server::start_after(&format!("export FACEGATE_METRICS_TOKEN={METRICS_TOKEN}"), &fresh_dir("metrics-token-env"), &[]);
+    let base = format!("http://{}", server.addr);
+    let scrape = |token: Option<&str>| {
+        let request = anonymous().get(format!("{base}/metrics"));
+        token.map_or(request.try_clone().unwrap(), |t| request.bearer_auth(t)).send().unwrap()
+    };
+    let scraped = scrape(Some(METRICS_TOKEN));
+    assert_eq!(scraped.status(), 200);
+    assert!(scraped.text().unwrap().contains("facegate_"), "Prometheus text");
+    assert_eq!(scrape(Some(ADMIN_TOKEN)).status(), 200, "the admin token reads metrics too");
+    assert_eq!(scrape(Some("a-wrong-token-0123456789")).status(), 401);
+    assert_eq!(scrape(None).status(), 401, "no token");
+    for (method, path) in [(Method::GET, "/admin/v1/tenants"), (Method::POST, "/admin/v1/tenants")] {
+        assert_eq!(refusal(&base, method.clone(), path, METRICS_TOKEN), (401, json!("unauthorized")), "{method} {path}");
+    }
+}

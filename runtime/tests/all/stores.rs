@@ -48,7 +48,9 @@ fn lifecycle(server: &Server, store: &str) {
     }
     assert_eq!(server.probe(&key).1, Some(2), "{store}: the newest upload is active");
     assert_eq!(admin(server, Method::POST, "tenants/t/handlers/h/rollback", None).0, 200, "{store}");
-    assert_eq!(server.call(&key), (200, Some(1)), "{store}: rolled back to detect, which finds faces");
+    let (status, version, faces) = crate::detect::detect_at(server.addr, "/v1/t/h", &key);
+    assert_eq!((status, version), (200, Some(1)), "{store}: rolled back to detect: {faces}");
+    crate::detect::assert_body_matches_reference("grace_hopper.jpg", &faces);
     let activate = |version: i64| admin(server, Method::POST, "tenants/t/handlers/h/activate", Some(json!({ "version": version }))).0;
     assert_eq!(activate(2), 200, "{store}");
     assert_eq!(server.probe(&key).1, Some(2), "{store}: activated");

@@ -136,8 +136,26 @@ fn each_scope_opens_its_own_calls_only() {
     }
     assert_eq!(detect(invoke, "scoped", "faces").status(), 200, "the invoke key invokes");
     assert_eq!(status_and_code(detect(read, "scoped", "faces")), (403, "forbidden".into()));
-    let usage: Value = tenant_call(read, Method::GET, "usage?tenant=demo&by=day", Vec::new()).json().unwrap();
-    assert!(usage["rows"].as_array().unwrap().iter().all(|r| r["tenant"] == "scoped"), "its own usage only: {usage}");
+    // demo has usage in the same period, for the read key not to read.
+    let demo = crate::harness::client().post(url("/v1/demo/detect")).body(image("grace_hopper.jpg")).send().unwrap();
+    assert_eq!(demo.status(), 200);
+    let requests_2xx = |usage: &Value, tenant: &str| -> u64 {
+        usage["rows"].as_array().unwrap().iter().filter(|r| r["tenant"] == tenant).map(|r| r["requests_2xx"].as_u64().unwrap()).sum()
+    };
+    let admin_usage =
+        || -> Value { anonymous().get(url("/admin/v1/usage?tenant=demo&by=day")).bearer_auth(ADMIN_TOKEN).send().unwrap().json().unwrap() };
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    // Usage is written every half second: poll until both requests are in.
+    let usage = loop {
+        let usage: Value = tenant_call(read, Method::GET, "usage?tenant=demo&by=day", Vec::new()).json().unwrap();
+        if requests_2xx(&usage, "scoped") >= 1 && requests_2xx(&admin_usage(), "demo") >= 1 {
+            break usage;
+        }
+        assert!(std::time::Instant::now() < until, "the read key reads its tenant's request: {usage}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(requests_2xx(&usage, "scoped"), 1, "the read key reads its own tenant's one request: {usage}");
+    assert!(usage["rows"].as_array().unwrap().iter().all(|r| r["tenant"] == "scoped"), "its own usage only, not demo's: {usage}");
     let last = if invoke.ends_with('0') { '1' } else { '0' };
     let wrong = format!("{}{last}", &invoke[..invoke.len() - 1]);
     assert_eq!(status_and_code(tenant_call(&wrong, Method::GET, "handlers", Vec::new())), (401, "unauthorized".into()));

@@ -98,6 +98,7 @@ fn the_admin_listener_serves_https_and_the_cli_trusts_a_private_ca() {
     assert!(response.starts_with("HTTP/1.1 200") && response.contains("\"tenants\""), "{response}");
     let metrics = get_over_tls_from(admin, &ca_der, "/metrics", Some(ADMIN_TOKEN));
     assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    assert_admin_speaks_h2_when_offered(admin, &ca_der);
     let plain = anonymous().get(format!("http://{admin}/admin/v1/tenants")).bearer_auth(ADMIN_TOKEN).send();
     assert!(plain.is_err(), "clear text to the admin listener gets no HTTP answer: {plain:?}");
     assert_eq!(anonymous().get(format!("http://{public}/healthz")).send().unwrap().status(), 200, "the public listener stays plain");
@@ -120,6 +121,38 @@ fn the_admin_listener_serves_https_and_the_cli_trusts_a_private_ca() {
     let err = String::from_utf8_lossy(&untrusted.stderr);
     assert!(!untrusted.status.success(), "a certificate of an unknown CA is refused");
     assert!(err.contains("certificate"), "the refusal says why: {err}");
+}
+
+/// The admin listener over TLS, as the public one: a client offering `h2`
+/// and `http/1.1` by ALPN gets h2 and the admin API answers over it; one
+/// offering only `http/1.1` gets HTTP/1.1.
+fn assert_admin_speaks_h2_when_offered(admin: SocketAddr, root: &CertificateDer<'static>) {
+    use http_body_util::{BodyExt, Empty};
+    use hyper::{Request, StatusCode, Version};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let connect = |alpn: &'static [&'static [u8]]| async move {
+            let tcp = tokio::net::TcpStream::connect(admin).await.unwrap();
+            let connector = tokio_rustls::TlsConnector::from(client_config(root, alpn));
+            connector.connect(ServerName::try_from("localhost").unwrap(), tcp).await.unwrap()
+        };
+        let http1 = connect(&[b"http/1.1"]).await;
+        assert_eq!(http1.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+        let tls = connect(&[b"h2", b"http/1.1"]).await;
+        assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]), "the admin listener picks h2");
+        let (mut sender, connection) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls)).await.unwrap();
+        tokio::spawn(connection);
+        let tenants = Request::get("https://localhost/admin/v1/tenants")
+            .header(hyper::header::AUTHORIZATION, format!("Bearer {ADMIN_TOKEN}"))
+            .body(Empty::<bytes::Bytes>::new())
+            .unwrap();
+        let response = sender.send_request(tenants).await.unwrap();
+        assert_eq!((response.status(), response.version()), (StatusCode::OK, Version::HTTP_2));
+        let body: serde_json::Value = serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert!(body["tenants"].is_array(), "{body}");
+    });
 }
 
 #[test]

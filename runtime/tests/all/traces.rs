@@ -2,7 +2,8 @@
 //! exports one trace per request to a receiver in the test, which decodes
 //! them with the OpenTelemetry project's own protobuf types
 //! (`opentelemetry-proto`); the spans' parents, links and attributes are
-//! checked, and a gateway without an endpoint exports nothing.
+//! checked; and the `OTEL_*` variables turn a `facegate serve` node's
+//! traces on (spans arrive) and off (none do, the same requests sent).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -19,6 +20,7 @@ use reqwest::Method;
 use serde_json::json;
 
 use crate::harness::{self, ADMIN_TOKEN, anonymous, client_with_key, image};
+use crate::process::Server;
 
 /// An OTLP/HTTP receiver: keeps the spans posted to `/v1/traces` and the
 /// heads of every other request (a handler's outgoing ones).
@@ -26,21 +28,23 @@ struct Receiver {
     addr: SocketAddr,
     spans: Arc<Mutex<Vec<Span>>>,
     heads: Arc<Mutex<Vec<HashMap<String, String>>>>,
+    /// The `service.name` of each export's resource.
+    services: Arc<Mutex<Vec<String>>>,
 }
 
 impl Receiver {
     fn start() -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let (spans, heads) = (Arc::default(), Arc::default());
-        let (s, h) = (Arc::clone(&spans), Arc::clone(&heads));
+        let (spans, heads, services) = (Arc::default(), Arc::default(), Arc::default());
+        let (s, h, n) = (Arc::clone(&spans), Arc::clone(&heads), Arc::clone(&services));
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
-                let (s, h) = (Arc::clone(&s), Arc::clone(&h));
-                std::thread::spawn(move || serve(stream, &s, &h));
+                let (s, h, n) = (Arc::clone(&s), Arc::clone(&h), Arc::clone(&n));
+                std::thread::spawn(move || serve(stream, &s, &h, &n));
             }
         });
-        Self { addr, spans, heads }
+        Self { addr, spans, heads, services }
     }
 
     fn spans(&self) -> Vec<Span> {
@@ -63,7 +67,7 @@ impl Receiver {
 
 /// Answers each request of a keep-alive connection: decodes `/v1/traces`
 /// posts, records the head of any other request.
-fn serve(stream: TcpStream, spans: &Mutex<Vec<Span>>, heads: &Mutex<Vec<HashMap<String, String>>>) {
+fn serve(stream: TcpStream, spans: &Mutex<Vec<Span>>, heads: &Mutex<Vec<HashMap<String, String>>>, services: &Mutex<Vec<String>>) {
     let mut reader = BufReader::new(stream.try_clone().unwrap());
     let mut writer = stream;
     loop {
@@ -84,6 +88,12 @@ fn serve(stream: TcpStream, spans: &Mutex<Vec<Span>>, heads: &Mutex<Vec<HashMap<
         if request_line.starts_with("POST /v1/traces ") {
             assert_eq!(head.get("content-type").map(String::as_str), Some("application/x-protobuf"));
             let request = ExportTraceServiceRequest::decode(body.as_slice()).unwrap();
+            for resource in request.resource_spans.iter().filter_map(|r| r.resource.as_ref()) {
+                let name = resource.attributes.iter().find(|a| a.key == "service.name").and_then(|a| a.value.as_ref()?.value.clone());
+                if let Some(Any::StringValue(name)) = name {
+                    services.lock().unwrap().push(name);
+                }
+            }
             let received = request.resource_spans.into_iter().flat_map(|r| r.scope_spans).flat_map(|s| s.spans);
             spans.lock().unwrap().extend(received);
         } else {
@@ -297,31 +307,65 @@ fn outgoing_requests_carry_the_guests_traceparent() {
     assert_eq!(sent, format!("00-{trace_id}-{}-01", hex(&guest.span_id)));
 }
 
-/// With traces turned off (`OTEL_TRACES_EXPORTER=none`) nothing is
-/// exported, though an endpoint is set: the receiver gets nothing. (Without
-/// an endpoint no exporter is made at all: `telemetry::trace`'s unit tests.)
+/// `facegate serve` with `OTEL_*` variables (and no trace flags): `shell`
+/// sets them; the node keeps no data but its own.
+fn otel_node(name: &str, shell: &str) -> Server {
+    let unset = "unset OTEL_EXPORTER_OTLP_ENDPOINT OTEL_EXPORTER_OTLP_TRACES_ENDPOINT OTEL_TRACES_EXPORTER OTEL_SDK_DISABLED \
+                 OTEL_SERVICE_NAME OTEL_RESOURCE_ATTRIBUTES OTEL_TRACES_SAMPLER OTEL_TRACES_SAMPLER_ARG OTEL_BSP_SCHEDULE_DELAY";
+    Server::start_after(&format!("{unset}; export OTEL_BSP_SCHEDULE_DELAY=100 {shell}"), &harness::fresh_dir(name), &[])
+}
+
+/// The `OTEL_*` variables the operations guide documents, set on
+/// `facegate serve`: with `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (before
+/// `OTEL_EXPORTER_OTLP_ENDPOINT`, here a dead port) and `OTEL_SERVICE_NAME`
+/// the receiver gets the requests' spans under that service name (the
+/// control run); with the same endpoint and `OTEL_TRACES_EXPORTER=none`,
+/// `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_SAMPLER=always_off`, nothing,
+/// though the same requests were sent.
 #[test]
-fn with_traces_off_nothing_is_exported() {
-    let receiver = Receiver::start();
-    let data = harness::fresh_dir("untraced-data");
-    let mut config = harness::config(data.clone(), Some(harness::seed_dir()));
-    config.traces.endpoint = Some(format!("http://{}", receiver.addr));
-    config.traces.exporter = Some("none".into());
-    config.traces.export_delay_ms = 100;
-    let addr = harness::start(config);
-    let key = std::fs::read_to_string(data.join("demo.key")).unwrap().trim().to_owned();
-    for _ in 0..3 {
-        let response = client_with_key(&key)
-            .post(format!("http://{addr}/v1/demo/detect"))
-            .header("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
-            .body(image("grace_hopper.jpg"))
-            .send()
-            .unwrap();
-        assert_eq!(response.status(), 200);
+fn otel_variables_turn_traces_on_and_off() {
+    let receivers: Vec<Receiver> = (0..4).map(|_| Receiver::start()).collect();
+    let endpoint = |i: usize| format!("OTEL_EXPORTER_OTLP_ENDPOINT=http://{}", receivers[i].addr);
+    let shells = [
+        format!(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://{}/v1/traces OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9 OTEL_SERVICE_NAME=facegate-eu1",
+            receivers[0].addr
+        ),
+        format!("{} OTEL_TRACES_EXPORTER=none", endpoint(1)),
+        format!("{} OTEL_SDK_DISABLED=true", endpoint(2)),
+        format!("{} OTEL_TRACES_SAMPLER=always_off", endpoint(3)),
+    ];
+    let nodes: Vec<Server> = std::thread::scope(|s| {
+        let started: Vec<_> = shells.iter().enumerate().map(|(i, shell)| s.spawn(move || otel_node(&format!("otel-{i}"), shell))).collect();
+        started.into_iter().map(|n| n.join().unwrap()).collect()
+    });
+    let trace_id = "0123456789abcdef0123456789abcdef";
+    for node in &nodes {
+        for _ in 0..3 {
+            let response = anonymous()
+                .get(format!("http://{}/v1/nobody/nothing", node.addr))
+                .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+                .send()
+                .unwrap();
+            assert_eq!(response.status(), 401);
+        }
     }
-    // Ten export intervals.
-    std::thread::sleep(Duration::from_secs(1));
-    assert!(receiver.spans().is_empty() && receiver.heads.lock().unwrap().is_empty());
+    let sent = Instant::now();
+    let spans = receivers[0].wait_for("the traced node's 3 server spans", |spans| {
+        spans.iter().filter(|s| hex(&s.trace_id) == trace_id && s.kind == SpanKind::Server as i32).count() == 3
+    });
+    let took = sent.elapsed();
+    assert!(spans.iter().all(|s| attribute(s, "http.response.status_code").as_deref() == Some("401")), "{:#?}", names(&spans));
+    let services = receivers[0].services.lock().unwrap().clone();
+    assert!(!services.is_empty() && services.iter().all(|n| n == "facegate-eu1"), "OTEL_SERVICE_NAME names the service: {services:?}");
+    // The traced node's spans came within `took`: the others have had that
+    // and 20 export intervals more.
+    std::thread::sleep(Duration::from_secs(2));
+    for (receiver, shell) in receivers.iter().zip(&shells).skip(1) {
+        assert!(receiver.spans().is_empty(), "{shell}: {:#?}", names(&receiver.spans()));
+        assert!(receiver.heads.lock().unwrap().is_empty(), "{shell}: nothing else reached the receiver either");
+    }
+    eprintln!("spans of the traced node received {took:?} after the requests");
 }
 
 fn hex_bytes(hex: &str) -> Vec<u8> {

@@ -94,10 +94,58 @@ fn each_request_is_metered_once_with_its_status_class_bytes_and_device_time() {
     assert_eq!(csv.headers()["content-type"], "text/csv; charset=utf-8");
     let csv = csv.text().unwrap();
     assert!(csv.starts_with("tenant,handler,version,start_ms,requests_2xx,"), "{csv}");
-    assert!(csv.lines().skip(1).all(|line| line.starts_with("demo,detect,")), "{csv}");
+    let rows = csv_rows(&csv);
+    assert!(!rows.is_empty(), "a row per period with requests: {csv}");
+    assert!(rows.iter().all(|r| (r["tenant"].as_str(), r["handler"].as_str()) == (Some("demo"), Some("detect"))), "{csv}");
+    assert_eq!((csv_sum(&rows, "requests_2xx"), csv_sum(&rows, "requests_4xx")), (3, 2), "{csv}");
+    assert_eq!(csv_sum(&rows, "bytes_in"), 3 * photo.len() as u64, "{csv}");
+
+    // The CLI: `--by` picks the period, `--csv` prints the same rows.
+    let cli = |args: &[&str]| -> String {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_facegate"))
+            .args(["usage", "--tenant", "demo"])
+            .args(args)
+            .env("FACEGATE_URL", format!("http://{addr}"))
+            .env("FACEGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+            .env_remove("FACEGATE_KEY")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(output.status.success(), "facegate usage {args:?}: {stdout}{}", String::from_utf8_lossy(&output.stderr));
+        stdout
+    };
+    let by_day = csv_rows(&cli(&["--by", "day", "--csv"]));
+    assert!(!by_day.is_empty() && by_day.iter().all(|r| r["start_ms"].as_str().unwrap().parse::<i64>().unwrap() % 86_400_000 == 0));
+    assert_eq!((csv_sum(&by_day, "requests_2xx"), csv_sum(&by_day, "requests_4xx")), (3, 2), "{by_day:?}");
+    for by in ["minute", "hour", "day"] {
+        let report: Value = serde_json::from_str(&cli(&["--by", by, "--json"])).unwrap();
+        assert_eq!(report["by"], by, "{report}");
+        let period = match by {
+            "minute" => 60_000,
+            "hour" => 3_600_000,
+            _ => 86_400_000,
+        };
+        assert!(report["rows"].as_array().unwrap().iter().all(|r| r["start_ms"].as_i64().unwrap() % period == 0), "{report}");
+        assert_eq!(field(&total(&report), "requests_2xx"), 3, "{report}");
+    }
+    let table = cli(&["--by", "day"]);
+    assert!(table.lines().any(|l| l.contains("demo/detect@1")), "a table row of demo/detect: {table}");
     let refused = anonymous().get(format!("http://{addr}/admin/v1/usage?by=week")).bearer_auth(ADMIN_TOKEN).send().unwrap();
     assert_eq!(refused.status(), 400);
     assert_eq!(anonymous().get(format!("http://{addr}/admin/v1/usage")).send().unwrap().status(), 401);
+}
+
+/// A usage CSV's rows, each by its header's names.
+fn csv_rows(csv: &str) -> Vec<serde_json::Map<String, Value>> {
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().expect("a header").split(',').collect();
+    let row = |line: &str| header.iter().zip(line.split(',')).map(|(name, value)| ((*name).to_owned(), json!(value))).collect();
+    lines.map(row).collect()
+}
+
+/// A column of [`csv_rows`] summed.
+fn csv_sum(rows: &[serde_json::Map<String, Value>], column: &str) -> u64 {
+    rows.iter().map(|r| r[column].as_str().unwrap().parse::<u64>().unwrap()).sum()
 }
 
 /// Creates tenant `t` with the detect handler as `h` through `node`; its key.
