@@ -10,13 +10,15 @@
 //!
 //! ```no_run
 //! use std::time::{Duration, Instant};
-//! use facegate_host_gpu::backend::onnx::{init_onnx_runtime, Device, ImageModelConfig, OnnxBackend};
+//! use facegate_host_gpu::backend::onnx::{init_onnx_runtime, ImageModelConfig, OnnxBackend};
+//! use facegate_host_gpu::device::{DeviceKind, OpenOptions};
 //! use facegate_host_gpu::{Batcher, BatcherConfig, InferRequest, Tensor, ElementType};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! init_onnx_runtime("libonnxruntime.so".as_ref())?;
 //! let config = ImageModelConfig::centerface("centerface.onnx", 8);
-//! let backend = OnnxBackend::new(config, &Device::Cpu { threads: 2, cores: Vec::new() })?;
+//! let options = OpenOptions { cpu_threads: 2, ..OpenOptions::default() };
+//! let backend = OnnxBackend::new(config, DeviceKind::Cpu.into(), &options)?;
 //! let batcher = Batcher::start(vec![Box::new(backend)], &BatcherConfig::default())?;
 //! let image = Tensor::new(vec![640, 640, 3], ElementType::U8, vec![0; 640 * 640 * 3])?;
 //! let deadline = Instant::now() + Duration::from_secs(5);
@@ -42,7 +44,7 @@ use std::collections::BTreeMap;
 
 pub use backlog::Promise;
 pub use batcher::{Batcher, BatcherConfig, CallOptions, DEFAULT_QUEUE_CAPACITY, DEFAULT_TENANT_CAPACITY, InferRequest};
-pub use device::DeviceSpec;
+pub use device::{DeviceKind, DeviceSpec};
 pub use error::InferError;
 pub use model::{ModelSpec, TensorSpec};
 pub use observe::{BatchMember, BatchObserver, BatchReport, CallTag};

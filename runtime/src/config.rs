@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use facegate_host_gpu::DeviceSpec;
 use facegate_host_gpu::Sizing;
+use facegate_host_gpu::{DeviceKind, DeviceSpec};
 
 use crate::admission::limits::TenantLimits;
 
@@ -347,12 +347,10 @@ pub struct EngineConfig {
     #[arg(long, env = "ORT_DYLIB_PATH", default_value = ".facegate/lib/libonnxruntime.so")]
     pub onnxruntime: PathBuf,
 
-    /// Devices the model runs on, comma-separated: `cpu`, `cuda:N`,
-    /// `tensorrt:N` (e.g. `cuda:0,cuda:1`). Each GPU is one device worker;
-    /// `cpu` adds `--cpu-workers` of them. GPUs need a build with
-    /// `--features cuda` (or `tensorrt`) and the
-    /// onnxruntime-gpu library as `--onnxruntime`.
-    #[arg(long, env = "FACEGATE_DEVICES", value_delimiter = ',', default_value = "cpu")]
+    /// Devices the model runs on, comma-separated: each a kind of host-gpu's
+    /// `DeviceKind` table (`cpu`, `cuda:N`, …); the `--help` text,
+    /// `devices_help`, lists them from that table.
+    #[arg(long, env = "FACEGATE_DEVICES", value_delimiter = ',', default_value = DeviceKind::Cpu.info().name, help = devices_help())]
     pub devices: Vec<DeviceSpec>,
 
     /// Device workers (ONNX Runtime sessions) on the CPU, each pulling its own
@@ -567,6 +565,26 @@ impl ServeConfig {
     }
 }
 
+/// `--devices`' help, from host-gpu's device table: the spellings, what a
+/// worker is and the cargo features the GPU kinds need.
+fn devices_help() -> String {
+    let kinds = || DeviceKind::ALL.iter().map(|kind| kind.info());
+    let quoted = |names: Vec<String>| names.iter().map(|name| format!("`{name}`")).collect::<Vec<_>>();
+    let spellings = quoted(kinds().map(|kind| kind.usage()).collect()).join(", ");
+    let example = kinds().find(|kind| kind.ordinal).map(|kind| format!(" (e.g. `{0}:0,{0}:1`)", kind.name)).unwrap_or_default();
+    let cpu = quoted(kinds().filter(|kind| kind.host_cpu).map(|kind| kind.name.to_owned()).collect()).join(" or ");
+    let features: Vec<String> = kinds().filter_map(|kind| kind.feature()).map(str::to_owned).collect();
+    let build = match features.split_first() {
+        Some((first, [])) => format!("`--features {first}`"),
+        Some((first, rest)) => format!("`--features {first}` (or {})", quoted(rest.to_vec()).join(", ")),
+        None => "GPU features".to_owned(),
+    };
+    format!(
+        "Devices the model runs on, comma-separated: {spellings}{example}. Each GPU is one device worker; {cpu} adds `--cpu-workers` \
+         of them. GPUs need a build with {build} and the onnxruntime-gpu library as `--onnxruntime`"
+    )
+}
+
 impl EngineConfig {
     /// One CPU session on the model at `model`, with ONNX Runtime from
     /// `onnxruntime`: batches of up to 4, sized adaptively, never held to
@@ -575,7 +593,7 @@ impl EngineConfig {
         Self {
             model,
             onnxruntime,
-            devices: vec![DeviceSpec::Cpu],
+            devices: vec![DeviceKind::Cpu.into()],
             cpu_workers: 1,
             cpu_threads: 0,
             inference_cores: 0,
@@ -623,12 +641,20 @@ mod tests {
         assert_eq!(config.engine.tenant_weights, vec![("a".to_owned(), 3), ("b".to_owned(), 1)]);
         assert!(Cli::try_parse_from(["facegate", "serve", "--tenant-weight", "a=0"]).is_err());
         assert!(Cli::try_parse_from(["facegate", "serve", "--tenant-weight", "a"]).is_err());
-        assert_eq!(config.engine.devices, vec![DeviceSpec::Cpu]);
+        assert_eq!(config.engine.devices, vec![DeviceSpec::from(DeviceKind::Cpu)]);
         let cli = Cli::try_parse_from(["facegate", "serve", "--devices", "cuda:0,tensorrt:1,cpu"]).unwrap();
         let Command::Serve(config) = cli.command else { panic!("not serve") };
-        assert_eq!(config.engine.devices, vec![DeviceSpec::Cuda(0), DeviceSpec::TensorRt(1), DeviceSpec::Cpu]);
+        let devices: Vec<String> = config.engine.devices.iter().map(ToString::to_string).collect();
+        assert_eq!(devices, ["cuda:0", "tensorrt:1", "cpu"]);
         for bad in ["gpu", "cuda", "cuda:-1", "cuda:x"] {
             assert!(Cli::try_parse_from(["facegate", "serve", "--devices", bad]).is_err(), "{bad}");
+        }
+        // Generated from host-gpu's device table: every kind's spelling and feature.
+        let help = devices_help();
+        assert!(help.starts_with("Devices the model runs on, comma-separated: `cpu`, `cuda:N`, "), "{help}");
+        for kind in DeviceKind::ALL.iter().map(|kind| kind.info()) {
+            assert!(help.contains(&format!("`{}`", kind.usage())), "{help}");
+            assert!(kind.feature().is_none_or(|feature| help.contains(&format!("{feature}`"))), "{help}");
         }
     }
 

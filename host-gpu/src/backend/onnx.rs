@@ -1,7 +1,8 @@
 //! ONNX Runtime backend (through `ort`), for image models that take one
 //! float NCHW input. Runs on the CPU by default; with the `cuda` or
 //! `tensorrt` features the same code drives GPUs through ONNX Runtime's
-//! execution providers.
+//! execution providers, each registered as its device kind's row in
+//! [`crate::device`] says.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -14,45 +15,9 @@ use ort::value::TensorRef;
 
 use super::intra_op::{self, IntraOpThreads};
 use super::{Backend, BackendError};
+use crate::device::{DeviceSpec, OpenOptions, Target};
 use crate::model::{ModelSpec, TensorSpec};
 use crate::tensor::{ElementType, Tensor};
-
-/// Where a session runs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Device {
-    /// The CPU, with this many intra-op threads for the session.
-    Cpu {
-        /// Threads ONNX Runtime may use inside one run.
-        threads: usize,
-        /// Cores the session's threads (the device worker's and ONNX
-        /// Runtime's pool) are pinned to; empty: not pinned, the OS places
-        /// them among all the others.
-        cores: Vec<usize>,
-    },
-    /// An NVIDIA GPU through the CUDA execution provider.
-    Cuda {
-        /// CUDA device ordinal.
-        device_id: i32,
-    },
-    /// An NVIDIA GPU through TensorRT (CUDA for unsupported nodes).
-    TensorRt {
-        /// CUDA device ordinal.
-        device_id: i32,
-        /// Directory for TensorRT's engine cache, so restarts skip the build.
-        cache_dir: Option<PathBuf>,
-    },
-}
-
-impl Device {
-    /// The device as `--devices` names it: `cpu`, `cuda:N`, `tensorrt:N`.
-    pub fn label(&self) -> String {
-        match self {
-            Self::Cpu { .. } => "cpu".to_owned(),
-            Self::Cuda { device_id } => format!("cuda:{device_id}"),
-            Self::TensorRt { device_id, .. } => format!("tensorrt:{device_id}"),
-        }
-    }
-}
 
 /// An image model in ONNX form: one `[B,3,H,W]` f32 input, outputs `[B,C,H/s,W/s]`.
 #[derive(Debug, Clone)]
@@ -162,16 +127,15 @@ fn drop_scratch(capacity: usize, needed: usize, keep: usize) -> bool {
 }
 
 impl OnnxBackend {
-    /// Opens a session for `config` on `device`. [`init_onnx_runtime`] must have succeeded.
-    pub fn new(config: ImageModelConfig, device: &Device) -> Result<Self, BackendError> {
-        let intra_op = match device {
-            Device::Cpu { cores, .. } => Some(IntraOpThreads::new(cores.clone())),
-            _ => None,
-        };
-        let session = build_session(&config, device, intra_op.clone())
+    /// Opens a session for `config` on `device`, set up as `options` say
+    /// for its kind (see [`crate::device::Kind`]). [`init_onnx_runtime`]
+    /// must have succeeded.
+    pub fn new(config: ImageModelConfig, device: DeviceSpec, options: &OpenOptions) -> Result<Self, BackendError> {
+        let intra_op = device.kind().info().host_cpu.then(|| IntraOpThreads::new(options.cpu_cores.clone()));
+        let session = build_session(&config, device, options, intra_op.clone())
             .map_err(|e| BackendError(format!("cannot load model {} from {}: {e}", config.name, config.path.display())))?;
         let spec = config.spec();
-        Ok(Self { config, spec, session, intra_op, scratch: Vec::new(), label: device.label() })
+        Ok(Self { config, spec, session, intra_op, scratch: Vec::new(), label: device.to_string() })
     }
 
     fn fill_input(&mut self, inputs: &[&Tensor], h: usize, w: usize) {
@@ -190,69 +154,25 @@ impl OnnxBackend {
     }
 }
 
-fn build_session(config: &ImageModelConfig, device: &Device, intra_op: Option<IntraOpThreads>) -> ort::Result<Session> {
+/// A session for `config` on `device`: on the host's CPU with `intra_op`'s
+/// threads, through the execution provider its kind registers.
+fn build_session(
+    config: &ImageModelConfig,
+    device: DeviceSpec,
+    options: &OpenOptions,
+    intra_op: Option<IntraOpThreads>,
+) -> ort::Result<Session> {
     let mut builder = Session::builder(environment()?)?
         .with_optimization_level(GraphOptimizationLevel::Level3)?
         // Spinning threads burn the cores the wasm guests need while idle.
         .with_intra_op_spinning(false)?
         .with_inter_threads(1)?;
-    builder = match device {
-        Device::Cpu { threads, .. } => {
-            let builder = builder.with_intra_threads((*threads).max(1))?;
-            match intra_op {
-                Some(threads) => builder.with_thread_manager(threads)?,
-                None => builder,
-            }
-        }
-        Device::Cuda { device_id } => with_cuda(builder, *device_id)?,
-        Device::TensorRt { device_id, cache_dir } => with_tensorrt(builder, config, *device_id, cache_dir.as_deref())?,
-    };
-    builder.commit_from_file(&config.path)
-}
-
-#[cfg(feature = "cuda")]
-fn with_cuda(builder: ort::session::builder::SessionBuilder, device_id: i32) -> ort::Result<ort::session::builder::SessionBuilder> {
-    let cuda = ort::ep::CUDA::default().with_device_id(device_id).build().error_on_failure();
-    Ok(builder.with_execution_providers([cuda])?)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn with_cuda(_: ort::session::builder::SessionBuilder, _: i32) -> ort::Result<ort::session::builder::SessionBuilder> {
-    Err(ort::Error::new("support for CUDA was disabled at compile time (build with --features cuda)"))
-}
-
-#[cfg(feature = "tensorrt")]
-fn with_tensorrt(
-    builder: ort::session::builder::SessionBuilder,
-    config: &ImageModelConfig,
-    device_id: i32,
-    cache_dir: Option<&Path>,
-) -> ort::Result<ort::session::builder::SessionBuilder> {
-    let [min, opt, max] = tensorrt_profile(config);
-    // One optimisation profile covering every batch and size the model
-    // accepts: without it TensorRT builds a new engine for each new shape.
-    let mut trt = ort::ep::TensorRT::default()
-        .with_device_id(device_id)
-        .with_fp16(true)
-        .with_profile_min_shapes(min)
-        .with_profile_opt_shapes(opt)
-        .with_profile_max_shapes(max);
-    if let Some(dir) = cache_dir {
-        trt =
-            trt.with_engine_cache(true).with_engine_cache_path(dir.display()).with_timing_cache(true).with_timing_cache_path(dir.display());
+    if let Some(threads) = intra_op {
+        builder = builder.with_intra_threads(options.cpu_threads.max(1))?.with_thread_manager(threads)?;
     }
-    let cuda = ort::ep::CUDA::default().with_device_id(device_id).build();
-    Ok(builder.with_execution_providers([trt.build().error_on_failure(), cuda])?)
-}
-
-#[cfg(not(feature = "tensorrt"))]
-fn with_tensorrt(
-    _: ort::session::builder::SessionBuilder,
-    _: &ImageModelConfig,
-    _: i32,
-    _: Option<&Path>,
-) -> ort::Result<ort::session::builder::SessionBuilder> {
-    Err(ort::Error::new("support for TensorRT was disabled at compile time (build with --features tensorrt)"))
+    let target = Target { ordinal: device.ordinal().unwrap_or(0), model: config, cache_dir: options.cache_dir.as_deref() };
+    builder = device.kind().info().register(builder, &target)?;
+    builder.commit_from_file(&config.path)
 }
 
 impl Backend for OnnxBackend {
@@ -299,16 +219,6 @@ impl Backend for OnnxBackend {
     }
 }
 
-/// TensorRT's min, opt and max input shapes (`name:BxCxHxW`): one sample of
-/// the smallest side up to `max_batch` samples of the largest, tuned for
-/// full batches of 640×640.
-#[cfg_attr(not(feature = "tensorrt"), allow(dead_code, reason = "used by the tensorrt feature; tested in every build"))]
-fn tensorrt_profile(config: &ImageModelConfig) -> [String; 3] {
-    let shape = |batch: usize, side: usize| format!("{}:{batch}x3x{side}x{side}", config.input_name);
-    let opt_side = 640usize.clamp(config.dim_multiple, config.max_side);
-    [shape(1, config.dim_multiple), shape(config.max_batch.max(1), opt_side), shape(config.max_batch.max(1), config.max_side)]
-}
-
 /// Converts one u8 HWC image into planar (CHW) floats, normalising per channel.
 fn hwc_u8_to_chw_f32(src: &[u8], dst: &mut [f32], mean: [f32; 3], std: [f32; 3]) {
     let plane = dst.len() / 3;
@@ -348,15 +258,6 @@ mod tests {
         let mut dst = [0f32; 6];
         hwc_u8_to_chw_f32(&src, &mut dst, [10.0, 0.0, 0.0], [1.0, 2.0, 1.0]);
         assert_eq!(dst, [0.0, 30.0, 10.0, 25.0, 30.0, 60.0]);
-    }
-
-    #[test]
-    fn tensorrt_profile_spans_every_accepted_shape() {
-        let config = ImageModelConfig::centerface("m.onnx", 16);
-        assert_eq!(
-            tensorrt_profile(&config),
-            ["input.1:1x3x32x32".to_owned(), "input.1:16x3x640x640".into(), "input.1:16x3x2048x2048".into()]
-        );
     }
 
     #[test]

@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 
 use facegate_host_gpu::backend::Backend;
-use facegate_host_gpu::backend::onnx::{Device, ImageModelConfig, OnnxBackend, init_onnx_runtime};
+use facegate_host_gpu::backend::onnx::{ImageModelConfig, OnnxBackend, init_onnx_runtime};
+use facegate_host_gpu::device::{DeviceKind, OpenOptions};
 use facegate_host_gpu::{ElementType, Tensor};
 
 const H: usize = 192;
@@ -27,10 +28,15 @@ fn fixture(name: &str) -> Vec<u8> {
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// A CPU session's options: `threads` intra-op threads pinned to `cores`.
+fn cpu(threads: usize, cores: Vec<usize>) -> OpenOptions {
+    OpenOptions { cpu_threads: threads, cpu_cores: cores, ..OpenOptions::default() }
+}
+
 fn backend() -> OnnxBackend {
     let (lib, model) = artifacts();
     init_onnx_runtime(&lib).unwrap();
-    OnnxBackend::new(ImageModelConfig::centerface(model, 4), &Device::Cpu { threads: 2, cores: Vec::new() }).unwrap()
+    OnnxBackend::new(ImageModelConfig::centerface(model, 4), DeviceKind::Cpu.into(), &cpu(2, Vec::new())).unwrap()
 }
 
 fn reference_input() -> Tensor {
@@ -76,7 +82,7 @@ fn missing_model_is_a_clear_error() {
     let (lib, _) = artifacts();
     init_onnx_runtime(&lib).unwrap();
     let config = ImageModelConfig::centerface("/nonexistent/model.onnx", 1);
-    let err = OnnxBackend::new(config, &Device::Cpu { threads: 1, cores: Vec::new() }).err().unwrap();
+    let err = OnnxBackend::new(config, DeviceKind::Cpu.into(), &cpu(1, Vec::new())).err().unwrap();
     assert!(err.0.contains("/nonexistent/model.onnx"), "{err}");
 }
 
@@ -107,8 +113,7 @@ fn a_session_with_cores_of_its_own_runs_only_there() {
     // The first core: other tests' unpinned pool threads may use every core.
     let first = allowed_cores().unwrap()[0];
     let before = pool_threads_on(&[first]);
-    let device = Device::Cpu { threads: 2, cores: vec![first] };
-    let mut backend = OnnxBackend::new(ImageModelConfig::centerface(model, 4), &device).unwrap();
+    let mut backend = OnnxBackend::new(ImageModelConfig::centerface(model, 4), DeviceKind::Cpu.into(), &cpu(2, vec![first])).unwrap();
     assert_eq!(pool_threads_on(&[first]), before + 1, "two threads: the worker and one pool thread, pinned");
     let (worker_cores, outputs) = std::thread::spawn(move || {
         backend.on_worker_thread();

@@ -14,7 +14,7 @@ use anyhow::{Context, bail};
 use facegate_host_gpu::affinity;
 
 use crate::config::EngineConfig;
-use facegate_host_gpu::DeviceSpec;
+use facegate_host_gpu::DeviceKind;
 
 /// How the process's cores are split.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,8 +46,8 @@ pub fn reserve(config: &mut EngineConfig) -> anyhow::Result<Option<Split>> {
     if config.inference_cores == 0 || !config.inference_cpus.is_empty() {
         return Ok(None);
     }
-    if !config.devices.contains(&DeviceSpec::Cpu) {
-        bail!("--inference-cores reserves cores for CPU inference, but no `cpu` device is configured (--devices)");
+    if !config.devices.iter().any(|device| device.kind().info().host_cpu) {
+        bail!("--inference-cores reserves cores for CPU inference, but no {} device is configured (--devices)", host_cpu_kinds());
     }
     let allowed = affinity::allowed_cores().context("cannot read which cores this process may use (--inference-cores)")?;
     let split = split(&allowed, config.inference_cores)?;
@@ -55,6 +55,14 @@ pub fn reserve(config: &mut EngineConfig) -> anyhow::Result<Option<Split>> {
     config.inference_cpus.clone_from(&split.inference);
     tracing::info!(inference = ?split.inference, handlers = ?split.handlers, "cores reserved for CPU inference");
     Ok(Some(split))
+}
+
+/// The kinds that compute on the host's CPU, as `--devices` spells them:
+/// `` `cpu` ``.
+fn host_cpu_kinds() -> String {
+    let names: Vec<String> =
+        DeviceKind::ALL.iter().map(|kind| kind.info()).filter(|kind| kind.host_cpu).map(|kind| format!("`{}`", kind.name)).collect();
+    names.join(" or ")
 }
 
 #[cfg(test)]
@@ -106,7 +114,7 @@ mod tests {
     fn reserving_needs_a_cpu_device() {
         let mut config = crate::config::ServeConfig::with_data_dir("unused".into()).unwrap().engine;
         config.inference_cores = 1;
-        config.devices = vec![DeviceSpec::Cuda(0)];
+        config.devices = vec!["cuda:0".parse().unwrap()];
         let err = reserve(&mut config).unwrap_err().to_string();
         assert!(err.contains("no `cpu` device"), "{err}");
         config.inference_cores = 0;
