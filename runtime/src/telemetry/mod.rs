@@ -300,22 +300,28 @@ pub struct NodeGauges {
     pub components_shared: u64,
 }
 
-/// Appends the node's own gauges.
+/// Appends the node's own gauges and counters.
 pub fn render_node(out: &mut String, node: NodeGauges) {
-    out.push_str("# HELP facegate_memory_budget_bytes The node's memory budget for requests and warm instances.\n# TYPE facegate_memory_budget_bytes gauge\n");
-    let _ = writeln!(out, "facegate_memory_budget_bytes {}", node.memory_budget);
-    out.push_str(
-        "# HELP facegate_memory_charged_bytes Memory charged to the budget now, all tenants.\n# TYPE facegate_memory_charged_bytes gauge\n",
-    );
-    let _ = writeln!(out, "facegate_memory_charged_bytes {}", node.memory_charged);
-    out.push_str("# HELP facegate_live_nodes Live nodes of the cluster as this node counts them (tenants' rate and concurrency are shared among them).\n# TYPE facegate_live_nodes gauge\n");
-    let _ = writeln!(out, "facegate_live_nodes {}", node.live_nodes);
-    out.push_str(
-        "# HELP facegate_components_compiled_total Components this node compiled.\n# TYPE facegate_components_compiled_total counter\n",
-    );
-    let _ = writeln!(out, "facegate_components_compiled_total {}", node.components_compiled);
-    out.push_str("# HELP facegate_components_shared_loaded_total Artifacts other nodes compiled and shared, loaded instead of compiling.\n# TYPE facegate_components_shared_loaded_total counter\n");
-    let _ = writeln!(out, "facegate_components_shared_loaded_total {}", node.components_shared);
+    let series: [(&str, &str, &str, u64); 5] = [
+        ("facegate_memory_budget_bytes", "gauge", "The node's memory budget for requests and warm instances.", node.memory_budget as u64),
+        ("facegate_memory_charged_bytes", "gauge", "Memory charged to the budget now, all tenants.", node.memory_charged as u64),
+        (
+            "facegate_live_nodes",
+            "gauge",
+            "Live nodes of the cluster as this node counts them (tenants' rate and concurrency are shared among them).",
+            node.live_nodes as u64,
+        ),
+        ("facegate_components_compiled_total", "counter", "Components this node compiled.", node.components_compiled),
+        (
+            "facegate_components_shared_loaded_total",
+            "counter",
+            "Artifacts other nodes compiled and shared, loaded instead of compiling.",
+            node.components_shared,
+        ),
+    ];
+    for (name, kind, help, value) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+    }
 }
 
 /// Renders everything in Prometheus text format.
