@@ -26,6 +26,7 @@ mod cluster;
 pub mod compose;
 pub mod keys;
 mod live;
+mod rebuild;
 mod releases;
 mod seal;
 mod seed;

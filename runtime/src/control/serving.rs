@@ -4,7 +4,6 @@
 //! limits among the live nodes, and what a rebuild forgets (tenants gone
 //! or recreated, idle instances past their time).
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::atomic::{AtomicBool, AtomicI64};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -13,10 +12,10 @@ use std::time::Duration;
 use super::artifacts::{Artifacts, Compile};
 use super::cluster::Cluster;
 use super::keys;
-use super::live::{ActiveKey, KeyMap, Live, LiveCanary, TenantEntry};
+use super::live::{ActiveKey, KeyMap, Live};
+use super::rebuild::{Rebuild, incarnations, tenant_row};
 use super::shared::Shared;
-use super::store::{self, Canary, Store, StoreError, StoreResult, now_ms};
-use crate::admission::gate::new_gate;
+use super::store::{Store, StoreResult, now_ms};
 use crate::sandbox::handler::Handler;
 
 /// The control plane's part that serving reads: the snapshot (see the module docs).
@@ -93,76 +92,9 @@ impl Serving {
         Arc::clone(&self.live.read().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
-    /// Forgets the tenants of `old` that are gone from the store, or were
-    /// deleted and created again under their name (another incarnation):
-    /// the new one starts afresh, and none of the old one's handlers is
-    /// served to it.
-    fn forget_gone(&self, old: &Live, incarnations: &HashMap<&str, &str>) {
-        for (name, entry) in old.tenants.iter() {
-            if incarnations.get(name.as_str()) != Some(&entry.incarnation.as_str()) {
-                self.forget_tenant(name, entry);
-            }
-        }
-    }
-
-    /// The snapshot entry for a tenant row (handlers added later): the gate
-    /// of the same incarnation is kept while its limits are unchanged.
-    fn tenant_entry(&self, old: &Live, row: store::TenantRow) -> (String, TenantEntry) {
-        let limits = self.shared.defaults.with(&row.overrides);
-        let previous = old.tenants.get(&row.name).filter(|e| e.incarnation == row.incarnation);
-        let gate = match previous {
-            Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
-            previous => {
-                // Idle instances were made under the old limits (reuse,
-                // memory, concurrency): none of those waiting now outlives the change.
-                previous.into_iter().flat_map(TenantEntry::all_handlers).for_each(|h| h.warm.clear());
-                Arc::new(new_gate(limits, previous.map(|e| &*e.gate), self.cluster.live_nodes()))
-            }
-        };
-        let weight = self.shared.weight(&row.name, &row.overrides);
-        for model in self.shared.models.iter() {
-            model.set_tenant_weight(&row.name, weight);
-        }
-        (row.name, TenantEntry { incarnation: row.incarnation, gate, handlers: HashMap::new(), canaries: HashMap::new() })
-    }
-
-    /// The store is read in several statements: a tenant deleted (and
-    /// perhaps created again) between the first and the last would mix two
-    /// incarnations in one snapshot (the old one's handlers, the new one's
-    /// keys). Such a tenant is left out of this snapshot and forgotten; the
-    /// change bumped the generation, so the next sync brings it in whole.
-    fn drop_recreated_meanwhile(&self, db: &mut dyn Store, live: &mut Live) -> StoreResult<()> {
-        let rows = db.tenants()?;
-        let now = incarnations(rows.iter());
-        let changed: Vec<String> = live
-            .tenants
-            .iter()
-            .filter(|(name, entry)| now.get(name.as_str()) != Some(&entry.incarnation.as_str()))
-            .map(|(name, _)| name.clone())
-            .collect();
-        for name in changed {
-            if let Some(entry) = live.tenants_mut().remove(&name) {
-                tracing::info!(tenant = %name, "tenant deleted or created again while the snapshot was read; it follows at the next sync");
-                self.forget_tenant(&name, &entry);
-            }
-            live.keys_mut().retain(|_, key| key.tenant != name);
-        }
-        Ok(())
-    }
-
-    /// Drops what the server keeps of a tenant that is gone (deleted, or
-    /// deleted and created again): its batcher queues' state, its counters
-    /// and its handlers' idle instances.
-    fn forget_tenant(&self, name: &str, entry: &TenantEntry) {
-        for model in self.shared.models.iter() {
-            model.remove_tenant(name);
-        }
-        for counters in &self.shared.counters {
-            counters.forget_tenant(name);
-        }
-        for handler in entry.all_handlers() {
-            handler.warm.clear();
-        }
+    /// A rebuild's context over `old`, the snapshot it replaces.
+    fn rebuild<'a>(&'a self, old: &'a Live, preloaded: &'a [Arc<Handler>], compile: Compile) -> Rebuild<'a> {
+        Rebuild { shared: &self.shared, artifacts: &self.artifacts, live_nodes: self.cluster.live_nodes(), old, preloaded, compile }
     }
 
     /// Drops the idle instances of the handlers served now that waited
@@ -231,20 +163,21 @@ impl Serving {
         // Read first: a change committed while this runs bumps it again, and the next sync catches it.
         let generation = db.generation()?;
         let old = self.live();
+        let build = self.rebuild(&old, preloaded, compile);
         let mut live = Live::default();
         let rows = db.tenants()?;
-        self.forget_gone(&old, &incarnations(rows.iter()));
+        build.forget_gone(&incarnations(rows.iter()));
         for row in rows {
-            let (name, entry) = self.tenant_entry(&old, row);
+            let (name, entry) = build.tenant_entry(row);
             live.tenants_mut().insert(name, entry);
         }
         let mut to_compile = Vec::new();
         for active in db.active_handlers()? {
             let Some(entry) = live.tenants_mut().get_mut(&active.tenant) else { continue };
-            to_compile.extend(self.serve_active(db, &old, (preloaded, compile), entry, active));
+            to_compile.extend(build.serve_active(db, entry, active));
         }
         for (version, canary) in db.canaries()? {
-            to_compile.extend(self.canary_into(db, &old, (preloaded, compile), &mut live, (version, canary)));
+            to_compile.extend(build.canary_into(db, &mut live, (version, canary)));
         }
         // The keys are read under the swap lock: a key change committed
         // before this read is in it, one committed after it waits to apply
@@ -255,7 +188,7 @@ impl Serving {
                 live.keys_mut().insert(Arc::from(id), Arc::new(ActiveKey { tenant, secret_sha256, scopes }));
             }
         }
-        self.drop_recreated_meanwhile(db, &mut live)?;
+        build.drop_recreated_meanwhile(db, &mut live)?;
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         self.generation.store(generation, Ordering::Release);
         self.synced_at_ms.store(now_ms(), Ordering::Release);
@@ -278,21 +211,22 @@ impl Serving {
         if old.tenants.get(tenant).is_some_and(|was| incarnation.as_ref().is_some_and(|now| *now != was.incarnation)) {
             return self.rebuild_all(db, preloaded, compile);
         }
+        let build = self.rebuild(&old, preloaded, compile);
         let mut live = Live { tenants: Arc::clone(&old.tenants), keys: Arc::default() };
         if let Some(was) = live.tenants_mut().remove(tenant)
             && row.is_none()
         {
-            self.forget_tenant(tenant, &was);
+            build.forget_tenant(tenant, &was);
         }
         let mut to_compile = Vec::new();
         if let Some(row) = row {
-            let (name, mut entry) = self.tenant_entry(&old, row);
+            let (name, mut entry) = build.tenant_entry(row);
             for active in db.active_handlers()?.into_iter().filter(|a| a.tenant == tenant) {
-                to_compile.extend(self.serve_active(db, &old, (preloaded, compile), &mut entry, active));
+                to_compile.extend(build.serve_active(db, &mut entry, active));
             }
             live.tenants_mut().insert(name, entry);
             for (version, canary) in db.canaries()?.into_iter().filter(|(v, _)| v.tenant == tenant) {
-                to_compile.extend(self.canary_into(db, &old, (preloaded, compile), &mut live, (version, canary)));
+                to_compile.extend(build.canary_into(db, &mut live, (version, canary)));
             }
         }
         // Deleted or created again while this read: rebuilt whole instead.
@@ -308,118 +242,6 @@ impl Serving {
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         Ok(to_compile)
     }
-
-    /// Puts `active` into `entry`: the handler served before or `preloaded`
-    /// if the same version, else loaded. Returns its component when it must
-    /// be compiled first (the version served before stays meanwhile).
-    fn serve_active(
-        &self,
-        db: &mut dyn Store,
-        old: &Live,
-        (preloaded, compile): (&[Arc<Handler>], Compile),
-        entry: &mut TenantEntry,
-        active: store::ActiveHandler,
-    ) -> Option<String> {
-        let outgoing_http = entry.gate.limits.outgoing_http;
-        let same = |h: &&Arc<Handler>| h.version == active.version && h.sha256 == active.sha256 && h.outgoing_http == outgoing_http;
-        // What this tenant (this incarnation of it) served before.
-        let served =
-            old.tenants.get(&active.tenant).filter(|e| e.incarnation == entry.incarnation).and_then(|e| e.handlers.get(&active.handler));
-        let reused = preloaded
-            .iter()
-            .find(|h| *h.tenant == *active.tenant && h.name == active.handler && same(h))
-            .or_else(|| served.filter(same))
-            .cloned();
-        let loaded = match reused {
-            Some(handler) => Ok(Some(handler)),
-            None => self.artifacts.load_handler_if(db, &active, outgoing_http, compile).map(|h| h.map(Arc::new)),
-        };
-        // The version being served stays (if its grant did not change)
-        // while the new one compiles, or when it cannot be loaded: a
-        // change made elsewhere must not take the handler away.
-        let kept = || served.filter(|h| h.outgoing_http == outgoing_http).cloned();
-        let mut to_compile = None;
-        let handler = match loaded {
-            Ok(Some(handler)) => Some(handler),
-            Ok(None) => {
-                tracing::info!(tenant = %active.tenant, handler = %active.handler, version = active.version, "compiling a version deployed elsewhere; serving the previous one meanwhile");
-                to_compile = Some(active.sha256.clone());
-                kept()
-            }
-            Err(e) => {
-                let kept = kept();
-                tracing::error!(tenant = %active.tenant, handler = %active.handler, version = active.version, kept = ?kept.as_ref().map(|h| h.version), error = %e, "cannot load handler version");
-                kept
-            }
-        };
-        if let Some(handler) = handler {
-            entry.handlers.insert(active.handler, handler);
-        }
-        to_compile
-    }
-}
-
-/// `tenant`'s row, `None` if there is no such tenant.
-fn tenant_row(db: &mut dyn Store, tenant: &str) -> StoreResult<Option<store::TenantRow>> {
-    match db.tenant(tenant) {
-        Ok(row) => Ok(Some(row)),
-        Err(StoreError::NotFound(_)) => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-impl Serving {
-    /// Puts a canary into `live` beside its handler's active version: the
-    /// one served before if it is the same version (its counts kept while
-    /// the active version is the same too), else loaded. Returns the
-    /// component to compile when it is not ready yet
-    /// (the canary waits; the active version serves all).
-    fn canary_into(
-        &self,
-        db: &mut dyn Store,
-        old: &Live,
-        (preloaded, compile): (&[Arc<Handler>], Compile),
-        live: &mut Live,
-        (version, canary): (store::ActiveHandler, Canary),
-    ) -> Option<String> {
-        let entry = live.tenants_mut().get_mut(&version.tenant).filter(|e| e.handlers.contains_key(&version.handler))?;
-        let outgoing_http = entry.gate.limits.outgoing_http;
-        let same = |h: &Arc<Handler>| h.version == version.version && h.sha256 == version.sha256 && h.outgoing_http == outgoing_http;
-        // The counts compare the canary with the version served beside it:
-        // another active version starts both afresh.
-        let stable = entry.handlers.get(&version.handler).map(|h| h.version);
-        let before = old
-            .tenants
-            .get(&version.tenant)
-            .filter(|e| e.incarnation == entry.incarnation && e.handlers.get(&version.handler).map(|h| h.version) == stable)
-            .and_then(|e| e.canaries.get(&version.handler))
-            .filter(|c| same(&c.handler));
-        let (handler, counts) = match before {
-            Some(c) => (Arc::clone(&c.handler), Arc::clone(&c.counts)),
-            None => {
-                let ready = preloaded.iter().find(|h| *h.tenant == *version.tenant && h.name == version.handler && same(h)).cloned();
-                let handler = match ready {
-                    Some(handler) => handler,
-                    None => match self.artifacts.load_handler_if(db, &version, outgoing_http, compile) {
-                        Ok(Some(handler)) => Arc::new(handler),
-                        Ok(None) => return Some(version.sha256.clone()),
-                        Err(e) => {
-                            tracing::error!(tenant = %version.tenant, handler = %version.handler, version = version.version, error = %e, "cannot load canary version");
-                            return None;
-                        }
-                    },
-                };
-                (handler, Arc::default())
-            }
-        };
-        entry.canaries.insert(version.handler.clone(), Arc::new(LiveCanary { handler, canary, counts }));
-        None
-    }
-}
-
-/// Each tenant row's incarnation, by name.
-fn incarnations<'a>(rows: impl Iterator<Item = &'a store::TenantRow>) -> HashMap<&'a str, &'a str> {
-    rows.map(|r| (r.name.as_str(), r.incarnation.as_str())).collect()
 }
 
 /// What one [`Serving::sync`] did.
