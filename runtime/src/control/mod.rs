@@ -122,27 +122,15 @@ impl ControlPlane {
         models: Models,
         settings: ControlSettings,
     ) -> anyhow::Result<Self> {
-        let ControlSettings {
-            defaults,
-            max_instances,
-            compile,
-            weights,
-            counters,
-            pipeline,
-            artifact_key,
-            cache_key,
-            compile_store,
-            serving_store,
-        } = settings;
         blobs::prepare_data_dir(data_dir)?;
-        if let Err(e) = validate_defaults(&defaults, max_instances) {
+        if let Err(e) = validate_defaults(&settings.defaults, settings.max_instances) {
             anyhow::bail!(
                 "the tenants' default limits (--memory-limit-mib, --request-timeout-ms, --tenant-max-concurrency, \
                  --tenant-rps, --tenant-burst, --max-body-bytes, --max-response-bytes, --max-infer-calls, \
                  --instance-reuse flags) are invalid: {e}"
             );
         }
-        let cache_key = match cache_key {
+        let cache_key = match settings.cache_key {
             Some(key) => key,
             None => CacheKey::in_data_dir(data_dir)?,
         };
@@ -156,18 +144,18 @@ impl ControlPlane {
             described: store.describe(),
             engine_id: engine_id(sandbox.engine()),
             db: Connection::new(store),
-            compile_db: compile_store.map(Connection::new),
-            serving_db: serving_store.map(Connection::new),
+            compile_db: settings.compile_store.map(Connection::new),
+            serving_db: settings.serving_store.map(Connection::new),
             cache,
             sandbox,
             models,
-            defaults,
-            max_instances,
-            compile,
-            weights,
-            counters,
-            pipeline,
-            artifact_key,
+            defaults: settings.defaults,
+            max_instances: settings.max_instances,
+            compile: settings.compile,
+            weights: settings.weights,
+            counters: settings.counters,
+            pipeline: settings.pipeline,
+            artifact_key: settings.artifact_key,
         });
         let artifacts = Arc::new(Artifacts::new(Arc::clone(&shared)));
         let cluster = Arc::new(Cluster::new(Arc::clone(&shared)));
