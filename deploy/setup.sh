@@ -105,13 +105,13 @@ build() {
   cp guests/target/wasm32-wasip2/release/detect.wasm "$HOME_DIR/handlers/demo/detect.wasm"
   # Linked into Python and JavaScript handlers at deploy time (--pipeline-component).
   cp guests/target/wasm32-wasip2/release/pipeline.wasm "$HOME_DIR/lib/pipeline.wasm"
-  for extra in blur crop; do
+  for extra in blur crop faces; do
     if [ -f "guests/target/wasm32-wasip2/release/$extra.wasm" ]; then
       cp "guests/target/wasm32-wasip2/release/$extra.wasm" "$HOME_DIR/handlers/demo/$extra.wasm"
     fi
   done
   log "building the Python and JavaScript example handlers"
-  for example in detect blur; do
+  for example in detect blur faces; do
     deploy/scripts/build-python.sh "guests/python/$example" "$HOME_DIR/handlers/demo/$example-py.wasm"
     if have_node20; then
       deploy/scripts/build-js.sh "guests/js/$example" "$HOME_DIR/handlers/demo/$example-js.wasm"

@@ -113,6 +113,13 @@ export declare function detectFaces(image: Uint8Array, options: Options): Detect
 /** The query string of an `ImageRequest`, without `?` (`""` when none). */
 export declare function queryOf(request: ImageRequest): string;
 /**
+ * The path of an `ImageRequest`, without the query: relative to the
+ * handler's mount (`/detect`, `/` for the mount itself).
+ */
+export declare function pathOf(request: ImageRequest): string;
+/** A JSON `Reply`: `status`, `content-type: application/json`, `JSON.stringify(value)`. */
+export declare function jsonReply(status: number, value: unknown): Reply;
+/**
  * Answers one `wasi:http` request with `answer`; a thrown `Refusal` becomes
  * its JSON error, anything else a 500 `internal` JSON error.
  */

@@ -107,6 +107,23 @@ export function queryOf(request) {
 }
 
 /**
+ * The path of an `image-request`, without the query (`/detect` for
+ * `/detect?threshold=0.6`): what a handler that serves several routes
+ * routes on. Mounted at `/v1/<tenant>/<handler>`, a handler sees the path
+ * relative to its mount (`/` for the mount itself); under a tenant's own
+ * hostname, the whole path.
+ */
+export function pathOf(request) {
+  const at = request.pathWithQuery.indexOf("?");
+  return at < 0 ? request.pathWithQuery : request.pathWithQuery.slice(0, at);
+}
+
+/** A JSON `reply`: `status`, `content-type: application/json`, `JSON.stringify(value)`. */
+export function jsonReply(status, value) {
+  return { status, headers: [["content-type", "application/json"]], body: encoder.encode(JSON.stringify(value)) };
+}
+
+/**
  * Answers one `wasi:http` request with `answer` (e.g. `pipeline.detect`),
  * which gets the `image-request` and returns a `reply` (or a promise of
  * one: then `serve` returns a promise, which `handle` must return so that

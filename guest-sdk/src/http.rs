@@ -19,6 +19,8 @@ use crate::Error;
 
 /// Default [`Handler::MAX_BODY_BYTES`]: 16 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+/// [`Handler::METHODS`] for a handler that accepts every method (`"*"`).
+pub const ANY_METHOD: &[&str] = &["*"];
 /// The `multipart/form-data` field that carries the image.
 pub const IMAGE_FIELD: &str = "image";
 /// Bytes read from the body per call.
@@ -31,7 +33,8 @@ const WRITE_CHUNK: usize = 4096;
 /// Export it with [`export_handler!`](crate::export_handler).
 pub trait Handler {
     /// Methods the handler accepts; others get 405 with `Allow`, before the
-    /// body is read.
+    /// body is read. [`ANY_METHOD`] lets every method through (a handler
+    /// that routes by path and checks each route's methods itself).
     const METHODS: &'static [&'static str] = &["POST"];
     /// Largest body accepted, in bytes; a larger one gets 413 unread.
     const MAX_BODY_BYTES: usize = DEFAULT_MAX_BODY_BYTES;
@@ -358,9 +361,9 @@ fn method_name(method: &Method) -> String {
     }
 }
 
-/// 405 unless `method` is one of `allowed`.
+/// 405 unless `method` is one of `allowed` (`"*"` allows any).
 pub fn check_method(method: &str, allowed: &[&str]) -> Result<(), HttpError> {
-    if allowed.iter().any(|m| m.eq_ignore_ascii_case(method)) {
+    if allowed.iter().any(|m| *m == "*" || m.eq_ignore_ascii_case(method)) {
         return Ok(());
     }
     Err(HttpError::MethodNotAllowed { method: method.to_string(), allowed: allowed.iter().map(|m| m.to_string()).collect() })
@@ -451,6 +454,7 @@ mod tests {
     #[test]
     fn method_and_length_checks() {
         assert!(check_method("POST", &["POST"]).is_ok());
+        assert!(check_method("PROPFIND", ANY_METHOD).is_ok());
         let error = check_method("GET", &["POST"]).expect_err("must fail");
         assert_eq!((error.status(), error.code()), (405, "method_not_allowed"));
         assert_eq!(check_length(Some(11), 10), Err(HttpError::BodyTooLarge { limit: 10 }));

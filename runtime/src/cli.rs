@@ -161,6 +161,12 @@ pub struct DeployArgs {
     /// ...over at least this many of its requests on that node.
     #[arg(long, requires = "abort_margin")]
     pub abort_after: Option<u64>,
+    /// Give the guest the whole path the client asked for
+    /// (`/v1/TENANT/HANDLER/rest?query`), not the path below the handler's
+    /// mount (`/rest?query`, the default: what a component written for
+    /// `wasmtime serve` expects).
+    #[arg(long)]
+    pub full_path: bool,
     #[command(flatten)]
     #[allow(missing_docs, reason = "flattened")]
     pub target: HandlerArgs,
@@ -174,6 +180,42 @@ pub struct ActivateArgs {
     #[command(flatten)]
     #[allow(missing_docs, reason = "flattened")]
     pub target: HandlerArgs,
+}
+
+/// `facegate route ...`
+#[derive(Debug, Subcommand)]
+pub enum RouteCommand {
+    /// Route a hostname to a tenant's handler: a request whose `Host` (or
+    /// TLS server name) is HOSTNAME runs that handler, the whole path its
+    /// guest's. A hostname routed already to another handler of the same
+    /// tenant moves; one of another tenant is refused.
+    Add {
+        /// The hostname, e.g. `faces.acme.example` (no port, no scheme).
+        hostname: String,
+        /// The tenant it belongs to.
+        #[arg(long)]
+        tenant: String,
+        /// The tenant's handler it runs.
+        #[arg(long)]
+        handler: String,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// List the routed hostnames.
+    List {
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// Remove a hostname's route.
+    Remove {
+        /// The hostname.
+        hostname: String,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
 }
 
 /// `facegate usage`
@@ -209,6 +251,9 @@ impl DeployArgs {
         query.extend(self.canary.map(|p| format!("canary={p}")));
         query.extend(self.abort_margin.map(|m| format!("abort_margin={m}")));
         query.extend(self.abort_after.map(|n| format!("abort_after={n}")));
+        if self.full_path {
+            query.push("path=full".to_owned());
+        }
         if query.is_empty() { String::new() } else { format!("?{}", query.join("&")) }
     }
 }
@@ -322,6 +367,9 @@ pub enum Command {
     /// A tenant's log on the node `--url` reaches: each request's outcome
     /// and its handlers' output (tenant API, a key with the `read` scope).
     Logs(LogsArgs),
+    /// Route tenants' own hostnames to their handlers (admin API).
+    #[command(subcommand)]
+    Route(RouteCommand),
     /// List the gateway nodes sharing the store, with their last heartbeat (admin API).
     Nodes {
         #[command(flatten)]
@@ -356,6 +404,14 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         }
         C::Tenant(TenantCommand::List { client }) => (client, Method::GET, "tenants".to_owned(), Bytes::new(), "application/json"),
         C::Nodes { client } => (client, Method::GET, "nodes".to_owned(), Bytes::new(), "application/json"),
+        C::Route(RouteCommand::Add { hostname, tenant, handler, client }) => {
+            let body = json!({ "tenant": tenant, "handler": handler }).to_string();
+            (client, Method::PUT, format!("routes/{hostname}"), body.into(), "application/json")
+        }
+        C::Route(RouteCommand::List { client }) => (client, Method::GET, "routes".to_owned(), Bytes::new(), "application/json"),
+        C::Route(RouteCommand::Remove { hostname, client }) => {
+            (client, Method::DELETE, format!("routes/{hostname}"), Bytes::new(), "application/json")
+        }
         C::Tenant(TenantCommand::Delete { name, client }) => {
             (client, Method::DELETE, format!("tenants/{name}"), Bytes::new(), "application/json")
         }
@@ -551,9 +607,21 @@ fn print_summary(command: &Command, v: &Value) {
         C::Versions(_) => {
             for version in v["versions"].as_array().into_iter().flatten() {
                 let active = if version["version"] == v["active_version"] { "\tactive" } else { "" };
-                println!("{}\t{}\t{}{active}", version["version"], version["sha256"].as_str().unwrap_or("?"), version["size"]);
+                let (sha256, path) = (version["sha256"].as_str().unwrap_or("?"), version["guest_path"].as_str().unwrap_or("?"));
+                println!("{}\t{sha256}\t{}\tpath={path}{active}", version["version"], version["size"]);
             }
         }
+        C::Route(RouteCommand::List { .. }) => {
+            for route in v["routes"].as_array().into_iter().flatten() {
+                let field = |name: &str| route[name].as_str().unwrap_or("?").to_owned();
+                println!("{}\t{}/{}", field("hostname"), field("tenant"), field("handler"));
+            }
+        }
+        C::Route(RouteCommand::Add { .. }) => {
+            let field = |name: &str| v[name].as_str().unwrap_or("?").to_owned();
+            println!("{} -> {}/{}", field("hostname"), field("tenant"), field("handler"));
+        }
+        C::Route(RouteCommand::Remove { hostname, .. }) => println!("removed the route of {hostname}"),
         C::Activate(_) | C::Rollback(_) | C::Promote(_) => println!(
             "{}/{}: active version {} (was {})",
             v["tenant"].as_str().unwrap_or("?"),
@@ -630,7 +698,8 @@ fn print_record(r: &Value, json: bool) {
     match r["kind"].as_str() {
         Some("request") => {
             let limit = r["limit"].as_str().map(|l| format!(" limit={l}")).unwrap_or_default();
-            println!("{when} {who} {} {:.0} ms{limit}", r["status"], r["duration_ms"].as_f64().unwrap_or_default());
+            let path = r["path"].as_str().unwrap_or("/");
+            println!("{when} {who} {path} {} {:.0} ms{limit}", r["status"], r["duration_ms"].as_f64().unwrap_or_default());
         }
         _ => println!("{when} {who} | {}", r["line"].as_str().unwrap_or_default()),
     }

@@ -58,6 +58,13 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 
+    /// Certificates of tenants' own hostnames (`facegate route add`): a
+    /// client asking for the server name NAME (SNI) gets `DIR/NAME.crt`
+    /// (chain, PEM) with `DIR/NAME.key`, read again when the files change
+    /// (no restart); other names get `--tls-cert`'s.
+    #[arg(long, env = "FACEGATE_TLS_HOST_CERTS", requires = "tls_cert")]
+    pub tls_host_certs: Option<PathBuf>,
+
     /// This node's files: precompiled artifacts (a cache), key files of
     /// seeded tenants, and, without `--store`, the SQLite store.
     #[arg(long, env = "FACEGATE_DATA", default_value = ".facegate/data")]

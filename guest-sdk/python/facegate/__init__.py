@@ -47,6 +47,7 @@ __all__ = [
     "parse_options",
     "detect_faces",
     "query_of",
+    "path_of",
     "pipeline",
     "types",
 ]
@@ -120,6 +121,16 @@ def query_of(request: pipeline.ImageRequest) -> str:
     """The query string of a request, without ``?`` (``""`` when none)."""
     _, _, query = request.path_with_query.partition("?")
     return query
+
+
+def path_of(request: pipeline.ImageRequest) -> str:
+    """The path of a request, without the query (``/detect`` for
+    ``/detect?threshold=0.6``): what a handler that serves several routes
+    routes on. Mounted at ``/v1/<tenant>/<handler>``, a handler sees the path
+    relative to its mount (``/`` for the mount itself); under a tenant's own
+    hostname, the whole path."""
+    path, _, _ = request.path_with_query.partition("?")
+    return path
 
 
 def serve(

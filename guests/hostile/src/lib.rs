@@ -15,6 +15,7 @@
 //! | `panic`       | `panic!`s (the release profile aborts: `unreachable`)      | trap                        |
 //! | `snoop`       | reads files, environment and cwd                           | 200, JSON of what it saw    |
 //! | `headers`     | answers the request's headers as it received them          | 200, JSON: name → values    |
+//! | `echo`        | answers what it was asked: method, path, query, headers     | 200, JSON                   |
 //! | `sockets`     | opens a TCP and a UDP socket, resolves a name (wasi:sockets) | 200, JSON of each outcome |
 //! | `bad-tensor`  | calls `face-detect.infer` with malformed tensors           | 200, JSON of each outcome   |
 //! | `many-calls`  | calls `infer` 100 times with a valid tensor                | 200, JSON: successes, error |
@@ -61,7 +62,7 @@ use facegate_guest_sdk::{Error, Handler, Request, Response};
 /// The attacks, as `attack` accepts them (for the 400 message).
 const ATTACKS: &str = "loop, memory, recursion, panic, snoop, headers, bad-tensor, many-calls, \
                        fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap, hold, \
-                       error-code, lift, fetch, fetch-many";
+                       error-code, lift, fetch, fetch-many, echo";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
 /// `infer` calls made by `many-calls`.
@@ -84,6 +85,7 @@ impl Handler for Hostile {
             "panic" => panic!("hostile handler panicked on purpose"),
             "snoop" => Ok(Response::json(200, &snoop())),
             "headers" => Ok(Response::json(200, &headers(&request))),
+            "echo" => Ok(Response::json(200, &echo(&request))),
             "sockets" => Ok(Response::json(200, &sockets())),
             "bad-tensor" => bad_tensors(query.get("case")?),
             "many-calls" => Ok(Response::json(200, &many_calls())),
@@ -212,6 +214,13 @@ fn headers(request: &Request) -> Value {
         }
     }
     Value::Object(seen)
+}
+
+/// What the guest was asked: method, path (as the host gave it), the
+/// decoded query's pairs and the headers.
+fn echo(request: &Request) -> Value {
+    let query: Vec<Value> = request.query().pairs().iter().map(|(k, v)| json!([k, v])).collect();
+    json!({ "method": request.method(), "path": request.path(), "query": query, "headers": headers(request) })
 }
 
 /// `"ok: …"` or `"error: …"`.

@@ -108,6 +108,7 @@ impl Artifacts {
             &active.sha256,
             outgoing_http,
         )
+        .map(|handler| Handler { guest_path: active.guest_path, ..handler })
         .map_err(|e| StoreError::Internal(anyhow::anyhow!(e)))
     }
 

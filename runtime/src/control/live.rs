@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::keys::{self, Scopes};
+use super::routes::{HostRoute, HostRoutes};
 use super::store::NodeRow;
 use super::store::{AbortRule, Canary};
 use crate::admission::gate::TenantGate;
@@ -128,6 +129,8 @@ pub struct Live {
     /// Tenants by name.
     pub tenants: Arc<HashMap<String, TenantEntry>>,
     pub(super) keys: Arc<KeyMap>,
+    /// The operator's hostnames (see [`super::routes`]).
+    pub(super) routes: Arc<HostRoutes>,
 }
 
 /// Compared against when a key id is unknown, so both paths hash once.
@@ -160,6 +163,16 @@ impl Live {
         Some((&entry.gate, entry.handlers.get(name)?))
     }
 
+    /// Where a routed hostname (as [`super::routes::host_of`] gives it) goes.
+    pub fn route(&self, hostname: &str) -> Option<&HostRoute> {
+        self.routes.get(hostname)
+    }
+
+    /// Whether no hostname is routed (requests need not look at theirs).
+    pub fn routes_empty(&self) -> bool {
+        self.routes.is_empty()
+    }
+
     /// Handlers served, all tenants.
     pub fn handler_count(&self) -> usize {
         self.tenants.values().map(|t| t.handlers.len()).sum()
@@ -170,7 +183,7 @@ impl Live {
     pub(super) fn with_keys(&self, change: impl FnOnce(&mut KeyMap)) -> Self {
         let mut keys = KeyMap::clone(&self.keys);
         change(&mut keys);
-        Self { tenants: Arc::clone(&self.tenants), keys: Arc::new(keys) }
+        Self { tenants: Arc::clone(&self.tenants), keys: Arc::new(keys), routes: Arc::clone(&self.routes) }
     }
 
     /// The tenants of a snapshot being built (not shared yet: never copied).

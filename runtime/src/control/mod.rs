@@ -12,8 +12,8 @@
 //! own with its part of the store's contract ([`store::Store`]'s part
 //! traits): [`Tenants`] (tenants and keys), [`Releases`] (handlers,
 //! versions, canaries), [`Artifacts`] (compiled components), [`Serving`]
-//! (the snapshot), [`Cluster`] (nodes and heartbeats) and [`UsageRecords`]
-//! (usage for bills). What they share ([`shared`]) is the store's
+//! (the snapshot), [`Cluster`] (nodes and heartbeats), [`Routes`]
+//! (tenants' own hostnames) and [`UsageRecords`] (usage for bills). What they share ([`shared`]) is the store's
 //! connections and the node's settings. A new capability (settings and
 //! secrets, key-value state, registry sources) is a part of its own: a
 //! file here, a part trait in [`store`] implemented by both stores, a field
@@ -28,6 +28,7 @@ pub mod keys;
 mod live;
 mod rebuild;
 mod releases;
+mod routes;
 mod seal;
 mod seed;
 mod serving;
@@ -58,6 +59,7 @@ pub use self::artifacts::{Artifacts, engine_id};
 pub use self::cluster::{ALIVE_WITHIN, Cluster};
 pub use self::live::{CanaryCounts, Live, LiveCanary, Side, TenantEntry};
 pub use self::releases::{Release, Releases};
+pub use self::routes::{HostRoute, Routes, host_of, valid_hostname};
 pub use self::seal::{ArtifactKey, CACHE_KEY_FILE, CacheKey};
 pub use self::serving::{Serving, Synced};
 pub use self::tenants::Tenants;
@@ -107,6 +109,8 @@ pub struct ControlPlane {
     pub serving: Arc<Serving>,
     /// The cluster's nodes.
     pub cluster: Arc<Cluster>,
+    /// Tenants' own hostnames.
+    pub routes: Routes,
     /// Usage for bills.
     pub usage: UsageRecords,
     shared: Arc<Shared>,
@@ -163,6 +167,7 @@ impl ControlPlane {
         let control = Self {
             tenants: Tenants::new(Arc::clone(&shared), Arc::clone(&serving)),
             releases: Releases::new(Arc::clone(&shared), Arc::clone(&artifacts), Arc::clone(&serving)),
+            routes: Routes::new(Arc::clone(&shared), Arc::clone(&serving)),
             // A restarted node writes under a new name: its numbers start again.
             usage: UsageRecords::new(Arc::clone(&shared), store::new_incarnation()?),
             artifacts,

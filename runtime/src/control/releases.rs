@@ -15,7 +15,7 @@ use super::shared::{Shared, compile_refusal, no_memory};
 use super::store::{self, AbortRule, ActiveHandler, Canary, NewVersion, Store, StoreError, StoreResult};
 use super::upload::{Change, ChangePlace, Changes, Upload, UploadHold};
 use super::validate;
-use crate::sandbox::handler::valid_name;
+use crate::sandbox::handler::{GuestPath, valid_name};
 
 /// Handlers, versions and canaries (see the module docs).
 pub struct Releases {
@@ -68,16 +68,25 @@ impl Releases {
     pub fn deploy(&self, tenant: &str, handler: &str, bytes: Bytes, activate: bool) -> StoreResult<Deployed> {
         let place = self.begin_change(tenant, Change::Upload)?;
         let memory = self.shared.sandbox.memory().charge(&Arc::from(tenant), bytes.len()).map_err(no_memory)?;
-        self.release(tenant, handler, bytes, (if activate { Release::Activate } else { Release::Store }, UploadHold { place, memory }))
+        let release = if activate { Release::Activate } else { Release::Store };
+        self.release(tenant, handler, bytes, (release, GuestPath::default()), UploadHold { place, memory })
     }
 
     /// Stores `bytes` as a new version of `tenant`'s `handler` and releases
     /// it as `release` says: active, stored only, or a canary beside the
-    /// active version (which there must be). `hold` is what the upload
+    /// active version (which there must be); its guest sees the path
+    /// `guest_path` says. `hold` is what the upload
     /// holds already (its tenant's place, its body's memory charge): the
     /// charge grows to the compile's estimate before it starts, and both go
     /// with the compile job.
-    pub fn release(&self, tenant: &str, handler: &str, bytes: Bytes, (release, mut hold): (Release, UploadHold)) -> StoreResult<Deployed> {
+    pub fn release(
+        &self,
+        tenant: &str,
+        handler: &str,
+        bytes: Bytes,
+        (release, guest_path): (Release, GuestPath),
+        mut hold: UploadHold,
+    ) -> StoreResult<Deployed> {
         if hold.place.tenant() != tenant {
             return Err(StoreError::Internal(anyhow::anyhow!("an upload of {tenant:?} came with {:?}'s place", hold.place.tenant())));
         }
@@ -130,10 +139,17 @@ impl Releases {
         check_handler_quota(&mut **db, tenant, &handler, limits.max_handlers)?;
         let (sha256, component) = (prepared.sha256, prepared.component);
         let artifact = prepared.shared.as_ref();
-        let version =
-            db.add_version(NewVersion { tenant, handler: &handler, sha256: &sha256, component: &component, activate, artifact })?;
+        let version = db.add_version(NewVersion {
+            tenant,
+            handler: &handler,
+            sha256: &sha256,
+            component: &component,
+            activate,
+            guest_path,
+            artifact,
+        })?;
         let mut linked = prepared.linked;
-        linked.version = version;
+        (linked.version, linked.guest_path) = (version, guest_path);
         if let Release::Canary { percent, abort } = release {
             db.set_canary(tenant, &handler, Some(Canary { version, percent, abort }))?;
         }
@@ -241,7 +257,8 @@ impl Releases {
         let mut db = self.shared.db();
         check(&mut **db)?;
         let outgoing_http = self.shared.defaults.with(&db.tenant(tenant)?.overrides).outgoing_http;
-        let active = ActiveHandler { tenant: tenant.to_owned(), handler: handler.to_owned(), version, sha256: sha256.to_owned() };
+        let (tenant_name, handler_name, guest_path) = (tenant.to_owned(), handler.to_owned(), row.guest_path);
+        let active = ActiveHandler { tenant: tenant_name, handler: handler_name, version, sha256: sha256.to_owned(), guest_path };
         let loaded = self.artifacts.link(&component, &active, outgoing_http)?;
         let previous_version = db.activate(tenant, handler, version)?;
         if db.canary(tenant, handler)?.is_some_and(|c| c.version == version) {

@@ -14,6 +14,7 @@ use super::cluster::Cluster;
 use super::keys;
 use super::live::{ActiveKey, KeyMap, Live};
 use super::rebuild::{Rebuild, incarnations, tenant_row};
+use super::routes::host_routes;
 use super::shared::Shared;
 use super::store::{Store, StoreResult, now_ms};
 use crate::sandbox::handler::Handler;
@@ -188,6 +189,7 @@ impl Serving {
                 live.keys_mut().insert(Arc::from(id), Arc::new(ActiveKey { tenant, secret_sha256, scopes }));
             }
         }
+        live.routes = Arc::new(host_routes(db.routes()?));
         build.drop_recreated_meanwhile(db, &mut live)?;
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         self.generation.store(generation, Ordering::Release);
@@ -212,7 +214,7 @@ impl Serving {
             return self.rebuild_all(db, preloaded, compile);
         }
         let build = self.rebuild(&old, preloaded, compile);
-        let mut live = Live { tenants: Arc::clone(&old.tenants), keys: Arc::default() };
+        let mut live = Live { tenants: Arc::clone(&old.tenants), keys: Arc::default(), routes: Arc::default() };
         if let Some(was) = live.tenants_mut().remove(tenant)
             && row.is_none()
         {
@@ -235,12 +237,27 @@ impl Serving {
         }
         let _swapping = self.swapping();
         let current = self.live();
-        live.keys = Arc::clone(&current.keys);
+        (live.keys, live.routes) = (Arc::clone(&current.keys), Arc::clone(&current.routes));
         if incarnation.is_none() {
             live.keys_mut().retain(|_, key| key.tenant != tenant);
+            // Deleted with the tenant in the store.
+            Arc::make_mut(&mut live.routes).retain(|_, route| route.tenant != tenant);
         }
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         Ok(to_compile)
+    }
+}
+
+impl Serving {
+    /// Reads the routed hostnames again after a change of them here; the
+    /// tenants and keys are the current snapshot's.
+    pub(super) fn refresh_routes(&self) -> StoreResult<()> {
+        let routes = Arc::new(host_routes(self.shared.serving_db().routes()?));
+        let _swapping = self.swapping();
+        let current = self.live();
+        let live = Live { tenants: Arc::clone(&current.tenants), keys: Arc::clone(&current.keys), routes };
+        *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
+        Ok(())
     }
 }
 

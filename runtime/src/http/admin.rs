@@ -28,9 +28,18 @@ use crate::control::store::AbortRule;
 use crate::control::store::{StoreError, now_ms};
 use crate::control::{Change, ChangePlace, ControlPlane, Release, UploadHold};
 use crate::sandbox::compile::CompileError;
+use crate::sandbox::handler::GuestPath;
 
 /// Longest an admin upload may take to arrive.
 const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `PUT /admin/v1/routes/{hostname}`'s body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddRoute {
+    tenant: String,
+    handler: String,
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -226,6 +235,15 @@ fn admin_op(control: &ControlPlane, (method, path, query): (&Method, &[String], 
     match (method.clone(), p.as_slice()) {
         (Method::GET, ["tenants"]) => ok(json!({ "tenants": control.tenants.list()? })),
         (Method::GET, ["nodes"]) => ok(json!({ "nodes": nodes(control)? })),
+        (Method::GET, ["routes"]) => ok(json!({ "routes": control.routes.list()? })),
+        (Method::PUT, ["routes", hostname]) => {
+            let req: AddRoute = parse(body)?;
+            ok(control.routes.add(hostname, &req.tenant, &req.handler)?)
+        }
+        (Method::DELETE, ["routes", hostname]) => {
+            control.routes.remove(hostname)?;
+            ok(json!({ "removed": hostname }))
+        }
         (Method::POST, ["tenants"]) => {
             let req: CreateTenant = parse(body)?;
             created(control.tenants.create(&req.name, &req.limits)?)
@@ -244,7 +262,7 @@ fn admin_op(control: &ControlPlane, (method, path, query): (&Method, &[String], 
         }
         (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenants.get(t)?.handlers })),
         (Method::PUT, ["tenants", t, "handlers", h]) => {
-            created(control.releases.release(t, h, body.clone(), (release_of(query)?, held.upload()?))?)
+            created(control.releases.release(t, h, body.clone(), release_of(query)?, held.upload()?)?)
         }
         (Method::GET, ["tenants", t, "handlers", h, "versions"]) => ok(control.releases.versions(t, h)?),
         (Method::POST, ["tenants", t, "handlers", h, "activate"]) => {
@@ -262,8 +280,11 @@ fn admin_op(control: &ControlPlane, (method, path, query): (&Method, &[String], 
 /// `canary=P` serves it to P percent of the requests, aborted by a node
 /// once it served `abort_after` requests with a 5xx share over the active
 /// version's by `abort_margin` (both or neither); otherwise it is active.
-pub(super) fn release_of(query: &str) -> Result<Release, StoreError> {
+/// `path=full` gives its guest the whole path, not the path below its
+/// mount (`path=relative`, the default).
+pub(super) fn release_of(query: &str) -> Result<(Release, GuestPath), StoreError> {
     let (mut activate, mut percent, mut margin, mut after) = (true, None, None, None);
+    let mut guest_path = GuestPath::default();
     let bad = |name: &str, value: &str| StoreError::Invalid(format!("{name}={value:?} is not a valid value"));
     for (name, value) in query.split('&').filter(|kv| !kv.is_empty()).map(|kv| kv.split_once('=').unwrap_or((kv, ""))) {
         match name {
@@ -272,7 +293,11 @@ pub(super) fn release_of(query: &str) -> Result<Release, StoreError> {
             "abort_margin" => margin = Some(value.parse::<f64>().ok().filter(|m| (0.0..=1.0).contains(m)).ok_or_else(|| bad(name, value))?),
             // The stores keep it as a signed 64-bit number.
             "abort_after" => after = Some(value.parse::<u64>().map_err(|_| bad(name, value))?.min(i64::MAX as u64)),
-            _ => return Err(StoreError::Invalid(format!("unknown parameter {name:?} (activate, canary, abort_margin, abort_after)"))),
+            "path" => guest_path = GuestPath::parse(value).ok_or_else(|| bad(name, value))?,
+            _ => {
+                let known = "activate, canary, abort_margin, abort_after, path";
+                return Err(StoreError::Invalid(format!("unknown parameter {name:?} ({known})")));
+            }
         }
     }
     let abort = match (margin, after) {
@@ -280,12 +305,13 @@ pub(super) fn release_of(query: &str) -> Result<Release, StoreError> {
         (None, None) => None,
         _ => return Err(StoreError::Invalid("abort_margin and abort_after go together".into())),
     };
-    Ok(match percent {
+    let release = match percent {
         Some(percent) => Release::Canary { percent, abort },
         None if abort.is_some() => return Err(StoreError::Invalid("an abort rule needs a canary (canary=P)".into())),
         None if activate => Release::Activate,
         None => Release::Store,
-    })
+    };
+    Ok((release, guest_path))
 }
 
 /// Every node with whether it is alive (a heartbeat within [`ALIVE_WITHIN`]).
@@ -361,12 +387,16 @@ mod tests {
 
     #[test]
     fn an_upload_query_says_how_it_is_released() {
-        assert_eq!(release_of("").unwrap(), Release::Activate);
-        assert_eq!(release_of("activate=false").unwrap(), Release::Store);
+        let relative = GuestPath::Relative;
+        assert_eq!(release_of("").unwrap(), (Release::Activate, relative));
+        assert_eq!(release_of("activate=false").unwrap(), (Release::Store, relative));
         let rule = Some(AbortRule { margin: 0.05, after: 50 });
-        assert_eq!(release_of("canary=10&abort_margin=0.05&abort_after=50").unwrap(), Release::Canary { percent: 10, abort: rule });
-        assert_eq!(release_of("canary=25").unwrap(), Release::Canary { percent: 25, abort: None });
-        for bad in ["canary=ten", "abort_margin=0.1", "canary=5&abort_after=3", "abort_margin=2&abort_after=1&canary=5", "color=red"] {
+        let canary = Release::Canary { percent: 10, abort: rule };
+        assert_eq!(release_of("canary=10&abort_margin=0.05&abort_after=50").unwrap(), (canary, relative));
+        assert_eq!(release_of("canary=25&path=full").unwrap(), (Release::Canary { percent: 25, abort: None }, GuestPath::Full));
+        assert_eq!(release_of("path=relative").unwrap(), (Release::Activate, relative));
+        let bad_ones = ["canary=ten", "abort_margin=0.1", "canary=5&abort_after=3", "abort_margin=2&abort_after=1&canary=5", "color=red"];
+        for bad in bad_ones.into_iter().chain(["path=whole", "path="]) {
             assert!(release_of(bad).is_err(), "{bad}");
         }
     }

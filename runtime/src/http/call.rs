@@ -13,6 +13,8 @@ use opentelemetry::KeyValue;
 use super::app::{App, REQUEST_ID_HEADER, VERSION_HEADER};
 use super::auth::bearer;
 use super::body::{content_length, read_body};
+use super::conn::Tls;
+use super::mount::Mount;
 use super::response::{self, Body};
 use crate::admission::gate::TenantGate;
 use crate::admission::limits::Limit;
@@ -64,12 +66,13 @@ struct Call<'a> {
 
 impl App {
     /// Authenticates, admits (tenant rate and concurrency, instance slots)
-    /// and runs a tenant's handler. Authentication comes first and never
-    /// looks at the path's tenant: an unknown tenant and another tenant's
-    /// handler give the same 404 after the same work.
-    pub(super) async fn call_handler(&self, tenant: &str, name: &str, mut req: Request<Incoming>) -> Response<Body> {
+    /// and runs a tenant's handler, which gets the path below `mount` (see
+    /// [`Mount::apply`]). Authentication comes first and never looks at
+    /// the path's tenant: an unknown tenant and another tenant's handler
+    /// give the same 404 after the same work.
+    pub(super) async fn call_handler(&self, (tenant, name, mount): (&str, &str, Mount), mut req: Request<Incoming>) -> Response<Body> {
         let started = Instant::now();
-        let server = self.tracing.server_span(started, req.headers(), (req.method(), "/v1/{tenant}/{handler}", req.uri().path()));
+        let server = self.tracing.server_span(started, req.headers(), (req.method(), mount.route, req.uri().path()));
         let live = self.control.serving.live();
         let Some((key_tenant, scopes)) = live.authenticate(bearer(&req)) else {
             server.status(401);
@@ -102,6 +105,8 @@ impl App {
         }
         // The handler never sees the tenant's key.
         req.headers_mut().remove(hyper::header::AUTHORIZATION);
+        let scheme = if req.extensions().get::<Tls>().is_some() { "https" } else { "http" };
+        mount.apply(&mut req, handler.guest_path, scheme);
         let id = self.request_ids.next();
         server.handler((tenant, name, handler.version), &id);
         server.trace().span("authenticate", (started, Instant::now()), Vec::new);
@@ -113,7 +118,7 @@ impl App {
         let status = response.status().as_u16();
         server.status(status);
         let outcome = (status, started.elapsed());
-        let record = LogRecord::request((name, handler.version), &id, outcome, call.hit.get().map(|l| l.label()));
+        let record = LogRecord::request((name, handler.version), &id, outcome, call.hit.get().map(|l| l.label())).at_path(&mount.rest);
         self.sandbox.logs().push(&call.log, record);
         // Only what a version answered counts, not a refusal before it ran.
         if let (Some(canary), Some(side)) = (canary, side)
@@ -230,7 +235,10 @@ impl App {
                 if let Some(limit) = e.limit() {
                     let _ = call.hit.set(limit);
                 }
-                self.sandbox_error(handler, id, &e)
+                let mut failure = self.sandbox_error(handler, id, &e);
+                // Which version failed, as on its answers.
+                failure.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));
+                failure
             }
         }
     }

@@ -254,13 +254,16 @@ impl Listener {
         let stream = Watched { inner: stream, activity: Arc::clone(&activity), linger: None };
         let watch = Watch { profile, activity: Arc::clone(&activity), peer, metrics: &self.metrics, draining };
         match &self.tls {
-            None => watch.run(&self.app, stream).await,
+            None => watch.run(&self.app, stream, None).await,
             Some(tls) => {
                 let mut draining = watch.draining.clone();
                 let deadline = activity.epoch + profile.head_timeout;
                 tokio::select! {
                     handshake = tokio::time::timeout_at(deadline, tls.accept(stream)) => match handshake {
-                        Ok(Ok(stream)) => watch.run(&self.app, stream).await,
+                        Ok(Ok(stream)) => {
+                            let tls = Tls::of(stream.get_ref().1);
+                            watch.run(&self.app, stream, Some(tls)).await
+                        }
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %e, "TLS handshake failed");
                             closed(&self.metrics, peer, CloseReason::TlsHandshake);
@@ -775,11 +778,11 @@ impl Watch<'_> {
     /// the drain, it is shut down gracefully, and dropped once nothing is in
     /// flight and it has not closed within [`CLOSE_GRACE`], or with what is
     /// in flight past its closing limit.
-    async fn run<I>(mut self, app: &Arc<App>, io: I)
+    async fn run<I>(mut self, app: &Arc<App>, io: I, tls: Option<Tls>)
     where
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let service = service(app, self.profile.plane, &self.activity, self.peer);
+        let service = service(app, self.profile.plane, &self.activity, (self.peer, tls));
         let conn = self.profile.builder.serve_connection_with_upgrades(TokioIo::new(io), service);
         tokio::pin!(conn);
         // Once shutting down: when it is dropped with whatever is in flight.
@@ -851,13 +854,13 @@ impl Watch<'_> {
 }
 
 /// The connection's service: `app`'s routes for `plane`, each request
-/// (tagged with `peer`'s [`ClientAddr`]) counted in flight until its
-/// response body is sent.
+/// (tagged with `peer`'s [`ClientAddr`] and, over TLS, the connection's
+/// [`Tls`]) counted in flight until its response body is sent.
 fn service(
     app: &Arc<App>,
     plane: Plane,
     activity: &Arc<Activity>,
-    peer: SocketAddr,
+    (peer, tls): (SocketAddr, Option<Tls>),
 ) -> impl hyper::service::Service<hyper::Request<Incoming>, Response = hyper::Response<Answer>, Error = Infallible, Future: Send>
 + Clone
 + Send
@@ -866,6 +869,9 @@ fn service(
     service_fn(move |mut req: hyper::Request<Incoming>| {
         let (app, in_flight) = (Arc::clone(&app), activity.begin());
         req.extensions_mut().insert(ClientAddr(peer));
+        if let Some(tls) = &tls {
+            req.extensions_mut().insert(tls.clone());
+        }
         let http1 = req.version() < hyper::Version::HTTP_2;
         async move {
             let mut response = app.route(req, plane).await;
@@ -876,6 +882,20 @@ fn service(
             Ok::<_, Infallible>(response.map(|body| Answer::new(body, in_flight)))
         }
     })
+}
+
+/// A request that came over TLS, and the server name its client asked for
+/// in the handshake (SNI), if any.
+#[derive(Debug, Clone)]
+pub(super) struct Tls {
+    /// The handshake's server name, as rustls validated it.
+    pub(super) server_name: Option<Arc<str>>,
+}
+
+impl Tls {
+    fn of(connection: &tokio_rustls::rustls::ServerConnection) -> Self {
+        Self { server_name: connection.server_name().map(Arc::from) }
+    }
 }
 
 /// A response body that keeps its request in flight until it ends (or is

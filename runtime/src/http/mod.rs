@@ -3,7 +3,8 @@
 //! open-file limit), `tls` (HTTPS), `app` (the [`App`] and its [`Plane`]s),
 //! `routes` (the routing table and small routes), `call` (a tenant's call
 //! of its handler), `body` (request bodies under their limits), `auth`
-//! (tokens, client addresses), `admin` (the admin API), `usage` (its usage
+//! (tokens, client addresses), `mount` (a handler's mount and the path
+//! its guest sees), `admin` (the admin API), `usage` (its usage
 //! report), `console` (the web console), `logs` (a tenant's log, from
 //! every live node through `peers`), `client` (HTTP requests out: the CLI's
 //! and to other nodes) and `response` (host-generated responses).
@@ -17,6 +18,7 @@ pub mod client;
 mod conn;
 pub mod console;
 mod logs;
+pub mod mount;
 pub use logs::Cursor as LogCursor;
 pub mod open_files;
 mod peers;

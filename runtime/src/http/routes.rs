@@ -11,8 +11,12 @@ use std::sync::atomic::Ordering;
 
 use super::app::{App, Plane};
 use super::body::has_body;
+use super::conn::Tls;
+use super::mount::{self, BadPath};
 use super::response::{self, Body};
+use crate::control::HostRoute;
 use crate::telemetry;
+use hyper::header::HOST;
 
 impl App {
     /// Dispatches one request arriving on a listener serving `plane`.
@@ -39,6 +43,14 @@ impl App {
         let path = req.uri().path().to_owned();
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         let (data, admin) = (matches!(plane, Plane::Data | Plane::Both), plane != Plane::Data);
+        // A tenant's own hostname: every path is its handler's.
+        if data {
+            match self.host_route(&req) {
+                Ok(None) => {}
+                Ok(Some(route)) => return self.call_handler((&route.tenant, &route.handler, mount::at_root(&path)), req).await,
+                Err(misdirected) => return misdirected.answer(),
+            }
+        }
         match (req.method(), segments.as_slice()) {
             (&Method::GET, ["healthz"]) => self.health(),
             (&Method::GET, ["readyz"]) => self.readiness(),
@@ -52,7 +64,11 @@ impl App {
                 None => self.prometheus(),
             },
             (&Method::GET, ["v1", "models"]) if data => self.list_models(),
-            (_, ["v1", tenant, handler]) if data => self.call_handler(tenant, handler, req).await,
+            (_, ["v1", _, _, ..]) if data => match mount::parse_v1(&path) {
+                Some(Ok((tenant, handler, mount))) => self.call_handler((&tenant, &handler, mount), req).await,
+                Some(Err(BadPath(message))) => response::before_body(response::error(StatusCode::BAD_REQUEST, "bad_path", message)),
+                None => response::before_body(response::error(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}"))),
+            },
             (_, ["admin", "v1", rest @ ..]) if admin => self.admin(rest, req).await,
             (_, ["tenant", "v1", rest @ ..]) if data => self.tenant_api(rest, req).await,
             (_, ["healthz" | "readyz"]) => method_not_allowed(),
@@ -67,6 +83,45 @@ impl App {
             )),
             _ => response::before_body(response::error(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}"))),
         }
+    }
+}
+
+impl App {
+    /// The route of the hostname a request names, if the operator routed
+    /// it: its `Host` (or `:authority`), or over TLS the handshake's server
+    /// name. A request whose `Host` and server name disagree where either
+    /// is routed is refused 421: one connection serves one tenant's names.
+    fn host_route<B>(&self, req: &Request<B>) -> Result<Option<HostRoute>, Misdirected> {
+        let live = self.control.serving.live();
+        if live.routes_empty() {
+            return Ok(None);
+        }
+        let authority = req.uri().authority().map(|a| a.as_str()).or_else(|| req.headers().get(HOST).and_then(|h| h.to_str().ok()));
+        let host = authority.and_then(crate::control::host_of);
+        let sni = req.extensions().get::<Tls>().and_then(|tls| tls.server_name.as_deref()).and_then(crate::control::host_of);
+        let (by_host, by_sni) = (host.as_deref().and_then(|h| live.route(h)), sni.as_deref().and_then(|s| live.route(s)));
+        match (&host, &sni) {
+            (Some(host), Some(sni)) if host != sni && (by_host.is_some() || by_sni.is_some()) => {
+                Err(Misdirected { host: host.clone(), sni: sni.clone() })
+            }
+            (Some(_), _) => Ok(by_host.cloned()),
+            (None, _) => Ok(by_sni.cloned()),
+        }
+    }
+}
+
+/// A request whose `Host` names another hostname than its connection's
+/// TLS server name.
+struct Misdirected {
+    host: String,
+    sni: String,
+}
+
+impl Misdirected {
+    /// 421: the client should open a connection for that hostname.
+    fn answer(&self) -> Response<Body> {
+        let message = format!("this connection is for {}, not {}", self.sni, self.host);
+        response::before_body(response::error(StatusCode::MISDIRECTED_REQUEST, "misdirected", message))
     }
 }
 

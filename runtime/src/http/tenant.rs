@@ -38,7 +38,7 @@ fn required(method: &Method, rest: &[&str]) -> Option<Scopes> {
     let manage = Scopes::DEPLOY;
     let look = Scopes::DEPLOY.with(Scopes::READ);
     Some(match (method, rest) {
-        (&Method::GET, ["handlers"] | ["handlers", _, "versions"]) => look,
+        (&Method::GET, ["handlers"] | ["handlers", _, "versions"] | ["routes"]) => look,
         (&Method::PUT, ["handlers", _]) | (&Method::POST, ["handlers", _, "activate" | "rollback" | "promote" | "abort"]) => manage,
         (&Method::GET | &Method::POST, ["keys"]) | (&Method::DELETE, ["keys", _]) => manage,
         (&Method::GET, ["usage" | "logs"]) => Scopes::READ,
@@ -141,7 +141,7 @@ fn tenant_op(
     let t = tenant;
     match (method.clone(), p.as_slice()) {
         (Method::GET, ["handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenants.get(t)?.handlers })),
-        (Method::PUT, ["handlers", h]) => created(control.releases.release(t, h, body.clone(), (release_of(query)?, held.upload()?))?),
+        (Method::PUT, ["handlers", h]) => created(control.releases.release(t, h, body.clone(), release_of(query)?, held.upload()?)?),
         (Method::GET, ["handlers", h, "versions"]) => ok(control.releases.versions(t, h)?),
         (Method::POST, ["handlers", h, "activate"]) => {
             let req: Activate = parse(body)?;
@@ -151,6 +151,10 @@ fn tenant_op(
         (Method::POST, ["handlers", h, "promote"]) => ok(control.releases.promote(t, h)?),
         (Method::POST, ["handlers", h, "abort"]) => ok(json!({ "aborted": control.releases.abort_canary(t, h, None)? })),
         (Method::GET, ["keys"]) => ok(json!({ "tenant": t, "keys": control.tenants.keys(t)? })),
+        (Method::GET, ["routes"]) => {
+            let own: Vec<_> = control.routes.list()?.into_iter().filter(|r| r.tenant == t).collect();
+            ok(json!({ "tenant": t, "routes": own }))
+        }
         (Method::POST, ["keys"]) => {
             if key_scopes(body)? != Scopes::INVOKE {
                 return Err(StoreError::Forbidden("a tenant's deploy key creates invoke keys only; ask the operator for others".into()));
@@ -180,6 +184,7 @@ mod tests {
         let get = |path: &[&str]| required(&Method::GET, path);
         assert_eq!(get(&["handlers"]), Some(Scopes::DEPLOY.with(Scopes::READ)));
         assert_eq!(get(&["usage"]), Some(Scopes::READ));
+        assert_eq!(get(&["routes"]), Some(Scopes::DEPLOY.with(Scopes::READ)));
         assert_eq!(required(&Method::PUT, &["handlers", "faces"]), Some(Scopes::DEPLOY));
         assert_eq!(required(&Method::POST, &["handlers", "faces", "rollback"]), Some(Scopes::DEPLOY));
         assert_eq!(required(&Method::DELETE, &["keys", "abc"]), Some(Scopes::DEPLOY));

@@ -33,6 +33,45 @@ pub struct Handler {
     pub warm: WarmInstances,
     /// What its requests usually do around `infer` (for admission's estimate).
     pub profile: Arc<CallProfile>,
+    /// The path its guest sees (its version's, chosen at deploy).
+    pub guest_path: GuestPath,
+}
+
+/// The path a handler's guest sees, chosen per version at deploy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GuestPath {
+    /// The path below the handler's mount, with the query (`/detect?x=1`
+    /// for `/v1/acme/faces/detect?x=1`, `/` for the mount itself): what a
+    /// component written for `wasmtime serve` expects.
+    #[default]
+    Relative,
+    /// The whole path the client asked for, with the query.
+    Full,
+}
+
+impl GuestPath {
+    /// Its name in the store and the APIs: `relative` or `full`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Relative => "relative",
+            Self::Full => "full",
+        }
+    }
+
+    /// The guest path named `name`, if it is one.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "relative" => Some(Self::Relative),
+            "full" => Some(Self::Full),
+            _ => None,
+        }
+    }
+
+    /// A store column's value (a value this version does not know reads as the default).
+    pub fn from_column(value: &str) -> Self {
+        Self::parse(value).unwrap_or_default()
+    }
 }
 
 impl Handler {
@@ -59,6 +98,7 @@ impl Handler {
             pre,
             warm: WarmInstances::default(),
             profile: Arc::default(),
+            guest_path: GuestPath::default(),
         })
     }
 }

@@ -141,11 +141,11 @@ impl Gateway {
             _ => {}
         }
         let tls = match (&config.tls_cert, &config.tls_key) {
-            (Some(cert), Some(key)) => Some(http::tls::acceptor(cert, key)?),
+            (Some(cert), Some(key)) => Some(http::tls::acceptor((cert, key), config.tls_host_certs.as_deref())?),
             _ => None,
         };
         let admin_tls = match config.admin_tls_files().filter(|_| config.admin_listen.is_some()) {
-            Some((cert, key)) => Some(http::tls::acceptor(cert, key)?),
+            Some((cert, key)) => Some(http::tls::acceptor((cert, key), None)?),
             None => None,
         };
         let tracing = trace_requests(config, &models)?;

@@ -42,6 +42,9 @@ pub enum Kind {
     Output,
 }
 
+/// Most bytes of a request's path its record keeps.
+pub const MAX_LOGGED_PATH: usize = 1024;
+
 /// One record of a tenant's log.
 #[derive(Debug, Clone, Serialize)]
 pub struct LogRecord {
@@ -66,6 +69,10 @@ pub struct LogRecord {
     /// The limit the request hit, as `facegate_limit_hits_total` names it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limit: Option<&'static str>,
+    /// The path below the handler's mount, without the query (requests;
+    /// its first [`MAX_LOGGED_PATH`] bytes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
     /// The line, escaped (output).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub line: Option<String>,
@@ -84,6 +91,7 @@ impl LogRecord {
             status: None,
             duration_ms: None,
             limit: None,
+            path: None,
             line: Some(line),
         }
     }
@@ -106,13 +114,26 @@ impl LogRecord {
             status: Some(status),
             duration_ms: Some(duration.as_secs_f64() * 1e3),
             limit,
+            path: None,
             line: None,
         }
     }
 
+    /// The record with the path its request asked for, cut to
+    /// [`MAX_LOGGED_PATH`] bytes (at a character's boundary).
+    pub fn at_path(mut self, path: &str) -> Self {
+        let mut end = path.len().min(MAX_LOGGED_PATH);
+        while !path.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.path = Some(path[..end].to_owned());
+        self
+    }
+
     /// The bytes it counts against its log's bound.
     pub fn size(&self) -> usize {
-        RECORD_OVERHEAD + self.handler.len() + self.request_id.len() + self.line.as_ref().map_or(0, String::len)
+        let texts = [&self.line, &self.path].into_iter().flatten().map(String::len).sum::<usize>();
+        RECORD_OVERHEAD + self.handler.len() + self.request_id.len() + texts
     }
 }
 

@@ -531,3 +531,40 @@ fn a_tenants_log_is_read_from_every_live_node() {
     assert_eq!(unreachable.as_deref(), Some("node-b"), "the dead node is named");
     assert!(records.iter().any(|r| r["request_id"] == a_id.as_str()), "A's own records still come");
 }
+
+/// A hostname routed through one node of a PostgreSQL cluster is routed by
+/// another within [`PROPAGATION`], there over TLS with the hostname's own
+/// certificate by SNI; its removal reaches that node as soon.
+#[test]
+fn a_hostname_routed_through_one_node_is_routed_by_the_others() {
+    use crate::routes::{get_tls, host_cert};
+    let pg = ThrowawayPostgres::start().unwrap();
+    let url = pg.url();
+    let certs = fresh_dir("cluster-host-certs");
+    let hostname_cert = host_cert(&certs, "faces.clustered.test");
+    let defaults = fresh_dir("cluster-default-cert");
+    let default_cert = host_cert(&defaults, "localhost");
+    let (cert, key) = (defaults.join("localhost.crt"), defaults.join("localhost.key"));
+    let tls: Vec<String> = ["--tls-cert".into(), cert.display().to_string(), "--tls-key".into(), key.display().to_string()]
+        .into_iter()
+        .chain(["--tls-host-certs".into(), certs.display().to_string()])
+        .collect();
+    let (a, _) = node(&url, "node-a");
+    let (b, _) = node_with(&url, "node-b", &tls.iter().map(String::as_str).collect::<Vec<_>>());
+    let tenant_key = warm_hostile_tenant(&a, "clustered");
+    within(Duration::from_secs(10), "B serves the tenant's handler", || {
+        get_tls(b.addr, ("localhost", &default_cert), "localhost", "/v1/clustered/attack?attack=count", &tenant_key)
+            .is_some_and(|(s, _)| s == 200)
+    });
+    let routed =
+        || get_tls(b.addr, ("faces.clustered.test", &hostname_cert), "faces.clustered.test", "/deep/path?attack=echo", &tenant_key);
+
+    let added = a.json(a.admin(Method::PUT, "routes/faces.clustered.test").json(&json!({ "tenant": "clustered", "handler": "attack" })));
+    assert_eq!(added["hostname"], "faces.clustered.test", "{added}");
+    let took = within(PROPAGATION, "B routes the hostname", || {
+        routed().is_some_and(|(s, body)| s == 200 && body.contains("\"path\":\"/deep/path\""))
+    });
+    eprintln!("a route made through A reached B in {took:?}");
+    assert_eq!(status(&a, Method::DELETE, "routes/faces.clustered.test").0, 200);
+    within(PROPAGATION, "B forgets the hostname", || routed().is_some_and(|(s, _)| s == 404));
+}

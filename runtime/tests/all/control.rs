@@ -371,7 +371,7 @@ fn an_upload_past_the_compile_bound_gets_503_busy() {
 }
 
 /// Runs the `facegate` binary as a client of the shared gateway.
-fn cli(args: &[&str]) -> (i32, String) {
+pub(crate) fn cli(args: &[&str]) -> (i32, String) {
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_facegate"))
         .args(args)
         .env("FACEGATE_URL", format!("http://{}", gateway().addr))

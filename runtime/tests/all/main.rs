@@ -21,6 +21,7 @@ mod logs;
 mod process;
 mod queue;
 mod restart;
+mod routes;
 mod scripts;
 mod secrets;
 mod stores;

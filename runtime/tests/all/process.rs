@@ -69,7 +69,10 @@ impl Server {
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let addr = loop {
             let line = lines.next().expect("facegate exited before listening").unwrap();
-            if let Some(addr) = line.strip_prefix("facegate listening on http://") {
+            // `https://` for a node serving TLS.
+            if let Some(addr) =
+                line.strip_prefix("facegate listening on http://").or_else(|| line.strip_prefix("facegate listening on https://"))
+            {
                 break addr.parse().unwrap();
             }
         };

@@ -347,3 +347,38 @@ fn warm_python_and_javascript_instances_answer_as_fresh_ones() {
         assert_eq!(reused() - before, 3.0, "{handler}: one instance served all four requests");
     }
 }
+
+/// The `faces` examples serve `GET /health`, `POST /detect` and `POST /blur`
+/// from one component, in each language, under `/v1/{tenant}/{handler}/…`
+/// (the guest routes on the path below its mount): the same answers as the
+/// one-route examples, a 405 for a wrong method on a route and a 404 JSON
+/// error for any other path, the mount itself included.
+#[test]
+fn one_component_serves_three_routes_in_each_language() {
+    let key = deployed("python", "py", "faces");
+    deployed("js", "js", "faces");
+    let rust = std::fs::read(guest("faces")).unwrap();
+    let (status, body) = admin_json(admin(Method::PUT, "tenants/scripts/handlers/faces-rs").body(rust));
+    assert!(status == 201, "{body}");
+    let (_, _, detected) = call(&rust_key(), "demo/detect", Method::POST, "", image("grace_hopper.jpg"));
+    let (_, blur_headers, _) = call(&rust_key(), "demo/blur", Method::POST, "", image("grace_hopper.jpg"));
+    let content_type = |headers: &[(String, String)]| headers.iter().find(|(n, _)| n == "content-type").map(|(_, v)| v.clone());
+    for handler in ["faces-rs", "faces-py", "faces-js"] {
+        let at = |route: &str| format!("scripts/{handler}{route}");
+        let (status, _, health) = call(&key, &at("/health"), Method::GET, "", Vec::new());
+        assert_eq!((status, serde_json::from_slice::<Value>(&health).unwrap()), (200, json!({ "status": "ok" })), "{handler}");
+        let (status, _, faces) = call(&key, &at("/detect"), Method::POST, "", image("grace_hopper.jpg"));
+        assert_eq!(status, 200, "{handler}: {}", String::from_utf8_lossy(&faces));
+        assert_eq!(boxes(&faces).len(), boxes(&detected).len(), "{handler}: the faces `detect` finds");
+        let (status, headers, _) = call(&key, &at("/blur"), Method::POST, "", image("grace_hopper.jpg"));
+        assert_eq!((status, content_type(&headers)), (200, content_type(&blur_headers)), "{handler}: `blur`'s answer");
+        let (status, headers, _) = call(&key, &at("/detect"), Method::GET, "", Vec::new());
+        assert_eq!(status, 405, "{handler}");
+        assert!(headers.iter().any(|(n, v)| n == "allow" && v.contains("POST")), "{handler}: {headers:?}");
+        for other in ["", "/", "/nope", "/health/"] {
+            let (status, _, body) = call(&key, &at(other), Method::GET, "", Vec::new());
+            let error: Value = serde_json::from_slice(&body).unwrap_or_default();
+            assert_eq!((status, error["error"]["code"].as_str()), (404, Some("not_found")), "{handler} {other:?}: {error}");
+        }
+    }
+}

@@ -40,6 +40,7 @@ use serde::Serialize;
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::Scopes;
 pub use crate::control::seal::SharedArtifact;
+use crate::sandbox::handler::GuestPath;
 
 /// File name of the SQLite database inside the data directory.
 pub const DB_FILE: &str = "facegate.db";
@@ -160,6 +161,8 @@ pub struct VersionRow {
     pub size: i64,
     /// Unix seconds.
     pub created_at: i64,
+    /// The path its guest sees.
+    pub guest_path: GuestPath,
 }
 
 /// Revoked keys a tenant's list keeps (the newest by revocation); older
@@ -204,6 +207,8 @@ pub struct ActiveHandler {
     pub version: i64,
     /// Its component's SHA-256.
     pub sha256: String,
+    /// The path its guest sees.
+    pub guest_path: GuestPath,
 }
 
 /// A new handler version: its component is stored with the row, in one
@@ -219,6 +224,8 @@ pub struct NewVersion<'a> {
     pub component: &'a [u8],
     /// Whether the new version becomes the active one.
     pub activate: bool,
+    /// The path its guest sees.
+    pub guest_path: GuestPath,
     /// The component precompiled by the uploading node, for the other
     /// nodes of a cluster (stores that serve one node keep none).
     pub artifact: Option<&'a SharedArtifact>,
@@ -271,7 +278,7 @@ pub type ListenerSource = Box<dyn FnOnce() -> anyhow::Result<Box<dyn Listener>> 
 /// part of the contract per concept, each implemented by both stores.
 /// Methods take `&mut self`: each part of the control plane holds its
 /// connection behind a lock of its own.
-pub trait Store: TenantStore + ReleaseStore + ArtifactStore + NodeStore + UsageStore + Send {
+pub trait Store: TenantStore + ReleaseStore + ArtifactStore + NodeStore + UsageStore + RouteStore + Send {
     /// What this store is, for logs: `sqlite:<path>` or `postgres://host/db` (no password).
     fn describe(&self) -> String;
 
@@ -395,6 +402,38 @@ pub trait NodeStore {
 
     /// Every node that reported, by id.
     fn nodes(&mut self) -> StoreResult<Vec<NodeRow>>;
+}
+
+/// A hostname the operator routed to a tenant's handler (see `control::routes`).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct RouteRow {
+    /// The hostname, lowercase, without a port.
+    pub hostname: String,
+    /// The tenant it belongs to.
+    pub tenant: String,
+    /// The tenant's handler it runs (which need not be deployed yet).
+    pub handler: String,
+    /// Unix seconds.
+    pub created_at: i64,
+}
+
+/// The refusal of a hostname routed to another tenant already.
+pub(super) fn hostname_taken(hostname: &str) -> StoreError {
+    StoreError::Conflict(format!("hostname {hostname:?} belongs to another tenant; remove its route first"))
+}
+
+/// The store's part for the operator's hostnames.
+pub trait RouteStore {
+    /// Routes `route.hostname` to its tenant's handler, or moves it to
+    /// another handler of the same tenant. A hostname belongs to one
+    /// tenant: routed to another already, it is a [`StoreError::Conflict`].
+    fn add_route(&mut self, route: &RouteRow) -> StoreResult<()>;
+
+    /// Every route, by hostname.
+    fn routes(&mut self) -> StoreResult<Vec<RouteRow>>;
+
+    /// Removes a hostname's route.
+    fn remove_route(&mut self, hostname: &str) -> StoreResult<()>;
 }
 
 /// The store's part for the tenants' usage records, for bills.

@@ -23,11 +23,12 @@ use super::{
     ActiveHandler, ActiveKeyRow, KeyCommit, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError,
     StoreResult, TenantRow, VersionRow, new_incarnation, now,
 };
-use super::{ArtifactStore, NodeStore, ReleaseStore, TenantStore, UsageStore};
+use super::{ArtifactStore, NodeStore, ReleaseStore, RouteRow, RouteStore, TenantStore, UsageStore, hostname_taken};
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
 use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::{Scopes, sha256_hex};
+use crate::sandbox::handler::GuestPath;
 use crate::telemetry::usage::{Delta, Usage, UsageKey};
 
 /// The channel changes are announced on.
@@ -38,7 +39,7 @@ const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order (the files in `migrations/postgres/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes");
 
 /// The PostgreSQL store (see the module docs).
 pub struct PgStore {
@@ -386,7 +387,7 @@ impl TenantStore for PgStore {
 
 impl ReleaseStore for PgStore {
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
-        let NewVersion { tenant, handler, sha256, component, activate, artifact } = new;
+        let NewVersion { tenant, handler, sha256, component, activate, guest_path, artifact } = new;
         let size = i64::try_from(component.len()).map_err(anyhow::Error::from)?;
         self.write(|tx| {
             // FOR SHARE: the tenant cannot be deleted under this upload.
@@ -409,8 +410,8 @@ impl ReleaseStore for PgStore {
                 .map_err(db_error)?
                 .get(0);
             tx.execute(
-                "INSERT INTO versions (tenant, handler, version, component_sha256, size, created_at) VALUES ($1, $2, $3, $4, $5, $6)",
-                &[&tenant, &handler, &version, &sha256, &size, &now()],
+                "INSERT INTO versions (tenant, handler, version, component_sha256, size, created_at, guest_path) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                &[&tenant, &handler, &version, &sha256, &size, &now(), &guest_path.as_str()],
             )
             .map_err(db_error)?;
             if activate {
@@ -474,11 +475,17 @@ impl ReleaseStore for PgStore {
                 .get(0);
             let rows = c
                 .query(
-                    "SELECT version, component_sha256, size, created_at FROM versions WHERE tenant = $1 AND handler = $2 ORDER BY version",
+                    "SELECT version, component_sha256, size, created_at, guest_path FROM versions WHERE tenant = $1 AND handler = $2 ORDER BY version",
                     &[&tenant, &handler],
                 )
                 .map_err(db_error)?;
-            let versions = rows.iter().map(|r| VersionRow { version: r.get(0), sha256: r.get(1), size: r.get(2), created_at: r.get(3) });
+            let versions = rows.iter().map(|r| VersionRow {
+                version: r.get(0),
+                sha256: r.get(1),
+                size: r.get(2),
+                created_at: r.get(3),
+                guest_path: GuestPath::from_column(r.get(4)),
+            });
             Ok((versions.collect(), active))
         })
     }
@@ -506,12 +513,12 @@ impl ReleaseStore for PgStore {
         self.with(|c| {
             let rows = c
                 .query(
-                    "SELECT h.tenant, h.name, h.active_version, v.component_sha256 FROM handlers h
+                    "SELECT h.tenant, h.name, h.active_version, v.component_sha256, v.guest_path FROM handlers h
                      JOIN versions v ON v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version",
                     &[],
                 )
                 .map_err(db_error)?;
-            Ok(rows.iter().map(|r| ActiveHandler { tenant: r.get(0), handler: r.get(1), version: r.get(2), sha256: r.get(3) }).collect())
+            Ok(rows.iter().map(active_of).collect())
         })
     }
 
@@ -560,7 +567,7 @@ impl ReleaseStore for PgStore {
         self.with(|c| {
             let rows = c
                 .query(
-                    "SELECT h.tenant, h.name, h.canary_version, v.component_sha256, h.canary_percent, h.canary_abort_margin, h.canary_abort_after
+                    "SELECT h.tenant, h.name, h.canary_version, v.component_sha256, v.guest_path, h.canary_percent, h.canary_abort_margin, h.canary_abort_after
                      FROM handlers h JOIN versions v ON v.tenant = h.tenant AND v.handler = h.name AND v.version = h.canary_version",
                     &[],
                 )
@@ -568,8 +575,8 @@ impl ReleaseStore for PgStore {
             Ok(rows
                 .iter()
                 .filter_map(|r| {
-                    let active = ActiveHandler { tenant: r.get(0), handler: r.get(1), version: r.get(2), sha256: r.get(3) };
-                    let canary = canary_of(Some(active.version), r.get(4), r.get(5), r.get(6))?;
+                    let active = active_of(r);
+                    let canary = canary_of(Some(active.version), r.get(5), r.get(6), r.get(7))?;
                     Some((active, canary))
                 })
                 .collect())
@@ -581,6 +588,46 @@ impl ReleaseStore for PgStore {
             let rows = c.query("SELECT tenant, handler, version, component_sha256 FROM versions", &[]).map_err(db_error)?;
             Ok(rows.iter().map(|r| (format!("{}/{}@{}", r.get::<_, &str>(0), r.get::<_, &str>(1), r.get::<_, i64>(2)), r.get(3))).collect())
         })
+    }
+}
+
+/// A version to serve from its row's first five columns (tenant, handler,
+/// version, component, guest path).
+fn active_of(r: &postgres::Row) -> ActiveHandler {
+    ActiveHandler { tenant: r.get(0), handler: r.get(1), version: r.get(2), sha256: r.get(3), guest_path: GuestPath::from_column(r.get(4)) }
+}
+
+impl RouteStore for PgStore {
+    fn add_route(&mut self, route: &RouteRow) -> StoreResult<()> {
+        let changed = self.write(|tx| {
+            // FOR SHARE: the tenant cannot be deleted under this change.
+            tenant_exists(tx, &route.tenant, "FOR SHARE")?;
+            // Moves a hostname among its own tenant's handlers only.
+            tx.execute(
+                "INSERT INTO routes (hostname, tenant, handler, created_at) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (hostname) DO UPDATE SET handler = excluded.handler WHERE routes.tenant = excluded.tenant",
+                &[&route.hostname, &route.tenant, &route.handler, &route.created_at],
+            )
+            .map_err(db_error)
+        })?;
+        if changed == 0 {
+            return Err(hostname_taken(&route.hostname));
+        }
+        Ok(())
+    }
+
+    fn routes(&mut self) -> StoreResult<Vec<RouteRow>> {
+        self.with(|c| {
+            let rows = c.query("SELECT hostname, tenant, handler, created_at FROM routes ORDER BY hostname", &[]).map_err(db_error)?;
+            Ok(rows.iter().map(|r| RouteRow { hostname: r.get(0), tenant: r.get(1), handler: r.get(2), created_at: r.get(3) }).collect())
+        })
+    }
+
+    fn remove_route(&mut self, hostname: &str) -> StoreResult<()> {
+        if self.write(|c| c.execute("DELETE FROM routes WHERE hostname = $1", &[&hostname]).map_err(db_error))? == 0 {
+            return Err(StoreError::NotFound(format!("no route for hostname {hostname:?}")));
+        }
+        Ok(())
     }
 }
 

@@ -11,17 +11,18 @@ use super::{
     ActiveHandler, ActiveKeyRow, DB_FILE, KeyCommit, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult,
     TenantRow, VersionRow, new_incarnation, now,
 };
-use super::{ArtifactStore, NodeStore, ReleaseStore, TenantStore, UsageStore};
+use super::{ArtifactStore, NodeStore, ReleaseStore, RouteRow, RouteStore, TenantStore, UsageStore, hostname_taken};
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
 use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
 use crate::control::keys::Scopes;
+use crate::sandbox::handler::GuestPath;
 use crate::telemetry::usage::{Delta, Usage, UsageKey};
 
 /// Migrations, in order (the files in `migrations/sqlite/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes");
 
 /// Tables whose changes bump the generation.
 const WATCHED: [&str; 4] = ["tenants", "api_keys", "handlers", "versions"];
@@ -271,7 +272,7 @@ impl TenantStore for SqliteStore {
 impl ReleaseStore for SqliteStore {
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
         // One node: its own file cache holds the artifact (no sharing).
-        let NewVersion { tenant, handler, sha256, component, activate, artifact: _ } = new;
+        let NewVersion { tenant, handler, sha256, component, activate, guest_path, artifact: _ } = new;
         self.tenant(tenant)?;
         // The file first (atomic, fsynced): nothing refers to it until the row commits.
         self.blobs.put_component(sha256, component)?;
@@ -283,8 +284,8 @@ impl ReleaseStore for SqliteStore {
             |r| r.get(0),
         )?;
         tx.execute(
-            "INSERT INTO versions (tenant, handler, version, component_sha256, size, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![tenant, handler, version, sha256, component.len() as i64, now()],
+            "INSERT INTO versions (tenant, handler, version, component_sha256, size, created_at, guest_path) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            params![tenant, handler, version, sha256, component.len() as i64, now(), guest_path.as_str()],
         )?;
         if activate {
             tx.execute("UPDATE handlers SET active_version = ?3 WHERE tenant = ?1 AND name = ?2", params![tenant, handler, version])?;
@@ -344,10 +345,11 @@ impl ReleaseStore for SqliteStore {
     fn versions(&mut self, tenant: &str, handler: &str) -> StoreResult<(Vec<VersionRow>, Option<i64>)> {
         let active = self.active_version(tenant, handler)?;
         let mut stmt = self.conn.prepare(
-            "SELECT version, component_sha256, size, created_at FROM versions WHERE tenant = ?1 AND handler = ?2 ORDER BY version",
+            "SELECT version, component_sha256, size, created_at, guest_path FROM versions WHERE tenant = ?1 AND handler = ?2 ORDER BY version",
         )?;
         let rows = stmt.query_map(params![tenant, handler], |r| {
-            Ok(VersionRow { version: r.get(0)?, sha256: r.get(1)?, size: r.get(2)?, created_at: r.get(3)? })
+            let guest_path = GuestPath::from_column(&r.get::<_, String>(4)?);
+            Ok(VersionRow { version: r.get(0)?, sha256: r.get(1)?, size: r.get(2)?, created_at: r.get(3)?, guest_path })
         })?;
         Ok((rows.collect::<Result<_, _>>()?, active))
     }
@@ -363,11 +365,10 @@ impl ReleaseStore for SqliteStore {
 
     fn active_handlers(&mut self) -> StoreResult<Vec<ActiveHandler>> {
         let mut stmt = self.conn.prepare(
-            "SELECT h.tenant, h.name, h.active_version, v.component_sha256 FROM handlers h
+            "SELECT h.tenant, h.name, h.active_version, v.component_sha256, v.guest_path FROM handlers h
              JOIN versions v ON v.tenant = h.tenant AND v.handler = h.name AND v.version = h.active_version",
         )?;
-        let rows =
-            stmt.query_map([], |r| Ok(ActiveHandler { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, sha256: r.get(3)? }))?;
+        let rows = stmt.query_map([], active_of)?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
@@ -401,12 +402,12 @@ impl ReleaseStore for SqliteStore {
 
     fn canaries(&mut self) -> StoreResult<Vec<(ActiveHandler, Canary)>> {
         let mut stmt = self.conn.prepare(
-            "SELECT h.tenant, h.name, h.canary_version, v.component_sha256, h.canary_percent, h.canary_abort_margin, h.canary_abort_after
+            "SELECT h.tenant, h.name, h.canary_version, v.component_sha256, v.guest_path, h.canary_percent, h.canary_abort_margin, h.canary_abort_after
              FROM handlers h JOIN versions v ON v.tenant = h.tenant AND v.handler = h.name AND v.version = h.canary_version",
         )?;
         let rows = stmt.query_map([], |r| {
-            let active = ActiveHandler { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, sha256: r.get(3)? };
-            Ok((active.clone(), canary_of(Some(active.version), r.get(4)?, r.get(5)?, r.get(6)?)))
+            let active = active_of(r)?;
+            Ok((active.clone(), canary_of(Some(active.version), r.get(5)?, r.get(6)?, r.get(7)?)))
         })?;
         let rows: Vec<_> = rows.collect::<Result<_, _>>()?;
         Ok(rows.into_iter().filter_map(|(a, c)| Some((a, c?))).collect())
@@ -417,6 +418,43 @@ impl ReleaseStore for SqliteStore {
         let rows = stmt
             .query_map([], |r| Ok((format!("{}/{}@{}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?), r.get(3)?)))?;
         Ok(rows.collect::<Result<_, _>>()?)
+    }
+}
+
+/// A version to serve from its row's first five columns (tenant, handler,
+/// version, component, guest path).
+fn active_of(r: &rusqlite::Row<'_>) -> rusqlite::Result<ActiveHandler> {
+    let guest_path = GuestPath::from_column(&r.get::<_, String>(4)?);
+    Ok(ActiveHandler { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, sha256: r.get(3)?, guest_path })
+}
+
+impl RouteStore for SqliteStore {
+    fn add_route(&mut self, route: &RouteRow) -> StoreResult<()> {
+        self.tenant(&route.tenant)?;
+        // Moves a hostname among its own tenant's handlers only.
+        let changed = self.conn.execute(
+            "INSERT INTO routes (hostname, tenant, handler, created_at) VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT (hostname) DO UPDATE SET handler = excluded.handler WHERE routes.tenant = excluded.tenant",
+            params![route.hostname, route.tenant, route.handler, route.created_at],
+        )?;
+        if changed == 0 {
+            return Err(hostname_taken(&route.hostname));
+        }
+        Ok(())
+    }
+
+    fn routes(&mut self) -> StoreResult<Vec<RouteRow>> {
+        let mut stmt = self.conn.prepare("SELECT hostname, tenant, handler, created_at FROM routes ORDER BY hostname")?;
+        let rows =
+            stmt.query_map([], |r| Ok(RouteRow { hostname: r.get(0)?, tenant: r.get(1)?, handler: r.get(2)?, created_at: r.get(3)? }))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    fn remove_route(&mut self, hostname: &str) -> StoreResult<()> {
+        if self.conn.execute("DELETE FROM routes WHERE hostname = ?1", [hostname])? == 0 {
+            return Err(StoreError::NotFound(format!("no route for hostname {hostname:?}")));
+        }
+        Ok(())
     }
 }
 

@@ -33,7 +33,7 @@ fn fresh_database(name: &str) -> String {
 }
 
 fn version<'a>(tenant: &'a str, handler: &'a str, component: &'a [u8], sha: &'a str, activate: bool) -> NewVersion<'a> {
-    NewVersion { tenant, handler, sha256: sha, component, activate, artifact: None }
+    NewVersion { tenant, handler, sha256: sha, component, activate, guest_path: Default::default(), artifact: None }
 }
 
 #[test]
@@ -464,5 +464,53 @@ fn a_usage_figure_missing_from_the_table_is_added_when_the_store_opens() {
         let usage = Usage { requests_2xx: 1, bytes_out: 123, ..Usage::default() };
         store.write_usage(&Delta { node: "n".into(), seq: 1, rows: vec![(key.clone(), usage)] }).unwrap();
         assert_eq!(store.usage(Some("a"), 0, BUCKET_MS).unwrap(), vec![(key, usage)], "{kind}: the figure's column is back");
+    }
+}
+
+fn route(hostname: &str, tenant: &str, handler: &str) -> RouteRow {
+    RouteRow { hostname: hostname.to_owned(), tenant: tenant.to_owned(), handler: handler.to_owned(), created_at: 1 }
+}
+
+#[test]
+fn a_hostname_belongs_to_one_tenant_moves_among_its_handlers_and_goes_with_it() {
+    for mut store in stores("routes") {
+        let s = &mut *store;
+        let kind = s.describe();
+        for tenant in ["acme", "umbrella"] {
+            s.create_tenant(tenant, &LimitOverrides::default()).unwrap();
+        }
+        let before = s.generation().unwrap();
+        s.add_route(&route("faces.acme.test", "acme", "faces")).unwrap();
+        assert!(s.generation().unwrap() > before, "{kind}: a route is a change every node must see");
+        s.add_route(&route("faces.acme.test", "acme", "blur")).unwrap();
+        assert_eq!(s.routes().unwrap(), vec![route("faces.acme.test", "acme", "blur")], "{kind}: moved to the tenant's other handler");
+        let taken = s.add_route(&route("faces.acme.test", "umbrella", "faces"));
+        assert!(matches!(taken, Err(StoreError::Conflict(_))), "{kind}: {taken:?}");
+        assert!(matches!(s.add_route(&route("x.nobody.test", "nobody", "h")), Err(StoreError::NotFound(_))), "{kind}");
+        s.add_route(&route("api.umbrella.test", "umbrella", "faces")).unwrap();
+        assert!(matches!(s.remove_route("nothing.test"), Err(StoreError::NotFound(_))), "{kind}");
+        s.delete_tenant("acme").unwrap();
+        assert_eq!(s.routes().unwrap(), vec![route("api.umbrella.test", "umbrella", "faces")], "{kind}: deleted with its tenant");
+        s.remove_route("api.umbrella.test").unwrap();
+        assert!(s.routes().unwrap().is_empty(), "{kind}");
+        assert!(s.check().unwrap().is_empty(), "{kind}");
+    }
+}
+
+#[test]
+fn a_version_keeps_the_guest_path_it_was_deployed_with() {
+    for mut store in stores("guest-path") {
+        let s = &mut *store;
+        let kind = s.describe();
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        let (a, b) = (b"component a".as_slice(), b"component b".as_slice());
+        let (sa, sb) = (sha256_hex(a), sha256_hex(b));
+        s.add_version(NewVersion { guest_path: GuestPath::Full, ..version("acme", "api", a, &sa, true) }).unwrap();
+        s.add_version(version("acme", "api", b, &sb, false)).unwrap();
+        s.set_canary("acme", "api", Some(Canary { version: 2, percent: 10, abort: None })).unwrap();
+        let paths: Vec<GuestPath> = s.versions("acme", "api").unwrap().0.iter().map(|v| v.guest_path).collect();
+        assert_eq!(paths, [GuestPath::Full, GuestPath::Relative], "{kind}");
+        assert_eq!(s.active_handlers().unwrap()[0].guest_path, GuestPath::Full, "{kind}");
+        assert_eq!(s.canaries().unwrap()[0].0.guest_path, GuestPath::Relative, "{kind}");
     }
 }
