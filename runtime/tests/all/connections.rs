@@ -16,12 +16,12 @@
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use facegate::config::ServeConfig;
-use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
-use tokio_rustls::rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
+use tokio_rustls::rustls::pki_types::CertificateDer;
+use tokio_rustls::rustls::{ClientConnection, StreamOwned};
 
 use crate::harness::{ADMIN_TOKEN, config, fresh_dir, seed_dir, start, start_split, start_until, tls_config};
 
@@ -319,15 +319,7 @@ fn silent_tls_connections_are_closed_during_and_after_the_handshake() {
 }
 
 fn tls_client(cert: &CertificateDer<'static>) -> ClientConnection {
-    let mut roots = RootCertStore::empty();
-    roots.add(cert.clone()).unwrap();
-    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-    let config = ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    ClientConnection::new(Arc::new(config), ServerName::try_from("localhost").unwrap()).unwrap()
+    crate::harness::tls_client(cert, "localhost")
 }
 
 /// `/metrics` of the TLS gateway.

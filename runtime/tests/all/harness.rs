@@ -197,6 +197,22 @@ pub fn tls_config(dir: &Path) -> (ServeConfig, tokio_rustls::rustls::pki_types::
     (config, certified.cert.der().clone())
 }
 
+/// A TLS client's connection asking for the server name `sni` and
+/// trusting the certificate `root` only.
+pub fn tls_client(root: &tokio_rustls::rustls::pki_types::CertificateDer<'static>, sni: &str) -> tokio_rustls::rustls::ClientConnection {
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+    let mut roots = RootCertStore::empty();
+    roots.add(root.clone()).unwrap();
+    let provider = std::sync::Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from(sni.to_owned()).unwrap();
+    tokio_rustls::rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap()
+}
+
 /// A blocking HTTP client with a generous timeout, sending no key.
 pub fn anonymous() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(std::time::Duration::from_secs(60)).build().unwrap()

@@ -9,13 +9,12 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::Method;
 use serde_json::{Value, json};
-use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
-use tokio_rustls::rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
+use tokio_rustls::rustls::StreamOwned;
+use tokio_rustls::rustls::pki_types::CertificateDer;
 
 use crate::harness::{ADMIN_TOKEN, admin, admin_json, anonymous, client_as, fresh_dir, gateway, guest, image, key, start, url};
 
@@ -272,30 +271,23 @@ pub(crate) fn host_cert(dir: &Path, name: &str) -> CertificateDer<'static> {
     certified.cert.der().clone()
 }
 
-/// `GET path` over TLS to `addr`, asking for `sni` and trusting `root`
-/// only, with `host` as the `Host`; `None` when the handshake fails.
-pub(crate) fn get_tls(
-    addr: SocketAddr,
-    (sni, root): (&str, &CertificateDer<'static>),
-    host: &str,
-    path: &str,
-    key: &str,
-) -> Option<(u16, String)> {
-    let mut roots = RootCertStore::empty();
-    roots.add(root.clone()).unwrap();
-    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-    let config = ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let conn = ClientConnection::new(Arc::new(config), ServerName::try_from(sni.to_owned()).unwrap()).unwrap();
+/// One HTTP/1.0 exchange over TLS with `addr`, asking for `sni` and
+/// trusting `root` only: `head` (the request line and headers, without the
+/// blank line), then `body`. `None` when the handshake or the write fails.
+fn exchange_tls(addr: SocketAddr, (sni, root): (&str, &CertificateDer<'static>), head: &str, body: &[u8]) -> Option<(u16, String)> {
     let tcp = TcpStream::connect(addr).unwrap();
     tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let mut tls = StreamOwned::new(conn, tcp);
-    tls.write_all(format!("GET {path} HTTP/1.0\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n\r\n").as_bytes()).ok()?;
+    let mut tls = StreamOwned::new(crate::harness::tls_client(root, sni), tcp);
+    tls.write_all(format!("{head}\r\n\r\n").as_bytes()).ok()?;
+    tls.write_all(body).ok()?;
     let answer = read_answer(&mut tls);
     (answer.0 != 0).then_some(answer)
+}
+
+/// `GET path` over TLS to `addr`, asking for `sni` and trusting `root`
+/// only, with `host` as the `Host`; `None` when the handshake fails.
+pub(crate) fn get_tls(addr: SocketAddr, tls: (&str, &CertificateDer<'static>), host: &str, path: &str, key: &str) -> Option<(u16, String)> {
+    exchange_tls(addr, tls, &format!("GET {path} HTTP/1.0\r\nHost: {host}\r\nAuthorization: Bearer {key}"), &[])
 }
 
 /// A TLS gateway with a default certificate for `localhost` and the host
@@ -314,47 +306,23 @@ fn over_tls_each_hostname_gets_its_own_certificate_by_sni_reloaded_without_a_res
     let (cert_a, cert_b) = (host_cert(&certs, "faces.tlsa.test"), host_cert(&certs, "faces.tlsb.test"));
     let (addr, default, _) = tls_gateway_with_hosts("routes-tls", &certs);
     // The admin API over the same TLS listener (as `localhost`, the default certificate).
-    let admin_tls = |method: &str, path: &str, body: &str| {
-        let mut roots = RootCertStore::empty();
-        roots.add(default.clone()).unwrap();
-        let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-        let config = ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap();
-        let config = config.with_root_certificates(roots).with_no_client_auth();
-        let conn = ClientConnection::new(Arc::new(config), ServerName::try_from("localhost").unwrap()).unwrap();
-        let mut tls = StreamOwned::new(conn, TcpStream::connect(addr).unwrap());
+    let admin_tls = |method: &str, path: &str, body: &[u8]| {
         let head = format!(
-            "{method} /admin/v1/{path} HTTP/1.0\r\nHost: localhost\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            "{method} /admin/v1/{path} HTTP/1.0\r\nHost: localhost\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: {}",
             body.len()
         );
-        tls.write_all(head.as_bytes()).unwrap();
-        tls.write_all(body.as_bytes()).unwrap();
-        let (status, body) = read_answer(&mut tls);
+        let (status, body) = exchange_tls(addr, ("localhost", &default), &head, body).unwrap();
         (status, serde_json::from_str::<Value>(&body).unwrap_or(Value::String(body)))
     };
     let mut keys = Vec::new();
     for tenant in ["tlsa", "tlsb"] {
-        assert_eq!(admin_tls("POST", "tenants", &json!({ "name": tenant }).to_string()).0, 201);
-        keys.push(admin_tls("POST", &format!("tenants/{tenant}/keys"), "{}").1["key"].as_str().unwrap().to_owned());
+        assert_eq!(admin_tls("POST", "tenants", json!({ "name": tenant }).to_string().as_bytes()).0, 201);
+        keys.push(admin_tls("POST", &format!("tenants/{tenant}/keys"), b"{}").1["key"].as_str().unwrap().to_owned());
         let route = json!({ "tenant": tenant, "handler": "echo" }).to_string();
-        assert_eq!(admin_tls("PUT", &format!("routes/faces.{tenant}.test"), &route).0, 200);
-    }
-    // Deploy over TLS too: the component's bytes as the body.
-    for tenant in ["tlsa", "tlsb"] {
-        let bytes = std::fs::read(guest("hostile")).unwrap();
-        let mut roots = RootCertStore::empty();
-        roots.add(default.clone()).unwrap();
-        let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-        let config = ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap();
-        let config = config.with_root_certificates(roots).with_no_client_auth();
-        let conn = ClientConnection::new(Arc::new(config), ServerName::try_from("localhost").unwrap()).unwrap();
-        let mut tls = StreamOwned::new(conn, TcpStream::connect(addr).unwrap());
-        let head = format!(
-            "PUT /admin/v1/tenants/{tenant}/handlers/echo HTTP/1.0\r\nHost: localhost\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: {}\r\n\r\n",
-            bytes.len()
-        );
-        tls.write_all(head.as_bytes()).unwrap();
-        tls.write_all(&bytes).unwrap();
-        assert_eq!(read_answer(&mut tls).0, 201);
+        assert_eq!(admin_tls("PUT", &format!("routes/faces.{tenant}.test"), route.as_bytes()).0, 200);
+        // Deployed over TLS too.
+        let deployed = admin_tls("PUT", &format!("tenants/{tenant}/handlers/echo"), &std::fs::read(guest("hostile")).unwrap());
+        assert_eq!(deployed.0, 201, "{}", deployed.1);
     }
 
     // Each hostname's own certificate (the client trusts only that one), and its own tenant's handler.
