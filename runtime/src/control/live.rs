@@ -10,9 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::keys::{self, Scopes};
-use super::routes::{HostRoute, HostRoutes};
-use super::store::NodeRow;
 use super::store::{AbortRule, Canary};
+use super::store::{NodeRow, RouteRow};
 use crate::admission::gate::TenantGate;
 use crate::sandbox::handler::Handler;
 
@@ -121,6 +120,23 @@ pub(super) struct ActiveKey {
 /// or less costs a table of pointers, not a copy of every key.
 pub(super) type KeyMap = HashMap<Arc<str>, Arc<ActiveKey>>;
 
+/// Where a routed hostname goes, as the snapshot holds it (see `super::routes`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostRoute {
+    /// The tenant the hostname belongs to.
+    pub tenant: String,
+    /// The tenant's handler it runs.
+    pub handler: String,
+}
+
+/// The snapshot's hostnames: lowercase, without a port or a trailing dot.
+pub type HostRoutes = HashMap<String, HostRoute>;
+
+/// The snapshot's table from the store's rows.
+pub(super) fn host_routes(rows: Vec<RouteRow>) -> HostRoutes {
+    rows.into_iter().map(|r| (r.hostname, HostRoute { tenant: r.tenant, handler: r.handler })).collect()
+}
+
 /// What the data plane serves: an immutable snapshot, swapped on change.
 /// Its parts are shared between snapshots: a change of keys only copies
 /// the key map.
@@ -163,7 +179,7 @@ impl Live {
         Some((&entry.gate, entry.handlers.get(name)?))
     }
 
-    /// Where a routed hostname (as [`super::routes::host_of`] gives it) goes.
+    /// Where a routed hostname (as `host_of` gives it) goes.
     pub fn route(&self, hostname: &str) -> Option<&HostRoute> {
         self.routes.get(hostname)
     }

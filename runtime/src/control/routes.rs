@@ -1,10 +1,9 @@
 //! The control plane's part for tenants' own hostnames ([`Routes`]): the
 //! operator routes a hostname to one tenant's handler, in the store, so
 //! every node of a cluster routes it; the snapshot ([`super::Live`]) holds
-//! them for the data plane. A hostname belongs to one tenant; deleting the
-//! tenant deletes its hostnames.
+//! them for the data plane ([`super::live::HostRoute`]). A hostname belongs
+//! to one tenant; deleting the tenant deletes its hostnames.
 
-use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -12,18 +11,6 @@ use super::serving::Serving;
 use super::shared::Shared;
 use super::store::{RouteRow, StoreError, StoreResult, now};
 use crate::sandbox::handler::valid_name;
-
-/// Where a routed hostname goes, as the snapshot holds it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostRoute {
-    /// The tenant the hostname belongs to.
-    pub tenant: String,
-    /// The tenant's handler it runs.
-    pub handler: String,
-}
-
-/// The snapshot's hostnames: lowercase, without a port or a trailing dot.
-pub type HostRoutes = HashMap<String, HostRoute>;
 
 /// The routed hostnames (see the module docs).
 pub struct Routes {
@@ -62,11 +49,6 @@ impl Routes {
         tracing::info!(%hostname, "hostname route removed");
         Ok(())
     }
-}
-
-/// The snapshot's table from the store's rows.
-pub(super) fn host_routes(rows: Vec<RouteRow>) -> HostRoutes {
-    rows.into_iter().map(|r| (r.hostname, HostRoute { tenant: r.tenant, handler: r.handler })).collect()
 }
 
 /// A hostname as routes keep it: a DNS name of at least two labels, each
