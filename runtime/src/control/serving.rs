@@ -196,6 +196,17 @@ impl Serving {
         Ok(to_compile)
     }
 
+    /// Reads the routed hostnames again after a change of them here; the
+    /// tenants and keys are the current snapshot's.
+    pub(super) fn refresh_routes(&self) -> StoreResult<()> {
+        let routes = Arc::new(host_routes(self.shared.serving_db().routes()?));
+        let _swapping = self.swapping();
+        let current = self.live();
+        let live = Live { tenants: Arc::clone(&current.tenants), keys: Arc::clone(&current.keys), routes };
+        *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
+        Ok(())
+    }
+
     /// Rebuilds only `tenant`'s entry after a change that touched only it
     /// (its limits, a version, a canary; its creation or deletion): the
     /// other tenants' entries and the keys are shared with the current
@@ -244,19 +255,6 @@ impl Serving {
         }
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         Ok(to_compile)
-    }
-}
-
-impl Serving {
-    /// Reads the routed hostnames again after a change of them here; the
-    /// tenants and keys are the current snapshot's.
-    pub(super) fn refresh_routes(&self) -> StoreResult<()> {
-        let routes = Arc::new(host_routes(self.shared.serving_db().routes()?));
-        let _swapping = self.swapping();
-        let current = self.live();
-        let live = Live { tenants: Arc::clone(&current.tenants), keys: Arc::clone(&current.keys), routes };
-        *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
-        Ok(())
     }
 }
 

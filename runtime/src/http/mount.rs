@@ -15,6 +15,7 @@
 //! no mount.
 
 use hyper::header::{HeaderName, HeaderValue};
+use hyper::http::uri::PathAndQuery;
 use hyper::{Request, Uri};
 
 use crate::sandbox::handler::GuestPath;
@@ -91,11 +92,10 @@ impl Mount {
             Some(host) => format!("{scheme}://{host}{}", req.uri().path_and_query().map_or("/", |p| p.as_str())),
             None => req.uri().path_and_query().map_or("/", |p| p.as_str()).to_owned(),
         };
-        let guest = self.guest_path_and_query(guest_path, req.uri().query());
-        if let Ok(uri) = Uri::builder().path_and_query(guest).build() {
+        if let Ok(guest) = PathAndQuery::try_from(self.guest_path_and_query(guest_path, req.uri().query())) {
             // Scheme and authority stay as the host's wasi:http reads them (the `Host` header).
             let mut parts = req.uri().clone().into_parts();
-            parts.path_and_query = uri.into_parts().path_and_query;
+            parts.path_and_query = Some(guest);
             if let Ok(uri) = Uri::from_parts(parts) {
                 *req.uri_mut() = uri;
             }
@@ -103,11 +103,12 @@ impl Mount {
         let headers = req.headers_mut();
         for (name, value) in [(BASE_PATH_HEADER, self.base.as_str()), (PATH_INFO_HEADER, self.rest.as_str()), (FULL_URL_HEADER, &full_url)]
         {
+            // `insert` drops any values a client sent under the name.
             let name = HeaderName::from_static(name);
-            headers.remove(&name);
-            if let Ok(value) = HeaderValue::from_str(value) {
-                headers.insert(name, value);
-            }
+            match HeaderValue::from_str(value) {
+                Ok(value) => headers.insert(name, value),
+                Err(_) => headers.remove(name),
+            };
         }
     }
 }
@@ -116,28 +117,46 @@ fn host_header<B>(req: &Request<B>) -> Option<String> {
     req.headers().get(hyper::header::HOST)?.to_str().ok().map(str::to_owned)
 }
 
-/// Whether a segment is `.` or `..`, also percent-encoded (`%2e`, `%2E`).
+/// How many dots a dot segment (`.` or `..`, each dot also as `%2e` or
+/// `%2E`) is made of; `None` for any other segment.
+fn dots(segment: &str) -> Option<usize> {
+    let (mut rest, mut count) = (segment.as_bytes(), 0);
+    while !rest.is_empty() {
+        rest = match rest {
+            [b'.', tail @ ..] => tail,
+            [b'%', b'2', b'e' | b'E', tail @ ..] => tail,
+            _ => return None,
+        };
+        count += 1;
+    }
+    (1..=2).contains(&count).then_some(count)
+}
+
+/// Whether a segment is `.` or `..`, also percent-encoded.
 fn is_dot_segment(segment: &str) -> bool {
-    let lower = segment.to_ascii_lowercase().replace("%2e", ".");
-    lower == "." || lower == ".."
+    dots(segment).is_some()
 }
 
 /// `path` (starting with `/`) with its dot segments resolved (RFC 3986
 /// 5.2.4) and `..` stopping at the root: the result starts with `/` and
 /// never climbs above it. Other segments, empty ones too, are kept as sent.
 pub fn resolve_dots(path: &str) -> String {
+    if path.starts_with('/') && !path.split('/').any(is_dot_segment) {
+        // Most paths: nothing to resolve.
+        return path.to_owned();
+    }
     let segments: Vec<&str> = path.strip_prefix('/').unwrap_or(path).split('/').collect();
     let last = segments.len() - 1;
     let mut kept: Vec<&str> = Vec::with_capacity(segments.len());
     let mut trailing_slash = false;
     for (i, segment) in segments.iter().enumerate() {
-        match segment.to_ascii_lowercase().replace("%2e", ".").as_str() {
-            "." => trailing_slash = i == last,
-            ".." => {
+        match dots(segment) {
+            Some(1) => trailing_slash = i == last,
+            Some(_) => {
                 kept.pop();
                 trailing_slash = i == last;
             }
-            _ => {
+            None => {
                 kept.push(segment);
                 trailing_slash = false;
             }

@@ -275,7 +275,7 @@ fn tenant_limits_apply_per_tenant() {
 /// Sends `head` (a request's head, `Connection: close`) and `body` over a
 /// connection of its own to `addr`; the raw answer, read until the close
 /// or for `wait` at most.
-fn raw_exchange(addr: SocketAddr, head: &str, body: &[u8], wait: Duration) -> String {
+pub(crate) fn raw_exchange(addr: SocketAddr, head: &str, body: &[u8], wait: Duration) -> String {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream.write_all(head.as_bytes()).unwrap();
     stream.write_all(body).unwrap();

@@ -27,16 +27,18 @@ const FULL_URL: &str = "x-facegate-full-url";
 /// `head` is the request line and headers without the final blank line.
 /// Returns the status and the body.
 pub(crate) fn raw(addr: SocketAddr, head: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    stream.write_all(format!("{head}\r\n\r\n").as_bytes()).unwrap();
-    read_answer(&mut stream)
+    split_answer(&crate::control::raw_exchange(addr, &format!("{head}\r\n\r\n"), &[], Duration::from_secs(30)))
 }
 
+/// The status and body of a raw HTTP/1.0 answer read from `stream` to its close.
 fn read_answer(stream: &mut impl Read) -> (u16, String) {
     let mut answer = Vec::new();
     let _ = stream.read_to_end(&mut answer);
-    let answer = String::from_utf8_lossy(&answer).into_owned();
+    split_answer(&String::from_utf8_lossy(&answer))
+}
+
+/// A raw answer's status and body.
+fn split_answer(answer: &str) -> (u16, String) {
     let status = answer.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
     let body = answer.split_once("\r\n\r\n").map_or("", |(_, body)| body).to_owned();
     (status, body)
