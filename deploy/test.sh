@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's one test command: set up what is missing (Chromium for the
-# console, PostgreSQL for the cluster store), check the Kubernetes manifests,
+# console, PostgreSQL for the cluster store, an OCI registry), check the Kubernetes manifests,
 # build the guests, run every test of the workspace (release profile:
 # wasmtime and the model are too slow unoptimised).
 set -euo pipefail
@@ -20,6 +20,14 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq postgresql-15 >/dev/null
+fi
+# The registry tests push to and pull from a real OCI registry (the CNCF
+# distribution registry, started on 127.0.0.1 by each test).
+if ! command -v docker-registry >/dev/null; then
+  echo "[test] installing docker-registry (Debian) for the OCI registry tests" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq docker-registry >/dev/null
 fi
 # The Kubernetes manifests, against the Kubernetes schemas.
 deploy/scripts/validate-k8s.sh

@@ -131,7 +131,7 @@
       const table = el("table");
       table.append(el("thead"));
       table.tHead.append(el("tr"));
-      for (const title of ["Version", "Role", "Requests", "5xx"]) table.tHead.rows[0].append(el("th", title, { scope: "col" }));
+      for (const title of ["Version", "Role", "Requests", "5xx", "Source"]) table.tHead.rows[0].append(el("th", title, { scope: "col" }));
       const body = el("tbody");
       for (const v of info.versions || []) {
         const role = v.version === info.active_version ? "active"
@@ -140,7 +140,7 @@
         const seen = rates[v.version] || { requests: 0, errors: 0 };
         const share = seen.requests ? `${(100 * seen.errors / seen.requests).toFixed(1)} %` : "—";
         const row = el("tr", null, { "data-version": String(v.version), "data-role": role.split(" ")[0] });
-        for (const cell of [v.version, role, seen.requests, share]) row.append(el("td", cell));
+        for (const cell of [v.version, role, seen.requests, share, sourceOf(v)]) row.append(el("td", cell));
         body.append(row);
       }
       table.append(body);
@@ -381,6 +381,14 @@
       return rowOf([t.name, t.handlers.map((h) => `${h.name} v${h.active_version}`).join(", "), rate === undefined ? "–" : rate.toFixed(1)], actions);
     }));
   }
+  // Where a version's bytes came from: "upload", or the registry reference
+  // pinned to its digest (shortened; the whole of it is in the API).
+  function sourceOf(v) {
+    const source = v.source || "upload";
+    const at = source.indexOf("@sha256:");
+    return at < 0 ? source : source.slice("oci://".length, at + "@sha256:".length + 12) + "…";
+  }
+
   function rowOf(cells, last) {
     const row = el("tr");
     for (const cell of cells) row.append(el("td", cell));
@@ -519,7 +527,7 @@
       const table = el("table");
       table.append(el("caption", `${h.name}: active version ${info.active_version ?? "none"}`));
       const head = el("tr");
-      for (const title of ["Version", "sha256", "Size", "Uploaded", ""]) head.append(el("th", title, { scope: "col" }));
+      for (const title of ["Version", "sha256", "Size", "Uploaded", "Source", ""]) head.append(el("th", title, { scope: "col" }));
       table.append(head);
       for (const v of info.versions.slice().reverse()) {
         const actions = el("td");
@@ -529,7 +537,7 @@
           activate.addEventListener("click", () => change(name, h.name, "activate", json({ version: v.version })));
           actions.append(activate);
         }
-        table.append(rowOf([`v${v.version}`, v.sha256.slice(0, 16) + "…", `${(v.size / 1024).toFixed(0)} KiB`, date(v.created_at)], actions));
+        table.append(rowOf([`v${v.version}`, v.sha256.slice(0, 16) + "…", `${(v.size / 1024).toFixed(0)} KiB`, date(v.created_at), sourceOf(v)], actions));
       }
       const rollback = el("button", `Roll back ${h.name}`, { type: "button" });
       rollback.addEventListener("click", () => change(name, h.name, "rollback"));

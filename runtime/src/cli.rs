@@ -141,11 +141,61 @@ pub struct HandlerArgs {
     pub client: ClientArgs,
 }
 
+/// A registry's credentials on the command line: flags, else the Docker
+/// config file (`$DOCKER_CONFIG/config.json` or `~/.docker/config.json`,
+/// with its credential helpers), as `docker`, `oras` and `wkg` read them.
+#[derive(Debug, Clone, Args)]
+pub struct RegistryArgs {
+    /// The registry's user name (with `--registry-password-stdin`).
+    #[arg(long, requires = "registry_password_stdin")]
+    pub registry_username: Option<String>,
+    /// Read the registry's password or token from standard input (never
+    /// from the command line, where other users of the machine see it).
+    #[arg(long, requires = "registry_username")]
+    pub registry_password_stdin: bool,
+}
+
+impl RegistryArgs {
+    /// The credentials for `registry`: the flags', else the Docker config's, else none.
+    fn credentials(&self, registry: &str) -> anyhow::Result<Option<crate::http::oci::Credentials>> {
+        let Some(username) = &self.registry_username else {
+            return crate::http::oci::auth::from_docker_config(registry);
+        };
+        let mut password = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut password).context("reading the registry password from stdin")?;
+        let password = password.trim_end_matches(['\r', '\n']).to_owned();
+        Ok(Some(crate::http::oci::Credentials { username: username.clone(), password }))
+    }
+}
+
+/// `facegate push`
+#[derive(Debug, Clone, Args)]
+pub struct PushArgs {
+    /// The handler component (wasm32-wasip2).
+    pub file: PathBuf,
+    /// Where to push it: `oci://REGISTRY/REPOSITORY:TAG`.
+    pub reference: String,
+    /// Talk to the registry over plain HTTP (a local registry without TLS).
+    #[arg(long)]
+    pub plain_http: bool,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "flattened")]
+    pub registry: RegistryArgs,
+}
+
 /// `facegate deploy`
 #[derive(Debug, Clone, Args)]
 pub struct DeployArgs {
-    /// The handler component (wasm32-wasip2).
-    pub file: PathBuf,
+    /// The handler component (wasm32-wasip2): a file, or
+    /// `oci://REGISTRY/REPOSITORY[:TAG|@sha256:DIGEST]` for the gateway to
+    /// pull (from a registry its operator allows, `--oci-registry`); the
+    /// version records the digest a tag resolved to.
+    pub component: String,
+    /// With an `oci://` component: the registry's credentials go with the
+    /// deploy, for that one pull.
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "flattened")]
+    pub registry: RegistryArgs,
     /// Store the version without activating it.
     #[arg(long, conflicts_with = "canary")]
     pub no_activate: bool,
@@ -242,6 +292,22 @@ pub struct UsageArgs {
 }
 
 impl DeployArgs {
+    /// The upload's body and its type: the component's bytes, or the
+    /// reference (and credentials) the gateway pulls it by.
+    fn body(&self) -> anyhow::Result<(Bytes, &'static str)> {
+        if !self.component.starts_with("oci://") {
+            let bytes = std::fs::read(&self.component).with_context(|| format!("cannot read {}", self.component))?;
+            return Ok((bytes.into(), "application/wasm"));
+        }
+        let reference: crate::http::oci::Reference = self.component.parse().map_err(anyhow::Error::msg)?;
+        let mut body = json!({ "source": self.component });
+        if let Some(credentials) = self.registry.credentials(&reference.registry)? {
+            body["username"] = credentials.username.into();
+            body["password"] = credentials.password.into();
+        }
+        Ok((body.to_string().into(), "application/json"))
+    }
+
     /// The upload's query: how it is released.
     fn query(&self) -> String {
         let mut query = Vec::new();
@@ -346,8 +412,12 @@ pub enum Command {
     /// Manage a tenant's API keys (admin API).
     #[command(subcommand)]
     Key(KeyCommand),
-    /// Upload a handler component as a new version and activate it (admin API).
+    /// Upload a handler component as a new version and activate it, or
+    /// have the gateway pull it from a registry (admin API).
     Deploy(DeployArgs),
+    /// Push a handler component to an OCI registry as the wasm artifact
+    /// (`wkg`, `oras` and `spin` pull it); prints its manifest's digest.
+    Push(PushArgs),
     /// List a handler's versions (admin API).
     Versions(HandlerArgs),
     /// Activate one version of a handler (admin API).
@@ -430,9 +500,10 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
             (client, Method::DELETE, path, Bytes::new(), "application/json")
         }
         C::Deploy(args) => {
-            let bytes = std::fs::read(&args.file).with_context(|| format!("cannot read {}", args.file.display()))?;
-            (&args.target.client, Method::PUT, args.target.path(&args.query()), bytes.into(), "application/wasm")
+            let (body, content_type) = args.body()?;
+            (&args.target.client, Method::PUT, args.target.path(&args.query()), body, content_type)
         }
+        C::Push(args) => return push(args).await,
         C::Promote(t) => (&t.client, Method::POST, t.path("/promote"), Bytes::new(), "application/json"),
         C::Abort(t) => (&t.client, Method::POST, t.path("/abort"), Bytes::new(), "application/json"),
         C::Versions(t) => (&t.client, Method::GET, t.path("/versions"), Bytes::new(), "application/json"),
@@ -475,6 +546,25 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
     } else {
         print_summary(&command, &value);
     }
+    Ok(0)
+}
+
+/// `facegate push`: the component packed as the wasm artifact and pushed;
+/// prints the manifest's digest (`sha256:…`), and the pinned reference to stderr.
+async fn push(args: &PushArgs) -> anyhow::Result<i32> {
+    use crate::http::oci::{Reference, Registry};
+    let reference: Reference = args.reference.parse().map_err(anyhow::Error::msg)?;
+    let (Some(tag), None) = (&reference.tag, &reference.digest) else {
+        bail!("push to a tag (oci://REGISTRY/REPOSITORY:TAG); the digest is the registry's to give");
+    };
+    let component = std::fs::read(&args.file).with_context(|| format!("cannot read {}", args.file.display()))?;
+    crate::control::validate::check_header(&component).map_err(|e| anyhow::anyhow!("{}: {e}", args.file.display()))?;
+    let title = args.file.file_name().map_or_else(|| "component.wasm".to_owned(), |n| n.to_string_lossy().into_owned());
+    let credentials = args.registry.credentials(&reference.registry)?;
+    let mut registry = Registry::new(&reference, args.plain_http, credentials, None, true);
+    let digest = registry.push(tag, component.into(), &title).await.with_context(|| format!("cannot push to {reference}"))?;
+    println!("{digest}");
+    eprintln!("pushed {}", reference.pinned(&digest));
     Ok(0)
 }
 
@@ -578,12 +668,13 @@ fn print_summary(command: &Command, v: &Value) {
         }
         C::Key(KeyCommand::Revoke { key_id, .. }) => println!("revoked key {key_id}"),
         C::Deploy(_) => println!(
-            "{}/{} version {} ({} bytes, sha256 {}); active version {}",
+            "{}/{} version {} ({} bytes, sha256 {}, from {}); active version {}",
             v["tenant"].as_str().unwrap_or("?"),
             v["handler"].as_str().unwrap_or("?"),
             v["version"],
             v["size"],
             v["sha256"].as_str().unwrap_or("?"),
+            v["source"].as_str().unwrap_or("?"),
             v["active_version"]
         ),
         C::Nodes { .. } => {
@@ -607,8 +698,9 @@ fn print_summary(command: &Command, v: &Value) {
         C::Versions(_) => {
             for version in v["versions"].as_array().into_iter().flatten() {
                 let active = if version["version"] == v["active_version"] { "\tactive" } else { "" };
-                let (sha256, path) = (version["sha256"].as_str().unwrap_or("?"), version["guest_path"].as_str().unwrap_or("?"));
-                println!("{}\t{sha256}\t{}\tpath={path}{active}", version["version"], version["size"]);
+                let field = |name: &str| version[name].as_str().unwrap_or("?").to_owned();
+                let (sha256, path, source) = (field("sha256"), field("guest_path"), field("source"));
+                println!("{}\t{sha256}\t{}\tpath={path}\t{source}{active}", version["version"], version["size"]);
             }
         }
         C::Route(RouteCommand::List { .. }) => {

@@ -29,6 +29,8 @@ pub const DEFAULT_WARM_INSTANCES: u32 = 64;
 pub const DEFAULT_WARM_IDLE_SECS: u64 = 60;
 /// Default largest uploaded component (64 MiB).
 pub const DEFAULT_MAX_COMPONENT_BYTES: usize = 64 << 20;
+/// Default `--upload-timeout-secs`.
+pub const DEFAULT_UPLOAD_TIMEOUT_SECS: u64 = 30;
 /// Default threads compiling uploads.
 pub const DEFAULT_COMPILE_THREADS: usize = 1;
 /// Default niceness of the compile threads: a weight of about a tenth of
@@ -235,6 +237,27 @@ pub struct ServeConfig {
     /// file descriptor); past it a request fails with `connection-limit-reached`.
     #[arg(long, env = "FACEGATE_OUTGOING_MAX_CONNECTIONS", default_value_t = crate::sandbox::outgoing::DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
     pub outgoing_max_connections: u32,
+
+    /// Registries a node pulls handlers from when a deploy names a
+    /// component by reference (`oci://HOST[:PORT]/REPO…`), each as
+    /// references name it (`HOST` or `HOST:PORT`, matched exactly);
+    /// repeatable or comma-separated. None by default: a deploy by
+    /// reference is refused. Pulls go over HTTPS and through the same
+    /// address rules as handlers' outgoing requests (`--outgoing-allow-private`,
+    /// `--outgoing-deny`), redirects included.
+    #[arg(long = "oci-registry", env = "FACEGATE_OCI_REGISTRIES", value_name = "HOST[:PORT]", value_delimiter = ',', value_parser = registry_name)]
+    pub oci_registries: Vec<String>,
+
+    /// Registries pulled from over plain HTTP (one without TLS on the
+    /// cluster's own network); naming one here also allows it.
+    #[arg(long = "oci-insecure-registry", env = "FACEGATE_OCI_INSECURE_REGISTRIES", value_name = "HOST[:PORT]", value_delimiter = ',', value_parser = registry_name)]
+    pub oci_insecure_registries: Vec<String>,
+
+    /// Longest an upload may take to arrive, or a pull from a registry to
+    /// finish, seconds (1 to 3600); past it the deploy is refused and its
+    /// tenant's upload place given back.
+    #[arg(long, env = "FACEGATE_UPLOAD_TIMEOUT_SECS", default_value_t = DEFAULT_UPLOAD_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub upload_timeout_secs: u64,
 
     /// Most host resources one request may hold at once (wasi:http fields,
     /// bodies, streams, pollables); past it the request ends with 500
@@ -547,6 +570,11 @@ impl ServeConfig {
         self.limits.timeout()
     }
 
+    /// Longest an upload may take to arrive, or a pull to finish.
+    pub fn upload_timeout(&self) -> Duration {
+        Duration::from_secs(self.upload_timeout_secs)
+    }
+
     /// Where handlers granted outgoing HTTP may go, and their connection caps.
     pub fn egress_rules(&self) -> crate::sandbox::outgoing::EgressRules {
         crate::sandbox::outgoing::EgressRules {
@@ -570,6 +598,13 @@ impl ServeConfig {
         config.data_dir = data_dir;
         Ok(config)
     }
+}
+
+/// A `--oci-registry` value: `HOST` or `HOST:PORT` (lowercased), as an
+/// `oci://` reference names its registry.
+fn registry_name(text: &str) -> Result<String, String> {
+    let ok = !text.is_empty() && text.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'));
+    if ok { Ok(text.to_ascii_lowercase()) } else { Err(format!("{text:?} is not HOST or HOST:PORT (no scheme, no path)")) }
 }
 
 /// `--devices`' help, from host-gpu's device table: the spellings, what a

@@ -74,6 +74,8 @@ pub struct Deployed {
     pub size: usize,
     /// Active version after the upload.
     pub active_version: Option<i64>,
+    /// Where its bytes came from: `upload`, or `oci://…@sha256:…`.
+    pub source: String,
 }
 
 /// Result of an activation or rollback.

@@ -58,7 +58,7 @@ pub use self::api::{Activated, CheckReport, CreatedKey, Deployed, HandlerInfo, S
 pub use self::artifacts::{Artifacts, engine_id};
 pub use self::cluster::{ALIVE_WITHIN, Cluster};
 pub use self::live::{CanaryCounts, HostRoute, Live, LiveCanary, Side, TenantEntry};
-pub use self::releases::{Release, Releases};
+pub use self::releases::{Release, Releases, Releasing};
 pub use self::routes::{Routes, host_of, valid_hostname};
 pub use self::seal::{ArtifactKey, CACHE_KEY_FILE, CacheKey};
 pub use self::serving::{Serving, Synced};

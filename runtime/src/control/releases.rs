@@ -69,13 +69,13 @@ impl Releases {
         let place = self.begin_change(tenant, Change::Upload)?;
         let memory = self.shared.sandbox.memory().charge(&Arc::from(tenant), bytes.len()).map_err(no_memory)?;
         let release = if activate { Release::Activate } else { Release::Store };
-        self.release(tenant, handler, bytes, (release, GuestPath::default()), UploadHold { place, memory })
+        self.release(tenant, handler, bytes, Releasing::uploaded(release, GuestPath::default()), UploadHold { place, memory })
     }
 
     /// Stores `bytes` as a new version of `tenant`'s `handler` and releases
     /// it as `release` says: active, stored only, or a canary beside the
     /// active version (which there must be); its guest sees the path
-    /// `guest_path` says. `hold` is what the upload
+    /// `guest_path` says; the version records its `source`. `hold` is what the upload
     /// holds already (its tenant's place, its body's memory charge): the
     /// charge grows to the compile's estimate before it starts, and both go
     /// with the compile job.
@@ -84,7 +84,7 @@ impl Releases {
         tenant: &str,
         handler: &str,
         bytes: Bytes,
-        (release, guest_path): (Release, GuestPath),
+        Releasing { release, guest_path, source }: Releasing,
         mut hold: UploadHold,
     ) -> StoreResult<Deployed> {
         if hold.place.tenant() != tenant {
@@ -146,6 +146,7 @@ impl Releases {
             component: &component,
             activate,
             guest_path,
+            source: &source,
             artifact,
         })?;
         let mut linked = prepared.linked;
@@ -159,8 +160,8 @@ impl Releases {
         drop(db);
         // Matched by version: served only if active, or the canary.
         self.serving.refresh_after_commit(tenant, vec![Arc::new(linked)]);
-        tracing::info!(tenant, handler, version, %sha256, activate, "handler version stored");
-        Ok(Deployed { tenant: tenant.to_owned(), handler, version, sha256, size: component.len(), active_version })
+        tracing::info!(tenant, handler, version, %sha256, activate, source, "handler version stored");
+        Ok(Deployed { tenant: tenant.to_owned(), handler, version, sha256, size: component.len(), active_version, source })
     }
 
     /// A handler's versions.
@@ -268,6 +269,25 @@ impl Releases {
         self.serving.refresh_after_commit(tenant, vec![Arc::new(loaded)]);
         tracing::info!(tenant, handler, version, ?previous_version, "handler version activated");
         Ok(Activated { tenant: tenant.to_owned(), handler: handler.to_owned(), active_version: version, previous_version })
+    }
+}
+
+/// How a new version is released, the path its guest sees, and where it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Releasing {
+    /// Active, stored only, or a canary.
+    pub release: Release,
+    /// The path its guest sees.
+    pub guest_path: GuestPath,
+    /// Where its bytes came from: [`store::UPLOADED`], or the `oci://…@sha256:…`
+    /// reference it was pulled from.
+    pub source: String,
+}
+
+impl Releasing {
+    /// An uploaded version, released as `release`, its guest seeing `guest_path`.
+    pub fn uploaded(release: Release, guest_path: GuestPath) -> Self {
+        Self { release, guest_path, source: store::UPLOADED.to_owned() }
     }
 }
 

@@ -5,7 +5,6 @@
 //! blocking threads, never on the async workers.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -25,13 +24,11 @@ use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::control::ALIVE_WITHIN;
 use crate::control::keys::{self, Scopes};
 use crate::control::store::AbortRule;
+use crate::control::store::UPLOADED;
 use crate::control::store::{StoreError, now_ms};
-use crate::control::{Change, ChangePlace, ControlPlane, Release, UploadHold};
+use crate::control::{Change, ChangePlace, ControlPlane, Release, Releasing, UploadHold};
 use crate::sandbox::compile::CompileError;
 use crate::sandbox::handler::GuestPath;
-
-/// Longest an admin upload may take to arrive.
-const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// `PUT /admin/v1/routes/{hostname}`'s body.
 #[derive(Deserialize)]
@@ -130,7 +127,9 @@ impl App {
     /// and any call whose declared body does not fit the node's memory
     /// budget (503 `overloaded`); the body is charged as it arrives, and
     /// what the call holds ([`Held`]) is held until it is answered (an
-    /// upload's, until its compile ends).
+    /// upload's, until its compile ends). An upload whose body is JSON names
+    /// a component in a registry instead (see `oci::pull`): it is pulled
+    /// here, holding the same place and charge, within the upload time limit.
     pub(super) async fn store_op(
         &self,
         req: Request<Incoming>,
@@ -148,21 +147,30 @@ impl App {
             _ => None,
         };
         let owner: Arc<str> = Arc::from(call.tenant.unwrap_or(OPERATOR));
+        let pull = call.change == Some(Change::Upload) && super::oci::pull::is_pull(&req);
         let declared = content_length(&req).map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX).min(max_body));
         let mut memory = match self.sandbox.memory().charge(&owner, declared.saturating_add(REQUEST_BASE_BYTES)) {
             Ok(charge) => charge,
             Err(refusal) => return self.control_refused_memory(&owner, refusal),
         };
-        let body = match read_body(req, max_body, UPLOAD_TIMEOUT, Some(&mut memory)).await {
+        let body = match read_body(req, max_body, self.config.upload_timeout(), Some(&mut memory)).await {
             Ok(req) => match req.into_body().collect().await {
                 Ok(collected) => collected.to_bytes(),
                 Err(never) => match never {},
             },
             Err((_, refusal)) => return refusal,
         };
+        let (body, source) = if pull {
+            match self.pull_for_deploy(&owner, &body, &mut memory).await {
+                Ok(pulled) => (pulled.component, pulled.source),
+                Err(refusal) => return refusal,
+            }
+        } else {
+            (body, UPLOADED.to_owned())
+        };
         // Held from now on: the body, not the buffer's growth (shrinking is never refused).
         let _ = memory.resize(body.len().saturating_add(REQUEST_BASE_BYTES));
-        let held = Held { place, memory };
+        let held = Held { place, memory, source };
         let control = Arc::clone(&self.control);
         let outcome = tokio::task::spawn_blocking(move || op(&control, &body, held)).await;
         match outcome {
@@ -209,9 +217,18 @@ pub(super) struct StoreCall<'a> {
 pub(super) struct Held {
     place: Option<ChangePlace>,
     memory: Charge,
+    /// Where an upload's bytes came from (see [`Releasing::source`]).
+    source: String,
 }
 
 impl Held {
+    /// How an upload is released: as its `query` says (see [`release_of`]),
+    /// recording where its bytes came from.
+    pub(super) fn releasing(&self, query: &str) -> Result<Releasing, StoreError> {
+        let (release, guest_path) = release_of(query)?;
+        Ok(Releasing { release, guest_path, source: self.source.clone() })
+    }
+
     /// What an upload takes with it to the compile pool.
     pub(super) fn upload(self) -> Result<UploadHold, StoreError> {
         let place = self.place.ok_or_else(|| StoreError::Internal(anyhow::anyhow!("an upload without its tenant's place")))?;
@@ -262,7 +279,7 @@ fn admin_op(control: &ControlPlane, (method, path, query): (&Method, &[String], 
         }
         (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenants.get(t)?.handlers })),
         (Method::PUT, ["tenants", t, "handlers", h]) => {
-            created(control.releases.release(t, h, body.clone(), release_of(query)?, held.upload()?)?)
+            created(control.releases.release(t, h, body.clone(), held.releasing(query)?, held.upload()?)?)
         }
         (Method::GET, ["tenants", t, "handlers", h, "versions"]) => ok(control.releases.versions(t, h)?),
         (Method::POST, ["tenants", t, "handlers", h, "activate"]) => {

@@ -17,7 +17,7 @@ use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why a body could not be buffered.
-pub(super) enum BodyError {
+pub(crate) enum BodyError {
     TooLarge,
     Unreadable,
     /// The node's memory budget refused the buffer's growth.
@@ -77,7 +77,7 @@ pub(super) async fn read_body(
 /// `declared` bytes to start with (the declared length, charged already);
 /// each growth (doubling, to at most `limit`) is charged to `memory` before
 /// it is made.
-pub(super) async fn collect_charged<B>(
+pub(crate) async fn collect_charged<B>(
     mut body: B,
     limit: usize,
     declared: usize,
@@ -108,7 +108,12 @@ where
 }
 
 pub(super) fn content_length(req: &Request<Incoming>) -> Option<u64> {
-    req.headers().get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+    declared_length(req.headers())
+}
+
+/// The `Content-Length` `headers` declare, if any.
+pub(crate) fn declared_length(headers: &hyper::HeaderMap) -> Option<u64> {
+    headers.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
 /// Whether an HTTP/1 request declares a body (a length above 0, or chunks).

@@ -29,6 +29,9 @@ pub struct Options<'a> {
     /// The most the connection buffers of the answer at once (hyper's read
     /// buffer, at least 8 KiB), else hyper's default (about 400 KiB).
     pub read_buffer: Option<usize>,
+    /// The addresses to connect to (the first that accepts), checked
+    /// already, else the URL's host resolved.
+    pub addresses: Option<&'a [std::net::SocketAddr]>,
 }
 
 /// [`send`] with `options`.
@@ -41,7 +44,10 @@ pub async fn send_with(uri: &Uri, request: Request<Full<Bytes>>, options: Option
     // An IPv6 address comes bracketed in a URL, bare everywhere else.
     let host = uri.host().context("no host")?.trim_start_matches('[').trim_end_matches(']');
     let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
-    let tcp = tokio::net::TcpStream::connect((host, port)).await?;
+    let tcp = match options.addresses {
+        Some(addresses) => tokio::net::TcpStream::connect(addresses).await?,
+        None => tokio::net::TcpStream::connect((host, port)).await?,
+    };
     if !https {
         return exchange(TokioIo::new(tcp), request, options.read_buffer).await;
     }

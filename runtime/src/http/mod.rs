@@ -12,13 +12,14 @@
 mod admin;
 mod app;
 mod auth;
-mod body;
+pub(crate) mod body;
 mod call;
 pub mod client;
 mod conn;
 pub mod console;
 mod logs;
 pub mod mount;
+pub mod oci;
 pub use logs::Cursor as LogCursor;
 pub mod open_files;
 mod peers;

@@ -68,7 +68,8 @@ pub(super) async fn ask(peer: &Peer, key: &str, tls: &PeerTls) -> Asked {
         .header(hyper::header::AUTHORIZATION, format!("Bearer {key}"))
         .body(Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
-    let options = client::Options { ca: tls.ca.as_deref(), server_name: tls.name.as_deref(), read_buffer: Some(PEER_READ_BUFFER) };
+    let options =
+        client::Options { ca: tls.ca.as_deref(), server_name: tls.name.as_deref(), read_buffer: Some(PEER_READ_BUFFER), addresses: None };
     let response = match tokio::time::timeout(PEER_TIMEOUT, client::send_with(&uri, request, options)).await {
         Ok(Ok(response)) => response,
         Ok(Err(e)) => return Err(format!("{e:#}")),

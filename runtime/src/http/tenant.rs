@@ -21,7 +21,7 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
-use super::admin::{Activate, AdminResult, Held, StoreCall, change_of, created, key_scopes, ok, parse, release_of};
+use super::admin::{Activate, AdminResult, Held, StoreCall, change_of, created, key_scopes, ok, parse};
 use super::app::{App, REQUEST_ID_HEADER};
 use super::auth::bearer;
 use super::response::{self, Body};
@@ -141,7 +141,7 @@ fn tenant_op(
     let t = tenant;
     match (method.clone(), p.as_slice()) {
         (Method::GET, ["handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenants.get(t)?.handlers })),
-        (Method::PUT, ["handlers", h]) => created(control.releases.release(t, h, body.clone(), release_of(query)?, held.upload()?)?),
+        (Method::PUT, ["handlers", h]) => created(control.releases.release(t, h, body.clone(), held.releasing(query)?, held.upload()?)?),
         (Method::GET, ["handlers", h, "versions"]) => ok(control.releases.versions(t, h)?),
         (Method::POST, ["handlers", h, "activate"]) => {
             let req: Activate = parse(body)?;

@@ -327,6 +327,33 @@ async fn destinations(host: &str, port: u16, rules: &EgressRules, caller: &Calle
     Ok(allowed)
 }
 
+/// `host`'s addresses (at `port`) that `rules` let this node reach on
+/// `tenant`'s behalf for its own requests (a registry pull): the same
+/// address rules as a handler's, the name looked up under `tenant`'s
+/// lookup places; when none is allowed, why, for the caller's error.
+pub async fn allowed_addresses(host: &str, port: u16, rules: &EgressRules, tenant: &Arc<str>) -> Result<Vec<SocketAddr>, String> {
+    let addrs: Vec<SocketAddr> = match bare_host(host).parse::<IpAddr>() {
+        Ok(ip) => vec![SocketAddr::new(ip, port)],
+        Err(_) => lookup(host.to_owned(), port, tenant).await.map_err(|e| format!("cannot look up {host}: {e:?}"))?,
+    };
+    let own = if rules.allow_private { Vec::new() } else { own_addresses() };
+    let mut first_refusal = None;
+    let allowed: Vec<SocketAddr> = addrs
+        .into_iter()
+        .filter(|addr| match refusal(addr.ip(), rules, &own) {
+            None => true,
+            Some(why) => {
+                first_refusal = first_refusal.or(Some((addr.ip(), why)));
+                false
+            }
+        })
+        .collect();
+    match (allowed.is_empty(), first_refusal) {
+        (true, Some((ip, why))) => Err(format!("{host}'s address {ip} is {why}")),
+        _ => Ok(allowed),
+    }
+}
+
 /// Why a granted request may not go to `ip`, if it may not: a range of
 /// `rules.deny` always; unless private addresses are allowed, an address
 /// that is not public or is one of `own`.

@@ -238,6 +238,9 @@ fn a_tenant_deploys_starts_a_canary_and_reads_its_log_tail() {
     let roles =
         browser.script("return [...document.querySelectorAll('.mine-handler[data-handler=faces] tbody tr')].map(r => r.dataset.role);");
     assert_eq!(roles, json!(["active", "canary"]));
+    let sources = browser
+        .script("return [...document.querySelectorAll('.mine-handler[data-handler=faces] tbody tr')].map(r => r.lastChild.textContent);");
+    assert_eq!(sources, json!(["upload", "upload"]), "each version says where it came from");
     browser.screenshot("console-tenant-canary");
 
     browser.script("[...document.querySelectorAll('.mine-handler button')].find(b => b.textContent === 'Promote canary').click();");

@@ -20,6 +20,7 @@ mod keys;
 mod logs;
 mod process;
 mod queue;
+mod registry;
 mod restart;
 mod routes;
 mod scripts;

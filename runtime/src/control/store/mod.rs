@@ -163,7 +163,12 @@ pub struct VersionRow {
     pub created_at: i64,
     /// The path its guest sees.
     pub guest_path: GuestPath,
+    /// Where its bytes came from: [`UPLOADED`], or `oci://…@sha256:…`.
+    pub source: String,
 }
+
+/// The source of a version whose bytes came in the deploy's body.
+pub const UPLOADED: &str = "upload";
 
 /// Revoked keys a tenant's list keeps (the newest by revocation); older
 /// ones are deleted as another is revoked, so a tenant that creates and
@@ -226,6 +231,8 @@ pub struct NewVersion<'a> {
     pub activate: bool,
     /// The path its guest sees.
     pub guest_path: GuestPath,
+    /// Where its bytes came from (see [`VersionRow::source`]).
+    pub source: &'a str,
     /// The component precompiled by the uploading node, for the other
     /// nodes of a cluster (stores that serve one node keep none).
     pub artifact: Option<&'a SharedArtifact>,

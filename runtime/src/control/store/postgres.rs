@@ -39,7 +39,7 @@ const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order (the files in `migrations/postgres/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source");
 
 /// The PostgreSQL store (see the module docs).
 pub struct PgStore {
@@ -387,7 +387,7 @@ impl TenantStore for PgStore {
 
 impl ReleaseStore for PgStore {
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
-        let NewVersion { tenant, handler, sha256, component, activate, guest_path, artifact } = new;
+        let NewVersion { tenant, handler, sha256, component, activate, guest_path, source, artifact } = new;
         let size = i64::try_from(component.len()).map_err(anyhow::Error::from)?;
         self.write(|tx| {
             // FOR SHARE: the tenant cannot be deleted under this upload.
@@ -410,8 +410,8 @@ impl ReleaseStore for PgStore {
                 .map_err(db_error)?
                 .get(0);
             tx.execute(
-                "INSERT INTO versions (tenant, handler, version, component_sha256, size, created_at, guest_path) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-                &[&tenant, &handler, &version, &sha256, &size, &now(), &guest_path.as_str()],
+                "INSERT INTO versions (tenant, handler, version, component_sha256, size, created_at, guest_path, source) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                &[&tenant, &handler, &version, &sha256, &size, &now(), &guest_path.as_str(), &source],
             )
             .map_err(db_error)?;
             if activate {
@@ -475,7 +475,7 @@ impl ReleaseStore for PgStore {
                 .get(0);
             let rows = c
                 .query(
-                    "SELECT version, component_sha256, size, created_at, guest_path FROM versions WHERE tenant = $1 AND handler = $2 ORDER BY version",
+                    "SELECT version, component_sha256, size, created_at, guest_path, source FROM versions WHERE tenant = $1 AND handler = $2 ORDER BY version",
                     &[&tenant, &handler],
                 )
                 .map_err(db_error)?;
@@ -485,6 +485,7 @@ impl ReleaseStore for PgStore {
                 size: r.get(2),
                 created_at: r.get(3),
                 guest_path: GuestPath::from_column(r.get(4)),
+                source: r.get(5),
             });
             Ok((versions.collect(), active))
         })

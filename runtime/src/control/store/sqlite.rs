@@ -22,7 +22,7 @@ use crate::telemetry::usage::{Delta, Usage, UsageKey};
 
 /// Migrations, in order (the files in `migrations/sqlite/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source");
 
 /// Tables whose changes bump the generation.
 const WATCHED: [&str; 4] = ["tenants", "api_keys", "handlers", "versions"];
@@ -272,7 +272,7 @@ impl TenantStore for SqliteStore {
 impl ReleaseStore for SqliteStore {
     fn add_version(&mut self, new: NewVersion<'_>) -> StoreResult<i64> {
         // One node: its own file cache holds the artifact (no sharing).
-        let NewVersion { tenant, handler, sha256, component, activate, guest_path, artifact: _ } = new;
+        let NewVersion { tenant, handler, sha256, component, activate, guest_path, source, artifact: _ } = new;
         self.tenant(tenant)?;
         // The file first (atomic, fsynced): nothing refers to it until the row commits.
         self.blobs.put_component(sha256, component)?;
@@ -284,8 +284,8 @@ impl ReleaseStore for SqliteStore {
             |r| r.get(0),
         )?;
         tx.execute(
-            "INSERT INTO versions (tenant, handler, version, component_sha256, size, created_at, guest_path) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            params![tenant, handler, version, sha256, component.len() as i64, now(), guest_path.as_str()],
+            "INSERT INTO versions (tenant, handler, version, component_sha256, size, created_at, guest_path, source) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            params![tenant, handler, version, sha256, component.len() as i64, now(), guest_path.as_str(), source],
         )?;
         if activate {
             tx.execute("UPDATE handlers SET active_version = ?3 WHERE tenant = ?1 AND name = ?2", params![tenant, handler, version])?;
@@ -345,11 +345,11 @@ impl ReleaseStore for SqliteStore {
     fn versions(&mut self, tenant: &str, handler: &str) -> StoreResult<(Vec<VersionRow>, Option<i64>)> {
         let active = self.active_version(tenant, handler)?;
         let mut stmt = self.conn.prepare(
-            "SELECT version, component_sha256, size, created_at, guest_path FROM versions WHERE tenant = ?1 AND handler = ?2 ORDER BY version",
+            "SELECT version, component_sha256, size, created_at, guest_path, source FROM versions WHERE tenant = ?1 AND handler = ?2 ORDER BY version",
         )?;
         let rows = stmt.query_map(params![tenant, handler], |r| {
             let guest_path = GuestPath::from_column(&r.get::<_, String>(4)?);
-            Ok(VersionRow { version: r.get(0)?, sha256: r.get(1)?, size: r.get(2)?, created_at: r.get(3)?, guest_path })
+            Ok(VersionRow { version: r.get(0)?, sha256: r.get(1)?, size: r.get(2)?, created_at: r.get(3)?, guest_path, source: r.get(5)? })
         })?;
         Ok((rows.collect::<Result<_, _>>()?, active))
     }

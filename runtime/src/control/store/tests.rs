@@ -33,7 +33,16 @@ fn fresh_database(name: &str) -> String {
 }
 
 fn version<'a>(tenant: &'a str, handler: &'a str, component: &'a [u8], sha: &'a str, activate: bool) -> NewVersion<'a> {
-    NewVersion { tenant, handler, sha256: sha, component, activate, guest_path: Default::default(), artifact: None }
+    NewVersion {
+        tenant,
+        handler,
+        sha256: sha,
+        component,
+        activate,
+        guest_path: Default::default(),
+        source: super::UPLOADED,
+        artifact: None,
+    }
 }
 
 #[test]
@@ -498,7 +507,7 @@ fn a_hostname_belongs_to_one_tenant_moves_among_its_handlers_and_goes_with_it() 
 }
 
 #[test]
-fn a_version_keeps_the_guest_path_it_was_deployed_with() {
+fn a_version_keeps_the_guest_path_and_the_source_it_was_deployed_with() {
     for mut store in stores("guest-path") {
         let s = &mut *store;
         let kind = s.describe();
@@ -506,8 +515,11 @@ fn a_version_keeps_the_guest_path_it_was_deployed_with() {
         let (a, b) = (b"component a".as_slice(), b"component b".as_slice());
         let (sa, sb) = (sha256_hex(a), sha256_hex(b));
         s.add_version(NewVersion { guest_path: GuestPath::Full, ..version("acme", "api", a, &sa, true) }).unwrap();
-        s.add_version(version("acme", "api", b, &sb, false)).unwrap();
+        let pulled = format!("oci://registry.example/acme/api@sha256:{sb}");
+        s.add_version(NewVersion { source: &pulled, ..version("acme", "api", b, &sb, false) }).unwrap();
         s.set_canary("acme", "api", Some(Canary { version: 2, percent: 10, abort: None })).unwrap();
+        let sources: Vec<String> = s.versions("acme", "api").unwrap().0.into_iter().map(|v| v.source).collect();
+        assert_eq!(sources, [super::UPLOADED, pulled.as_str()], "{kind}");
         let paths: Vec<GuestPath> = s.versions("acme", "api").unwrap().0.iter().map(|v| v.guest_path).collect();
         assert_eq!(paths, [GuestPath::Full, GuestPath::Relative], "{kind}");
         assert_eq!(s.active_handlers().unwrap()[0].guest_path, GuestPath::Full, "{kind}");
