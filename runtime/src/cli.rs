@@ -127,6 +127,48 @@ pub enum KeyCommand {
     },
 }
 
+/// `facegate registry ...`
+#[derive(Debug, Subcommand)]
+pub enum RegistryCommand {
+    /// Keep a tenant's credentials for a registry, for its deploys by
+    /// reference that carry none: the password is read from stdin (or the
+    /// Docker config's, without `--registry-username`) and sealed in the
+    /// store; no command shows it again.
+    Login {
+        /// The registry, `HOST[:PORT]` as references name it.
+        registry: String,
+        /// Tenant name (not with `--key`).
+        #[arg(long, required_unless_present = "key")]
+        tenant: Option<String>,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        credentials: RegistryArgs,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// List the registries a tenant keeps credentials for (user names, never passwords).
+    List {
+        /// Tenant name (not with `--key`).
+        #[arg(long, required_unless_present = "key")]
+        tenant: Option<String>,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// Forget a tenant's credentials for a registry.
+    Logout {
+        /// The registry.
+        registry: String,
+        /// Tenant name (not with `--key`).
+        #[arg(long, required_unless_present = "key")]
+        tenant: Option<String>,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+}
+
 /// A tenant's handler.
 #[derive(Debug, Clone, Args)]
 pub struct HandlerArgs {
@@ -415,6 +457,9 @@ pub enum Command {
     /// Upload a handler component as a new version and activate it, or
     /// have the gateway pull it from a registry (admin API).
     Deploy(DeployArgs),
+    /// Keep a tenant's registry credentials for its deploys by reference (admin API).
+    #[command(subcommand)]
+    Registry(RegistryCommand),
     /// Push a handler component to an OCI registry as the wasm artifact
     /// (`wkg`, `oras` and `spin` pull it); prints its manifest's digest.
     Push(PushArgs),
@@ -504,6 +549,22 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
             (&args.target.client, Method::PUT, args.target.path(&args.query()), body, content_type)
         }
         C::Push(args) => return push(args).await,
+        C::Registry(RegistryCommand::Login { registry, tenant, credentials, client }) => {
+            let Some(given) = credentials.credentials(registry)? else {
+                bail!("no credentials for {registry}: give --registry-username and --registry-password-stdin, or log in with docker first");
+            };
+            let body = json!({ "username": given.username, "password": given.password }).to_string();
+            let path = client.route(format!("tenants/{}/registries/{registry}", named(tenant)), || format!("registries/{registry}"));
+            (client, Method::PUT, path, body.into(), "application/json")
+        }
+        C::Registry(RegistryCommand::List { tenant, client }) => {
+            let path = client.route(format!("tenants/{}/registries", named(tenant)), || "registries".to_owned());
+            (client, Method::GET, path, Bytes::new(), "application/json")
+        }
+        C::Registry(RegistryCommand::Logout { registry, tenant, client }) => {
+            let path = client.route(format!("tenants/{}/registries/{registry}", named(tenant)), || format!("registries/{registry}"));
+            (client, Method::DELETE, path, Bytes::new(), "application/json")
+        }
         C::Promote(t) => (&t.client, Method::POST, t.path("/promote"), Bytes::new(), "application/json"),
         C::Abort(t) => (&t.client, Method::POST, t.path("/abort"), Bytes::new(), "application/json"),
         C::Versions(t) => (&t.client, Method::GET, t.path("/versions"), Bytes::new(), "application/json"),
@@ -576,6 +637,9 @@ fn explicit_tenant(command: &Command) -> Option<&str> {
             tenant.as_deref()
         }
         C::Deploy(args) => args.target.tenant.as_deref(),
+        C::Registry(
+            RegistryCommand::Login { tenant, .. } | RegistryCommand::List { tenant, .. } | RegistryCommand::Logout { tenant, .. },
+        ) => tenant.as_deref(),
         C::Promote(t) | C::Abort(t) | C::Versions(t) | C::Rollback(t) => t.tenant.as_deref(),
         C::Activate(ActivateArgs { target, .. }) => target.tenant.as_deref(),
         C::Usage(args) => args.tenant.as_deref(),
@@ -703,6 +767,14 @@ fn print_summary(command: &Command, v: &Value) {
                 println!("{}\t{sha256}\t{}\tpath={path}\t{source}{active}", version["version"], version["size"]);
             }
         }
+        C::Registry(RegistryCommand::List { .. }) => {
+            for login in v["registries"].as_array().into_iter().flatten() {
+                let field = |name: &str| login[name].as_str().unwrap_or("?").to_owned();
+                println!("{}\t{}\t{}", field("registry"), field("username"), utc(login["updated_at"].as_i64().unwrap_or(0) * 1000));
+            }
+        }
+        C::Registry(RegistryCommand::Login { registry, .. }) => println!("credentials for {registry} kept"),
+        C::Registry(RegistryCommand::Logout { registry, .. }) => println!("credentials for {registry} forgotten"),
         C::Route(RouteCommand::List { .. }) => {
             for route in v["routes"].as_array().into_iter().flatten() {
                 let field = |name: &str| route[name].as_str().unwrap_or("?").to_owned();
@@ -840,15 +912,7 @@ fn print_usage(v: &Value, csv: bool) {
 /// algorithm of Howard Hinnant's date library).
 fn utc(ms: i64) -> String {
     let (days, minutes) = (ms.div_euclid(86_400_000), ms.rem_euclid(86_400_000) / 60_000);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day) = crate::telemetry::dates::civil_from_days(days);
     format!("{year:04}-{month:02}-{day:02} {:02}:{:02}", minutes / 60, minutes % 60)
 }
 

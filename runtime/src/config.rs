@@ -310,6 +310,18 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_ARTIFACT_KEY", hide_env_values = true)]
     pub artifact_key: Option<String>,
 
+    /// The key that seals tenants' secrets in the store (their registry
+    /// credentials): 64 hex digits (`openssl rand -hex 32`), the same on
+    /// every node of a cluster; not the admin token nor the artifact key.
+    /// Default: a single node (SQLite store) keeps a random one in
+    /// `--data-dir/secrets.key`; nodes sharing a store without one keep no secrets.
+    #[arg(long, env = "FACEGATE_SECRETS_KEY", hide_env_values = true, conflicts_with = "secrets_key_file")]
+    pub secrets_key: Option<String>,
+
+    /// A file holding the secrets key (64 hex digits), instead of `--secrets-key`.
+    #[arg(long, env = "FACEGATE_SECRETS_KEY_FILE")]
+    pub secrets_key_file: Option<PathBuf>,
+
     /// Longest an upload's compilation may take (ms); past it the upload is refused.
     #[arg(long, env = "FACEGATE_COMPILE_TIMEOUT_MS", default_value_t = DEFAULT_COMPILE_TIMEOUT_MS)]
     pub compile_timeout_ms: u64,
@@ -549,6 +561,11 @@ impl ServeConfig {
             !same(artifact, admin) && !same(artifact, metrics),
             "the artifact key must be a secret of its own, not the admin or metrics token (it decides what native code nodes load)"
         );
+        let secrets = self.secrets_key.as_deref().map(str::trim);
+        anyhow::ensure!(
+            !same(secrets, admin) && !same(secrets, metrics) && !same(secrets, artifact),
+            "the secrets key must be a secret of its own, not the admin or metrics token nor the artifact key (it opens tenants' secrets)"
+        );
         anyhow::ensure!(
             self.admin_tls_cert.is_none() || self.admin_listen.is_some(),
             "--admin-tls-cert needs --admin-listen (without it the admin API shares --listen and its --tls-cert)"
@@ -602,7 +619,7 @@ impl ServeConfig {
 
 /// A `--oci-registry` value: `HOST` or `HOST:PORT` (lowercased), as an
 /// `oci://` reference names its registry.
-fn registry_name(text: &str) -> Result<String, String> {
+pub fn registry_name(text: &str) -> Result<String, String> {
     let ok = !text.is_empty() && text.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'));
     if ok { Ok(text.to_ascii_lowercase()) } else { Err(format!("{text:?} is not HOST or HOST:PORT (no scheme, no path)")) }
 }
@@ -800,6 +817,10 @@ mod tests {
         let both = "s".repeat(32);
         assert!(check(&["--admin-token", &both, "--artifact-key", &both]).unwrap_err().contains("secret of its own"));
         assert!(check(&["--metrics-token", &both, "--artifact-key", &both]).unwrap_err().contains("secret of its own"));
+        let hex = "0f".repeat(32);
+        assert!(check(&["--secrets-key", &hex, "--artifact-key", &hex]).unwrap_err().contains("secrets key must be a secret of its own"));
+        assert!(check(&["--secrets-key", &hex, "--artifact-key", &artifact]).is_ok());
+        assert!(Cli::try_parse_from(["facegate", "serve", "--secrets-key", &hex, "--secrets-key-file", "k"]).is_err(), "one or the other");
         let tls = ["--admin-tls-cert", "c.pem", "--admin-tls-key", "k.pem"];
         assert!(check(&tls).unwrap_err().contains("needs --admin-listen"));
         assert!(Cli::try_parse_from(["facegate", "serve", "--admin-tls-cert", "c.pem"]).is_err(), "a certificate needs its key");

@@ -27,9 +27,11 @@ pub mod compose;
 pub mod keys;
 mod live;
 mod rebuild;
+mod registries;
 mod releases;
 mod routes;
 mod seal;
+pub mod secrets;
 mod seed;
 mod serving;
 mod shared;
@@ -58,6 +60,7 @@ pub use self::api::{Activated, CheckReport, CreatedKey, Deployed, HandlerInfo, S
 pub use self::artifacts::{Artifacts, engine_id};
 pub use self::cluster::{ALIVE_WITHIN, Cluster};
 pub use self::live::{CanaryCounts, HostRoute, Live, LiveCanary, Side, TenantEntry};
+pub use self::registries::{MAX_REGISTRY_LOGINS, Registries};
 pub use self::releases::{Release, Releases, Releasing};
 pub use self::routes::{Routes, host_of, valid_hostname};
 pub use self::seal::{ArtifactKey, CACHE_KEY_FILE, CacheKey};
@@ -86,6 +89,8 @@ pub struct ControlSettings {
     /// Seals this node's artifact cache (derived from `--artifact-key`);
     /// `None`: a random key kept in the data directory ([`CACHE_KEY_FILE`]).
     pub cache_key: Option<CacheKey>,
+    /// Seals tenants' secrets in the store (see [`secrets`]); `None`: none are kept.
+    pub secrets_key: Option<secrets::SecretsKey>,
     /// A second connection to the same store for the background compiler's
     /// bulk reads and writes (an 18 MB component, a 38 MB artifact), so the
     /// sync never waits behind them for the store; `None` shares the main one.
@@ -111,6 +116,8 @@ pub struct ControlPlane {
     pub cluster: Arc<Cluster>,
     /// Tenants' own hostnames.
     pub routes: Routes,
+    /// Tenants' registry credentials.
+    pub registries: Registries,
     /// Usage for bills.
     pub usage: UsageRecords,
     shared: Arc<Shared>,
@@ -160,6 +167,7 @@ impl ControlPlane {
             counters: settings.counters,
             pipeline: settings.pipeline,
             artifact_key: settings.artifact_key,
+            secrets_key: settings.secrets_key,
         });
         let artifacts = Arc::new(Artifacts::new(Arc::clone(&shared)));
         let cluster = Arc::new(Cluster::new(Arc::clone(&shared)));
@@ -168,6 +176,7 @@ impl ControlPlane {
             tenants: Tenants::new(Arc::clone(&shared), Arc::clone(&serving)),
             releases: Releases::new(Arc::clone(&shared), Arc::clone(&artifacts), Arc::clone(&serving)),
             routes: Routes::new(Arc::clone(&shared), Arc::clone(&serving)),
+            registries: Registries::new(Arc::clone(&shared)),
             // A restarted node writes under a new name: its numbers start again.
             usage: UsageRecords::new(Arc::clone(&shared), store::new_incarnation()?),
             artifacts,

@@ -60,6 +60,8 @@ pub(super) struct Shared {
     pub pipeline: Option<Arc<[u8]>>,
     /// Seals the artifacts shared with the other nodes; `None` shares none.
     pub artifact_key: Option<ArtifactKey>,
+    /// Seals tenants' secrets in the store; `None` keeps none.
+    pub secrets_key: Option<super::secrets::SecretsKey>,
     /// This node's compiled artifacts.
     pub cache: ArtifactCache,
     /// Where compiles run, under their budget.

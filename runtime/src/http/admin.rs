@@ -46,6 +46,14 @@ struct CreateTenant {
     limits: LimitOverrides,
 }
 
+/// `PUT …/registries/{registry}`'s body. No `Debug`: it holds a password.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RegistryLogin {
+    pub(super) username: String,
+    pub(super) password: String,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Activate {
@@ -276,6 +284,15 @@ fn admin_op(control: &ControlPlane, (method, path, query): (&Method, &[String], 
         (Method::DELETE, ["tenants", t, "keys", id]) => {
             control.tenants.revoke_key(t, id)?;
             ok(json!({ "tenant": t, "revoked": id }))
+        }
+        (Method::GET, ["tenants", t, "registries"]) => ok(json!({ "tenant": t, "registries": control.registries.list(t)? })),
+        (Method::PUT, ["tenants", t, "registries", registry]) => {
+            let login: RegistryLogin = parse(body)?;
+            ok(control.registries.login(t, registry, &login.username, &login.password)?)
+        }
+        (Method::DELETE, ["tenants", t, "registries", registry]) => {
+            control.registries.logout(t, registry)?;
+            ok(json!({ "tenant": t, "forgotten": registry }))
         }
         (Method::GET, ["tenants", t, "handlers"]) => ok(json!({ "tenant": t, "handlers": control.tenants.get(t)?.handlers })),
         (Method::PUT, ["tenants", t, "handlers", h]) => {

@@ -113,6 +113,7 @@ impl Gateway {
             counters,
             pipeline: read_pipeline(&config.pipeline_component),
             artifact_key: shared_artifact_key(config),
+            secrets_key: secrets_key(config)?,
             cache_key: config.artifact_key.as_deref().map(|secret| crate::control::ArtifactKey::derive(secret).cache_key()),
             // One node's store is local and answers at once: one connection does.
             compile_store: if control::store::is_shared(config.store.as_deref()) {
@@ -350,6 +351,27 @@ fn shared_artifact_key(config: &ServeConfig) -> Option<crate::control::ArtifactK
         );
     }
     key
+}
+
+/// The secrets key: `--secrets-key`, else `--secrets-key-file`, else (one
+/// node's own store) the data directory's; nodes sharing a store without
+/// one keep no secrets (each would seal with a key the others lack).
+fn secrets_key(config: &ServeConfig) -> anyhow::Result<Option<crate::control::secrets::SecretsKey>> {
+    use crate::control::secrets::SecretsKey;
+    let key = match (&config.secrets_key, &config.secrets_key_file) {
+        (Some(hex), _) => Some(SecretsKey::from_hex(hex, "--secrets-key (FACEGATE_SECRETS_KEY)")?),
+        (None, Some(path)) => Some(SecretsKey::from_file(path)?),
+        // The data directory is prepared already (`preflight`).
+        (None, None) if !control::store::is_shared(config.store.as_deref()) => Some(SecretsKey::in_data_dir(&config.data_dir)?),
+        (None, None) => {
+            tracing::warn!("no --secrets-key (FACEGATE_SECRETS_KEY): tenants' registry credentials cannot be kept");
+            None
+        }
+    };
+    if let Some(key) = &key {
+        tracing::info!(fingerprint = %key.fingerprint(), "secrets key");
+    }
+    Ok(key)
 }
 
 /// A first-time user's way in: where the seeded tenants' keys are saved

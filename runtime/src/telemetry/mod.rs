@@ -1,7 +1,8 @@
 //! Prometheus text exposition of the gateway's and the batchers' counters,
 //! the tenants' usage for bills ([`usage`]), their logs ([`logs`]) and
-//! requests' traces ([`trace`]).
+//! requests' traces ([`trace`]); dates in UTC ([`dates`]).
 
+pub mod dates;
 pub mod logs;
 pub mod trace;
 pub mod usage;

@@ -440,3 +440,61 @@ fn components_pushed_by_oras_deploy_and_ours_pull_with_oras_byte_identical() {
     assert_eq!(files.trim(), out.join("faces.wasm").display().to_string());
     assert_eq!(std::fs::read(out.join("faces.wasm")).unwrap(), std::fs::read(guest("faces")).unwrap(), "byte-identical");
 }
+
+#[test]
+fn credentials_a_tenant_keeps_are_sealed_serve_its_own_pulls_only_and_are_never_shown() {
+    let registry = Registry::start(&scratch("kept"), true);
+    let reg = registry.addr;
+    let (addr, data) = gateway("kept", &[reg], |_| {});
+    let reference = format!("oci://{reg}/acme/hello:v1");
+    let args = [
+        "push",
+        &guest("hello").display().to_string(),
+        &reference,
+        "--plain-http",
+        "--registry-username",
+        USER,
+        "--registry-password-stdin",
+    ];
+    let (code, out, err) = cli(addr, &args, &[], &format!("{PASSWORD}\n"));
+    assert_eq!(code, 0, "{out}{err}");
+
+    // demo keeps its credentials through the tenant API (deploy scope); an invoke key may not.
+    let key = deploy_key(addr, "demo");
+    let put = |key: &str, body: Value| {
+        let response = anonymous().put(format!("http://{addr}/tenant/v1/registries/{reg}")).bearer_auth(key).json(&body).send().unwrap();
+        (response.status().as_u16(), response.text().unwrap())
+    };
+    let invoke = std::fs::read_to_string(data.join("demo.key")).unwrap();
+    assert_eq!(put(invoke.trim(), json!({ "username": USER, "password": PASSWORD })).0, 403);
+    let (status, answer) = put(&key, json!({ "username": USER, "password": PASSWORD }));
+    assert_eq!(status, 200, "{answer}");
+    assert!(!answer.contains(PASSWORD), "{answer}");
+    let listed = client_with_key(&key).get(format!("http://{addr}/tenant/v1/registries")).send().unwrap().text().unwrap();
+    assert!(listed.contains(USER) && listed.contains(&reg.to_string()) && !listed.contains(PASSWORD), "{listed}");
+    // At rest: nowhere in the data directory in clear.
+    for entry in std::fs::read_dir(&data).unwrap().flatten().filter(|e| e.path().is_file()) {
+        let bytes = std::fs::read(entry.path()).unwrap();
+        assert!(!bytes.windows(PASSWORD.len()).any(|w| w == PASSWORD.as_bytes()), "{} holds the password", entry.path().display());
+    }
+
+    // Its deploys by reference need no credentials now; another tenant's get none of them.
+    let (status, deployed) = pull_deploy(addr, "/tenant/v1/handlers/kept", &key, json!({ "source": reference }));
+    assert_eq!(status, 201, "{deployed}");
+    assert_eq!(call(addr, &data, "kept", "/"), (200, "hello\n".to_owned()));
+    let (status, refused) = admin_deploy(addr, "evil", "stolen", json!({ "source": reference }));
+    assert_eq!((status, refused["error"]["code"].as_str()), (403, Some("registry_denied")), "{refused}");
+
+    // The CLI lists (user names only) and forgets them; then demo is refused too.
+    let (code, out, _) = cli(addr, &["registry", "list", "--key", &key], &[], "");
+    assert!(code == 0 && out.contains(USER) && !out.contains(PASSWORD), "{out}");
+    let (code, out, err) = cli(addr, &["registry", "logout", &reg.to_string(), "--tenant", "demo"], &[], "");
+    assert_eq!(code, 0, "{out}{err}");
+    let (status, refused) = pull_deploy(addr, "/tenant/v1/handlers/kept", &key, json!({ "source": reference }));
+    assert_eq!((status, refused["error"]["code"].as_str()), (403, Some("registry_denied")), "{refused}");
+    // And keeps them again from the operator's CLI, the password from stdin.
+    let args = ["registry", "login", &reg.to_string(), "--tenant", "demo", "--registry-username", USER, "--registry-password-stdin"];
+    let (code, out, err) = cli(addr, &args, &[], &format!("{PASSWORD}\n"));
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(pull_deploy(addr, "/tenant/v1/handlers/kept", &key, json!({ "source": reference })).0, 201);
+}

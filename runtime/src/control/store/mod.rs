@@ -285,7 +285,7 @@ pub type ListenerSource = Box<dyn FnOnce() -> anyhow::Result<Box<dyn Listener>> 
 /// part of the contract per concept, each implemented by both stores.
 /// Methods take `&mut self`: each part of the control plane holds its
 /// connection behind a lock of its own.
-pub trait Store: TenantStore + ReleaseStore + ArtifactStore + NodeStore + UsageStore + RouteStore + Send {
+pub trait Store: TenantStore + ReleaseStore + ArtifactStore + NodeStore + UsageStore + RouteStore + RegistryLoginStore + Send {
     /// What this store is, for logs: `sqlite:<path>` or `postgres://host/db` (no password).
     fn describe(&self) -> String;
 
@@ -441,6 +441,38 @@ pub trait RouteStore {
 
     /// Removes a hostname's route.
     fn remove_route(&mut self, hostname: &str) -> StoreResult<()>;
+}
+
+/// A tenant's credentials for one registry, as listed (never the password).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct RegistryLoginRow {
+    /// `HOST[:PORT]`, as references name it.
+    pub registry: String,
+    /// The user name.
+    pub username: String,
+    /// Unix seconds of the last change.
+    pub updated_at: i64,
+}
+
+/// The store's part for tenants' registry credentials (see `control::registries`).
+pub trait RegistryLoginStore {
+    /// Sets `tenant`'s credentials for `row.registry`: the user name and
+    /// the password `sealed` with the secrets key.
+    fn put_registry_login(&mut self, tenant: &str, row: &RegistryLoginRow, sealed: &[u8]) -> StoreResult<()>;
+
+    /// `tenant`'s registries with credentials, by name.
+    fn registry_logins(&mut self, tenant: &str) -> StoreResult<Vec<RegistryLoginRow>>;
+
+    /// `tenant`'s credentials for `registry`, the password still sealed.
+    fn registry_login(&mut self, tenant: &str, registry: &str) -> StoreResult<Option<(RegistryLoginRow, Vec<u8>)>>;
+
+    /// Forgets `tenant`'s credentials for `registry`.
+    fn remove_registry_login(&mut self, tenant: &str, registry: &str) -> StoreResult<()>;
+}
+
+/// The refusal of credentials a tenant does not have.
+pub(super) fn no_registry_login(tenant: &str, registry: &str) -> StoreError {
+    StoreError::NotFound(format!("tenant {tenant:?} has no credentials for the registry {registry}"))
 }
 
 /// The store's part for the tenants' usage records, for bills.

@@ -23,7 +23,10 @@ use super::{
     ActiveHandler, ActiveKeyRow, KeyCommit, KeyRow, Listener, ListenerSource, NewVersion, NodeRow, SharedArtifact, Store, StoreError,
     StoreResult, TenantRow, VersionRow, new_incarnation, now,
 };
-use super::{ArtifactStore, NodeStore, ReleaseStore, RouteRow, RouteStore, TenantStore, UsageStore, hostname_taken};
+use super::{
+    ArtifactStore, NodeStore, RegistryLoginRow, RegistryLoginStore, ReleaseStore, RouteRow, RouteStore, TenantStore, UsageStore,
+    hostname_taken, no_registry_login,
+};
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
 use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
@@ -627,6 +630,52 @@ impl RouteStore for PgStore {
     fn remove_route(&mut self, hostname: &str) -> StoreResult<()> {
         if self.write(|c| c.execute("DELETE FROM routes WHERE hostname = $1", &[&hostname]).map_err(db_error))? == 0 {
             return Err(StoreError::NotFound(format!("no route for hostname {hostname:?}")));
+        }
+        Ok(())
+    }
+}
+
+impl RegistryLoginStore for PgStore {
+    fn put_registry_login(&mut self, tenant: &str, row: &RegistryLoginRow, sealed: &[u8]) -> StoreResult<()> {
+        self.write(|tx| {
+            tenant_exists(tx, tenant, "FOR SHARE")?;
+            tx.execute(
+                "INSERT INTO registry_logins (tenant, registry, username, sealed, updated_at) VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (tenant, registry) DO UPDATE SET username = excluded.username, sealed = excluded.sealed, updated_at = excluded.updated_at",
+                &[&tenant, &row.registry, &row.username, &sealed, &row.updated_at],
+            )
+            .map_err(db_error)
+        })?;
+        Ok(())
+    }
+
+    fn registry_logins(&mut self, tenant: &str) -> StoreResult<Vec<RegistryLoginRow>> {
+        self.with(|c| {
+            let rows = c
+                .query("SELECT registry, username, updated_at FROM registry_logins WHERE tenant = $1 ORDER BY registry", &[&tenant])
+                .map_err(db_error)?;
+            Ok(rows.iter().map(|r| RegistryLoginRow { registry: r.get(0), username: r.get(1), updated_at: r.get(2) }).collect())
+        })
+    }
+
+    fn registry_login(&mut self, tenant: &str, registry: &str) -> StoreResult<Option<(RegistryLoginRow, Vec<u8>)>> {
+        self.with(|c| {
+            let row = c
+                .query_opt(
+                    "SELECT registry, username, updated_at, sealed FROM registry_logins WHERE tenant = $1 AND registry = $2",
+                    &[&tenant, &registry],
+                )
+                .map_err(db_error)?;
+            Ok(row.map(|r| (RegistryLoginRow { registry: r.get(0), username: r.get(1), updated_at: r.get(2) }, r.get(3))))
+        })
+    }
+
+    fn remove_registry_login(&mut self, tenant: &str, registry: &str) -> StoreResult<()> {
+        let removed = self.write(|c| {
+            c.execute("DELETE FROM registry_logins WHERE tenant = $1 AND registry = $2", &[&tenant, &registry]).map_err(db_error)
+        })?;
+        if removed == 0 {
+            return Err(no_registry_login(tenant, registry));
         }
         Ok(())
     }

@@ -11,7 +11,10 @@ use super::{
     ActiveHandler, ActiveKeyRow, DB_FILE, KeyCommit, KeyRow, ListenerSource, NewVersion, NodeRow, Store, StoreError, StoreResult,
     TenantRow, VersionRow, new_incarnation, now,
 };
-use super::{ArtifactStore, NodeStore, ReleaseStore, RouteRow, RouteStore, TenantStore, UsageStore, hostname_taken};
+use super::{
+    ArtifactStore, NodeStore, RegistryLoginRow, RegistryLoginStore, ReleaseStore, RouteRow, RouteStore, TenantStore, UsageStore,
+    hostname_taken, no_registry_login,
+};
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
 use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
@@ -453,6 +456,45 @@ impl RouteStore for SqliteStore {
     fn remove_route(&mut self, hostname: &str) -> StoreResult<()> {
         if self.conn.execute("DELETE FROM routes WHERE hostname = ?1", [hostname])? == 0 {
             return Err(StoreError::NotFound(format!("no route for hostname {hostname:?}")));
+        }
+        Ok(())
+    }
+}
+
+impl RegistryLoginStore for SqliteStore {
+    fn put_registry_login(&mut self, tenant: &str, row: &RegistryLoginRow, sealed: &[u8]) -> StoreResult<()> {
+        self.tenant(tenant)?;
+        self.conn.execute(
+            "INSERT INTO registry_logins (tenant, registry, username, sealed, updated_at) VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT (tenant, registry) DO UPDATE SET username = excluded.username, sealed = excluded.sealed, updated_at = excluded.updated_at",
+            params![tenant, row.registry, row.username, sealed, row.updated_at],
+        )?;
+        Ok(())
+    }
+
+    fn registry_logins(&mut self, tenant: &str) -> StoreResult<Vec<RegistryLoginRow>> {
+        let mut stmt =
+            self.conn.prepare("SELECT registry, username, updated_at FROM registry_logins WHERE tenant = ?1 ORDER BY registry")?;
+        let rows =
+            stmt.query_map([tenant], |r| Ok(RegistryLoginRow { registry: r.get(0)?, username: r.get(1)?, updated_at: r.get(2)? }))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    fn registry_login(&mut self, tenant: &str, registry: &str) -> StoreResult<Option<(RegistryLoginRow, Vec<u8>)>> {
+        let found = self
+            .conn
+            .query_row(
+                "SELECT registry, username, updated_at, sealed FROM registry_logins WHERE tenant = ?1 AND registry = ?2",
+                [tenant, registry],
+                |r| Ok((RegistryLoginRow { registry: r.get(0)?, username: r.get(1)?, updated_at: r.get(2)? }, r.get(3)?)),
+            )
+            .optional()?;
+        Ok(found)
+    }
+
+    fn remove_registry_login(&mut self, tenant: &str, registry: &str) -> StoreResult<()> {
+        if self.conn.execute("DELETE FROM registry_logins WHERE tenant = ?1 AND registry = ?2", [tenant, registry])? == 0 {
+            return Err(no_registry_login(tenant, registry));
         }
         Ok(())
     }

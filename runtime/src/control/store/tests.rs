@@ -526,3 +526,27 @@ fn a_version_keeps_the_guest_path_and_the_source_it_was_deployed_with() {
         assert_eq!(s.canaries().unwrap()[0].0.guest_path, GuestPath::Relative, "{kind}");
     }
 }
+
+#[test]
+fn registry_credentials_are_kept_per_tenant_replaced_forgotten_and_go_with_it() {
+    for mut store in stores("registry-logins") {
+        let s = &mut *store;
+        let kind = s.describe();
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        s.create_tenant("globex", &LimitOverrides::default()).unwrap();
+        let row = |user: &str| super::RegistryLoginRow { registry: "ghcr.io".into(), username: user.into(), updated_at: 1 };
+        s.put_registry_login("acme", &row("ci"), b"sealed-1").unwrap();
+        s.put_registry_login("acme", &row("bot"), b"sealed-2").unwrap();
+        s.put_registry_login("globex", &row("other"), b"sealed-3").unwrap();
+        assert_eq!(s.registry_logins("acme").unwrap(), [row("bot")], "{kind}: replaced, one per registry");
+        assert_eq!(s.registry_login("acme", "ghcr.io").unwrap(), Some((row("bot"), b"sealed-2".to_vec())), "{kind}");
+        assert_eq!(s.registry_login("acme", "quay.io").unwrap(), None, "{kind}");
+        assert!(s.put_registry_login("nobody", &row("x"), b"s").is_err(), "{kind}: no tenant, no credentials");
+        s.remove_registry_login("acme", "ghcr.io").unwrap();
+        assert!(matches!(s.remove_registry_login("acme", "ghcr.io"), Err(StoreError::NotFound(_))), "{kind}");
+        assert_eq!(s.registry_logins("globex").unwrap(), [row("other")], "{kind}: another tenant's stay");
+        s.delete_tenant("globex").unwrap();
+        s.create_tenant("globex", &LimitOverrides::default()).unwrap();
+        assert!(s.registry_logins("globex").unwrap().is_empty(), "{kind}: deleted with the tenant");
+    }
+}

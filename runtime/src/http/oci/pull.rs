@@ -3,8 +3,9 @@
 //! of the component's bytes, and the node pulls it from a registry its
 //! operator allows, under the handlers' egress rules, the upload size
 //! limit, the node's memory budget and the upload time limit, holding the
-//! tenant's upload place like any upload. The credentials serve this pull
-//! only: they are neither stored nor logged.
+//! tenant's upload place like any upload. Credentials in the body serve
+//! this pull only (neither stored nor logged); without them, those the
+//! tenant keeps for the registry (`control::Registries`) are used.
 
 use std::sync::Arc;
 
@@ -53,6 +54,10 @@ impl App {
             parse_request(body).map_err(|message| response::error(StatusCode::BAD_REQUEST, "bad_pull", message))?;
         let allowed = AllowedRegistries::new(&self.config.oci_registries, &self.config.oci_insecure_registries);
         let plain_http = allowed.check(&reference).map_err(|e| refusal(&e))?;
+        let credentials = match credentials {
+            Some(given) => Some(given),
+            None => self.kept_credentials(tenant, &reference.registry).await?,
+        };
         let egress = Egress { rules: Arc::new(self.config.egress_rules()), tenant: Arc::clone(tenant) };
         let mut registry = Registry::new(&reference, plain_http, credentials, Some(egress), false);
         let timeout = self.config.upload_timeout();
@@ -74,6 +79,20 @@ impl App {
                 );
                 Err(response::error(StatusCode::GATEWAY_TIMEOUT, "pull_timeout", message))
             }
+        }
+    }
+}
+
+impl App {
+    /// The credentials `tenant` keeps for `registry`, opened on a blocking
+    /// thread (the store); a refusal when they do not open.
+    async fn kept_credentials(&self, tenant: &Arc<str>, registry: &str) -> Result<Option<Credentials>, Response<Body>> {
+        let (control, tenant, registry) = (Arc::clone(&self.control), tenant.to_string(), registry.to_owned());
+        let kept = tokio::task::spawn_blocking(move || control.registries.credentials(&tenant, &registry)).await;
+        match kept {
+            Ok(Ok(kept)) => Ok(kept.map(|(username, password)| Credentials { username, password })),
+            Ok(Err(e)) => Err(crate::http::admin::store_error(&e)),
+            Err(_) => Err(response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error")),
         }
     }
 }

@@ -2,3 +2,13 @@
 -- body), or the `oci://REGISTRY/REPO@sha256:…` reference a node pulled it
 -- from, pinned to the manifest's digest at deploy.
 ALTER TABLE versions ADD COLUMN source TEXT NOT NULL DEFAULT 'upload';
+-- Tenants' registry credentials for deploys by reference: the password
+-- sealed with the secrets key (control/secrets.rs), deleted with the tenant.
+CREATE TABLE registry_logins (
+    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+    registry TEXT NOT NULL,
+    username TEXT NOT NULL,
+    sealed BLOB NOT NULL,
+    updated_at INTEGER NOT NULL,
+    PRIMARY KEY (tenant, registry)
+);
