@@ -198,10 +198,11 @@ pub struct RegistryArgs {
 }
 
 impl RegistryArgs {
-    /// The credentials for `registry`: the flags', else the Docker config's, else none.
-    fn credentials(&self, registry: &str) -> anyhow::Result<Option<crate::http::oci::Credentials>> {
+    /// The credentials for `registry`: the flags', else (if `docker`) the
+    /// Docker config's, else none.
+    fn credentials(&self, registry: &str, docker: bool) -> anyhow::Result<Option<crate::http::oci::Credentials>> {
         let Some(username) = &self.registry_username else {
-            return crate::http::oci::auth::from_docker_config(registry);
+            return if docker { crate::http::oci::auth::from_docker_config(registry) } else { Ok(None) };
         };
         let mut password = String::new();
         std::io::Read::read_to_string(&mut std::io::stdin(), &mut password).context("reading the registry password from stdin")?;
@@ -234,10 +235,16 @@ pub struct DeployArgs {
     /// version records the digest a tag resolved to.
     pub component: String,
     /// With an `oci://` component: the registry's credentials go with the
-    /// deploy, for that one pull.
+    /// deploy, for that one pull (else the node uses those the tenant keeps,
+    /// `facegate registry login`).
     #[command(flatten)]
     #[allow(missing_docs, reason = "flattened")]
     pub registry: RegistryArgs,
+    /// With an `oci://` component and no `--registry-username`: send the
+    /// Docker config's credentials for the registry with the deploy. Off by
+    /// default: they are the user's own and would leave for the gateway.
+    #[arg(long)]
+    pub send_docker_credentials: bool,
     /// Store the version without activating it.
     #[arg(long, conflicts_with = "canary")]
     pub no_activate: bool,
@@ -343,7 +350,7 @@ impl DeployArgs {
         }
         let reference: crate::http::oci::Reference = self.component.parse().map_err(anyhow::Error::msg)?;
         let mut body = json!({ "source": self.component });
-        if let Some(credentials) = self.registry.credentials(&reference.registry)? {
+        if let Some(credentials) = self.registry.credentials(&reference.registry, self.send_docker_credentials)? {
             body["username"] = credentials.username.into();
             body["password"] = credentials.password.into();
         }
@@ -550,7 +557,7 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         }
         C::Push(args) => return push(args).await,
         C::Registry(RegistryCommand::Login { registry, tenant, credentials, client }) => {
-            let Some(given) = credentials.credentials(registry)? else {
+            let Some(given) = credentials.credentials(registry, true)? else {
                 bail!("no credentials for {registry}: give --registry-username and --registry-password-stdin, or log in with docker first");
             };
             let body = json!({ "username": given.username, "password": given.password }).to_string();
@@ -621,7 +628,7 @@ async fn push(args: &PushArgs) -> anyhow::Result<i32> {
     let component = std::fs::read(&args.file).with_context(|| format!("cannot read {}", args.file.display()))?;
     crate::control::validate::check_header(&component).map_err(|e| anyhow::anyhow!("{}: {e}", args.file.display()))?;
     let title = args.file.file_name().map_or_else(|| "component.wasm".to_owned(), |n| n.to_string_lossy().into_owned());
-    let credentials = args.registry.credentials(&reference.registry)?;
+    let credentials = args.registry.credentials(&reference.registry, true)?;
     let mut registry = Registry::new(&reference, args.plain_http, credentials, None, true);
     let digest = registry.push(tag, component.into(), &title).await.with_context(|| format!("cannot push to {reference}"))?;
     println!("{digest}");

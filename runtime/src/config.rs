@@ -592,6 +592,14 @@ impl ServeConfig {
         Duration::from_secs(self.upload_timeout_secs)
     }
 
+    /// Refuses a registry named both for HTTPS and for plain HTTP.
+    pub fn check_registries(&self) -> anyhow::Result<()> {
+        match self.oci_registries.iter().find(|r| self.oci_insecure_registries.contains(r)) {
+            Some(both) => anyhow::bail!("the registry {both} is named by both --oci-registry and --oci-insecure-registry; name it once"),
+            None => Ok(()),
+        }
+    }
+
     /// Where handlers granted outgoing HTTP may go, and their connection caps.
     pub fn egress_rules(&self) -> crate::sandbox::outgoing::EgressRules {
         crate::sandbox::outgoing::EgressRules {
@@ -617,11 +625,36 @@ impl ServeConfig {
     }
 }
 
-/// A `--oci-registry` value: `HOST` or `HOST:PORT` (lowercased), as an
-/// `oci://` reference names its registry.
+/// A registry's name, canonical: `HOST` or `HOST:PORT` as `oci://`
+/// references name it, the host lowercased (an IPv6 literal bracketed, as
+/// `Ipv6Addr` prints it), the port 1 to 65535 in plain digits. Flags,
+/// references, the allowlist and kept credentials all compare this form.
 pub fn registry_name(text: &str) -> Result<String, String> {
-    let ok = !text.is_empty() && text.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'));
-    if ok { Ok(text.to_ascii_lowercase()) } else { Err(format!("{text:?} is not HOST or HOST:PORT (no scheme, no path)")) }
+    let bad = || format!("{text:?} is not HOST or HOST:PORT (no scheme, no path)");
+    let (host, port) = match text.strip_prefix('[') {
+        Some(rest) => {
+            let (addr, after) = rest.split_once(']').ok_or_else(bad)?;
+            let addr: std::net::Ipv6Addr = addr.parse().map_err(|_| bad())?;
+            let port = if after.is_empty() { None } else { Some(after.strip_prefix(':').ok_or_else(bad)?) };
+            (format!("[{addr}]"), port)
+        }
+        None => {
+            let (host, port) = text.split_once(':').map_or((text, None), |(h, p)| (h, Some(p)));
+            let label = |l: &str| (1..=63).contains(&l.len()) && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+            if host.len() > 253 || !host.split('.').all(label) {
+                return Err(bad());
+            }
+            (host.to_ascii_lowercase(), port)
+        }
+    };
+    match port {
+        None => Ok(host),
+        Some(p) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => match p.parse::<u16>() {
+            Ok(n) if n > 0 => Ok(format!("{host}:{n}")),
+            _ => Err(bad()),
+        },
+        Some(_) => Err(bad()),
+    }
 }
 
 /// `--devices`' help, from host-gpu's device table: the spellings, what a
@@ -798,6 +831,18 @@ mod tests {
         let value = lines.next().and_then(|l| l.trim().strip_prefix("value:")).map(|v| v.trim().trim_matches('"'));
         let cap: Option<u32> = value.and_then(|v| v.parse().ok());
         assert!(cap.is_some_and(|cap| cap > 0 && cap < DEFAULT_MAX_CONNECTIONS), "FACEGATE_MAX_CONNECTIONS_PER_IP is {value:?}");
+    }
+
+    #[test]
+    fn registry_names_are_made_canonical_or_refused() {
+        assert_eq!(registry_name("GHCR.io").as_deref(), Ok("ghcr.io"));
+        assert_eq!(registry_name("registry.internal:05000").as_deref(), Ok("registry.internal:5000"));
+        assert_eq!(registry_name("[0:0::1]:5000").as_deref(), Ok("[::1]:5000"));
+        for bad in
+            ["", "ghcr.io:", "::1", "a..b", "h:1:2", "h:+5000", "h:0", "h:70000", "[::1]junk", "https://ghcr.io", "u@ghcr.io", "ghcr.io/x"]
+        {
+            assert!(registry_name(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -145,12 +145,12 @@ impl App {
         op: impl FnOnce(&ControlPlane, &Bytes, Held) -> AdminResult + Send + 'static,
     ) -> Response<Body> {
         if call.change == Some(Change::Upload) && self.control.releases.uploads_busy() {
-            return response::before_body(store_error(&StoreError::Busy(CompileError::Busy.to_string())));
+            return response::before_body(response::store_error(&StoreError::Busy(CompileError::Busy.to_string())));
         }
         let place = match (call.tenant, call.change) {
             (Some(tenant), Some(change)) => match self.control.releases.begin_change(tenant, change) {
                 Ok(place) => Some(place),
-                Err(e) => return response::before_body(store_error(&e)),
+                Err(e) => return response::before_body(response::store_error(&e)),
             },
             _ => None,
         };
@@ -176,14 +176,18 @@ impl App {
         } else {
             (body, UPLOADED.to_owned())
         };
-        // Held from now on: the body, not the buffer's growth (shrinking is never refused).
-        let _ = memory.resize(body.len().saturating_add(REQUEST_BASE_BYTES));
+        // Held from now on: the body, not the buffer's growth. A body read or
+        // pulled was charged as it grew, so this shrinks; were it ever to
+        // grow, the budget would say so.
+        if let Err(refusal) = memory.resize(body.len().saturating_add(REQUEST_BASE_BYTES)) {
+            return self.control_refused_memory(&owner, refusal);
+        }
         let held = Held { place, memory, source };
         let control = Arc::clone(&self.control);
         let outcome = tokio::task::spawn_blocking(move || op(&control, &body, held)).await;
         match outcome {
             Ok(Ok((status, value))) => response::json(status, &value),
-            Ok(Err(e)) => store_error(&e),
+            Ok(Err(e)) => response::store_error(&e),
             Err(e) => {
                 // Cancelled only when the runtime shuts down; anything else is a panic.
                 if e.is_cancelled() {
@@ -395,24 +399,6 @@ pub(super) fn ok(value: impl serde::Serialize) -> AdminResult {
 
 pub(super) fn created(value: impl serde::Serialize) -> AdminResult {
     Ok((StatusCode::CREATED, serde_json::to_value(value).map_err(anyhow::Error::from)?))
-}
-
-pub(super) fn store_error(e: &StoreError) -> Response<Body> {
-    match e {
-        StoreError::NotFound(m) => response::error(StatusCode::NOT_FOUND, "not_found", m),
-        StoreError::Conflict(m) => response::error(StatusCode::CONFLICT, "conflict", m),
-        StoreError::Invalid(m) => response::error(StatusCode::BAD_REQUEST, "invalid", m),
-        StoreError::Forbidden(m) => response::error(StatusCode::FORBIDDEN, "forbidden", m),
-        StoreError::Quota(m) => response::error(StatusCode::FORBIDDEN, "quota_exceeded", m),
-        StoreError::TooMany { code, message } => response::retry_later(StatusCode::TOO_MANY_REQUESTS, code, message, 2),
-        StoreError::NoMemory(m) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", m, 1),
-        StoreError::Busy(m) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "busy", m, 5),
-        StoreError::Unavailable(_) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", &e.to_string(), 5),
-        StoreError::Internal(err) => {
-            tracing::error!(error = %format!("{err:#}"), "admin operation failed");
-            response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e)
-        }
-    }
 }
 
 #[cfg(test)]

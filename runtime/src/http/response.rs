@@ -7,6 +7,7 @@ use hyper::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use hyper::{Response, StatusCode};
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 
+use crate::control::store::StoreError;
 use crate::telemetry::trace::ServerSpan;
 use crate::telemetry::usage::BytesOut;
 
@@ -101,5 +102,25 @@ impl hyper::body::Body for Counted {
 
     fn size_hint(&self) -> hyper::body::SizeHint {
         self.body.size_hint()
+    }
+}
+
+/// The API's answer to a store error: its status, code and message; an
+/// internal one is logged here and answered `internal`.
+pub fn store_error(e: &StoreError) -> Response<Body> {
+    match e {
+        StoreError::NotFound(m) => error(StatusCode::NOT_FOUND, "not_found", m),
+        StoreError::Conflict(m) => error(StatusCode::CONFLICT, "conflict", m),
+        StoreError::Invalid(m) => error(StatusCode::BAD_REQUEST, "invalid", m),
+        StoreError::Forbidden(m) => error(StatusCode::FORBIDDEN, "forbidden", m),
+        StoreError::Quota(m) => error(StatusCode::FORBIDDEN, "quota_exceeded", m),
+        StoreError::TooMany { code, message } => retry_later(StatusCode::TOO_MANY_REQUESTS, code, message, 2),
+        StoreError::NoMemory(m) => retry_later(StatusCode::SERVICE_UNAVAILABLE, "overloaded", m, 1),
+        StoreError::Busy(m) => retry_later(StatusCode::SERVICE_UNAVAILABLE, "busy", m, 5),
+        StoreError::Unavailable(_) => retry_later(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", &e.to_string(), 5),
+        StoreError::Internal(err) => {
+            tracing::error!(error = %format!("{err:#}"), "admin operation failed");
+            error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e)
+        }
     }
 }

@@ -211,7 +211,7 @@ mod tests {
         use http_body_util::BodyExt;
         let detail = "disk I/O error at /var/lib/facegate/facegate.db";
         let hidden = for_tenant(StoreError::Internal(anyhow::anyhow!("{detail}")), "acme", "5eed-7");
-        let answer = with_request_id(super::super::admin::store_error(&hidden), "5eed-7");
+        let answer = with_request_id(super::super::response::store_error(&hidden), "5eed-7");
         assert_eq!(
             (answer.status(), answer.headers()[REQUEST_ID_HEADER].to_str().ok()),
             (StatusCode::INTERNAL_SERVER_ERROR, Some("5eed-7"))
@@ -222,7 +222,7 @@ mod tests {
         assert!(text.contains("\"internal\""), "{text}");
         let unavailable = for_tenant(StoreError::Unavailable("connect db.internal:5432: refused".into()), "acme", "5eed-8");
         assert!(!unavailable.to_string().contains("db.internal"), "{unavailable}");
-        assert_eq!(super::super::admin::store_error(&unavailable).status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(super::super::response::store_error(&unavailable).status(), StatusCode::SERVICE_UNAVAILABLE);
         let own = for_tenant(StoreError::Quota("tenant \"acme\" has 100 keys".into()), "acme", "5eed-9");
         assert!(own.to_string().contains("100 keys"), "{own}");
     }

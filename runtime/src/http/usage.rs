@@ -115,9 +115,9 @@ impl App {
                 // A tenant sees no store detail (see `tenant::for_tenant`).
                 Some(tenant) => {
                     let id = self.request_ids.next();
-                    super::tenant::with_request_id(super::admin::store_error(&super::tenant::for_tenant(e, tenant, &id)), &id)
+                    super::tenant::with_request_id(super::response::store_error(&super::tenant::for_tenant(e, tenant, &id)), &id)
                 }
-                None => super::admin::store_error(&e),
+                None => super::response::store_error(&e),
             },
             Err(_) => response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error"),
         }

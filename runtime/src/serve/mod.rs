@@ -333,6 +333,7 @@ pub async fn run(mut config: ServeConfig) -> anyhow::Result<()> {
 /// closed to others ([`control::blobs::prepare_data_dir`]).
 fn preflight(config: &ServeConfig) -> anyhow::Result<()> {
     config.check_secrets()?;
+    config.check_registries()?;
     control::blobs::prepare_data_dir(&config.data_dir)
 }
 

@@ -228,12 +228,15 @@ fn a_registry_with_basic_auth_takes_credentials_from_the_docker_config_or_the_de
     let (code, out, err) = cli(addr, &["push", &file, &reference, "--plain-http"], &docker_env, "");
     assert_eq!(code, 0, "{out}{err}");
 
-    // Without credentials the node is refused; with the Docker config's, the CLI's deploy passes them for this pull.
+    // Without credentials the node is refused; asked to, the CLI's deploy passes the Docker config's for this pull.
     let (status, refused) = admin_deploy(addr, "demo", "private", json!({ "source": reference }));
     assert_eq!((status, refused["error"]["code"].as_str()), (403, Some("registry_denied")), "{refused}");
     let wrong = json!({ "source": reference, "username": USER, "password": "wrong" });
     assert_eq!(admin_deploy(addr, "demo", "private", wrong).0, 403);
-    let (code, out, err) = cli(addr, &["deploy", "--tenant", "demo", "--handler", "private", &reference, "--json"], &docker_env, "");
+    let deploy = ["deploy", "--tenant", "demo", "--handler", "private", &reference, "--json"];
+    let (code, out, err) = cli(addr, &deploy, &docker_env, "");
+    assert!(code != 0 && err.contains("403"), "the user's own Docker credentials leave only when asked to: {out}{err}");
+    let (code, out, err) = cli(addr, &[&deploy[..], &["--send-docker-credentials"]].concat(), &docker_env, "");
     assert_eq!(code, 0, "{out}{err}");
     assert!(!out.contains(PASSWORD), "the answer never carries the password");
     assert_eq!(call(addr, &data, "private", "/"), (200, "hello\n".to_owned()));
@@ -270,6 +273,9 @@ const WRONG_DIGEST: &str = "wrong";
 const ENDLESS: &str = "endless";
 const DECLARED_HUGE: &str = "huge";
 const STALL: &str = "stall";
+/// Declares (in its manifest and its `Content-Length`) a layer of [`BIG`] bytes.
+const BIG_LAYER: &str = "big";
+const BIG: u64 = 96 << 20;
 
 /// A registry that lies: its manifests name a layer of `LAYER` bytes, and
 /// its blobs are the wrong bytes, never end, or stall halfway. Counts the
@@ -313,7 +319,11 @@ fn serve_hostile(mut stream: TcpStream, sent: &AtomicU64, blob_requests: &Atomic
     let layer = vec![b'x'; LAYER];
     let digest = format!("sha256:{}", sha256_hex(&layer));
     if path.contains("/manifests/") {
-        let size = if repo == DECLARED_HUGE { 1u64 << 40 } else { LAYER as u64 };
+        let size = match repo {
+            DECLARED_HUGE => 1u64 << 40,
+            BIG_LAYER => BIG,
+            _ => LAYER as u64,
+        };
         let manifest = json!({
             "schemaVersion": 2,
             "mediaType": "application/vnd.oci.image.manifest.v1+json",
@@ -334,6 +344,10 @@ fn serve_hostile(mut stream: TcpStream, sent: &AtomicU64, blob_requests: &Atomic
         WRONG_DIGEST => {
             let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {LAYER}\r\nConnection: close\r\n\r\n");
             let _ = stream.write_all(head.as_bytes()).and_then(|()| stream.write_all(&vec![b'y'; LAYER]));
+        }
+        BIG_LAYER => {
+            let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {BIG}\r\nConnection: close\r\n\r\n");
+            let _ = stream.write_all(head.as_bytes()).and_then(|()| stream.write_all(&chunk));
         }
         ENDLESS => {
             // Chunked, without end: only the reader can stop it.
@@ -395,6 +409,18 @@ fn a_hostile_registry_cannot_feed_a_wrong_oversized_or_stalled_layer() {
         .unwrap();
     assert_eq!(response.status(), 201, "the next upload of the tenant goes through: {}", response.text().unwrap());
     assert_eq!(call(addr, &data, "h", "/"), (200, "hello\n".to_owned()));
+
+    // A layer the node's memory budget cannot hold is refused before its buffer is made.
+    // (A budget of 64 MiB seeds nothing: an empty store and a tenant of its own.)
+    let mut config = harness::config(harness::fresh_dir("oci-gateway-hostile-budget"), None);
+    (config.oci_insecure_registries, config.outgoing_allow_private) = (vec![reg.to_string()], true);
+    (config.memory_budget_mib, config.max_component_bytes) = (Some(64), 256 << 20);
+    let small = harness::start(config);
+    let created =
+        anonymous().post(format!("http://{small}/admin/v1/tenants")).bearer_auth(ADMIN_TOKEN).json(&json!({ "name": "budget" })).send();
+    assert_eq!(created.unwrap().status(), 201);
+    let (status, refused) = admin_deploy(small, "budget", "h", json!({ "source": format!("oci://{reg}/{BIG_LAYER}:v1") }));
+    assert_eq!((status, refused["error"]["code"].as_str()), (503, Some("overloaded")), "{refused}");
 }
 
 /// Runs `script` with the project's Python (oras-py, installed by deploy/setup.sh).

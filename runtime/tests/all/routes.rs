@@ -377,7 +377,7 @@ fn the_cli_routes_hostnames_and_deploys_with_the_whole_path() {
     let (code, out) = crate::control::cli(&["deploy", &hostile, "--tenant", "clihost", "--handler", "echo", "--full-path"]);
     assert_eq!(code, 0, "{out}");
     let (code, out) = crate::control::cli(&["versions", "--tenant", "clihost", "--handler", "echo"]);
-    assert!(code == 0 && out.contains("path=relative") && out.contains("path=full\tactive"), "{out}");
+    assert!(code == 0 && out.contains("path=relative") && out.contains("path=full\tupload\tactive"), "{out}");
     let (status, echo) = asked(gateway().addr, "/x?attack=echo", "api.clihost.test", &key);
     assert_eq!((status, echo["path"].as_str()), (200, Some("/x")), "under a hostname the whole path is the path: {echo}");
 

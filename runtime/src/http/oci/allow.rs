@@ -12,18 +12,20 @@ pub struct AllowedRegistries {
 }
 
 impl AllowedRegistries {
-    /// Those of `secure` (over HTTPS) and `insecure` (over plain HTTP).
+    /// Those of `secure` (over HTTPS) and `insecure` (over plain HTTP),
+    /// named canonically (`config::registry_name`); one named in both is
+    /// reached over HTTPS (the configuration check refuses it at start).
     pub fn new(secure: &[String], insecure: &[String]) -> Self {
-        let entries = insecure.iter().map(|r| (r.to_ascii_lowercase(), true));
-        let entries = entries.chain(secure.iter().map(|r| (r.to_ascii_lowercase(), false))).collect();
+        let entries = secure.iter().map(|r| (r.clone(), false));
+        let entries = entries.chain(insecure.iter().map(|r| (r.clone(), true))).collect();
         Self { entries }
     }
 
     /// Whether `reference`'s registry may be pulled from, and over plain
     /// HTTP (`true`) or HTTPS; a clear refusal if not.
     pub fn check(&self, reference: &Reference) -> Result<bool, OciError> {
-        let registry = reference.registry.to_ascii_lowercase();
-        if let Some((_, plain_http)) = self.entries.iter().find(|(allowed, _)| *allowed == registry) {
+        let registry = &reference.registry;
+        if let Some((_, plain_http)) = self.entries.iter().find(|(allowed, _)| allowed == registry) {
             return Ok(*plain_http);
         }
         let message = if self.entries.is_empty() {

@@ -53,7 +53,11 @@ pub fn from_docker_config(registry: &str) -> anyhow::Result<Option<Credentials>>
     };
     let config: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
     let host = super::reference::host_of(registry);
-    let keys = [registry.to_owned(), host.to_owned(), format!("https://{registry}"), format!("http://{registry}")];
+    let mut keys = vec![registry.to_owned(), host.to_owned(), format!("https://{registry}"), format!("http://{registry}")];
+    if registry == "docker.io" {
+        // Where `docker login` keeps Docker Hub's.
+        keys.push("https://index.docker.io/v1/".to_owned());
+    }
     for key in &keys {
         if let Some(helper) = config["credHelpers"][key].as_str() {
             return helper_get(helper, registry);

@@ -17,7 +17,7 @@ use hyper::{Method, Request, Response, StatusCode, Uri};
 use super::artifact::{self, DOCKER_MANIFEST, MAX_MANIFEST_BYTES, OCI_MANIFEST, digest_of};
 use super::auth::{Challenge, Credentials, parse_challenge};
 use super::reference::Reference;
-use crate::admission::memory::Charge;
+use crate::admission::memory::{Charge, REQUEST_BASE_BYTES};
 use crate::http::body::{BodyError, collect_charged, declared_length};
 use crate::http::client::{Options, send_with};
 use crate::sandbox::outgoing::{EgressRules, allowed_addresses};
@@ -76,7 +76,10 @@ pub struct Pulled {
 
 /// One repository of one registry, and the authorization it has earned.
 pub struct Registry {
+    /// As the reference names it (messages, the allowlist).
     registry: String,
+    /// Where its API is: the registry, or Docker Hub's API host for `docker.io`.
+    api_host: String,
     repository: String,
     https: bool,
     credentials: Option<Credentials>,
@@ -92,6 +95,7 @@ impl Registry {
     pub fn new(reference: &Reference, plain_http: bool, credentials: Option<Credentials>, egress: Option<Egress>, push: bool) -> Self {
         Self {
             registry: reference.registry.clone(),
+            api_host: api_host(&reference.registry).to_owned(),
             repository: reference.repository.clone(),
             https: !plain_http,
             credentials,
@@ -101,8 +105,10 @@ impl Registry {
         }
     }
 
+    /// `scheme://host[:port]` of the registry's API: the only origin its
+    /// credentials go to.
     fn origin(&self) -> String {
-        format!("{}://{}", if self.https { "https" } else { "http" }, self.registry)
+        format!("{}://{}", if self.https { "https" } else { "http" }, self.api_host)
     }
 
     /// Pulls the component `reference` names: its manifest (by tag or
@@ -174,6 +180,8 @@ impl Registry {
             .get(LOCATION)
             .and_then(|l| l.to_str().ok())
             .ok_or_else(|| OciError::Unreachable("the registry started a blob upload without a Location".into()))?;
+        // Checked like a redirect: credentials never go to it over plain HTTP.
+        let location = self.follow(&self.origin(), location)?;
         let separator = if location.contains('?') { '&' } else { '?' };
         let target = format!("{location}{separator}digest={digest}");
         let octets = [(CONTENT_TYPE, "application/octet-stream")];
@@ -195,7 +203,7 @@ impl Registry {
         let mut url = resolve(&self.origin(), target)?;
         let mut authenticated = false;
         for _ in 0..=MAX_HOPS {
-            let own = authority_of(&url) == self.registry;
+            let own = origin_of(&url) == self.origin();
             let authorization = if own { self.authorization.clone() } else { None };
             let response = self.exchange(&method, &url, headers, body.clone(), authorization.as_deref()).await?;
             let status = response.status();
@@ -207,7 +215,7 @@ impl Registry {
             }
             if status.is_redirection() && matches!(method, Method::GET | Method::HEAD) {
                 let location = response.headers().get(LOCATION).and_then(|l| l.to_str().ok()).unwrap_or("");
-                url = self.redirect(&url, location)?;
+                url = self.follow(&url, location)?;
                 continue;
             }
             return Ok(response);
@@ -215,12 +223,13 @@ impl Registry {
         Err(OciError::Unreachable(format!("{} redirected or challenged more than {MAX_HOPS} times", self.registry)))
     }
 
-    /// Where a redirect from `from` to `location` goes: HTTPS anywhere the
-    /// egress rules allow, plain HTTP only on a plain-HTTP registry itself.
-    fn redirect(&self, from: &str, location: &str) -> Result<String, OciError> {
+    /// Where a location the registry gave from `from` (a redirect, a blob
+    /// upload's session) goes: HTTPS anywhere the egress rules allow, plain
+    /// HTTP only on a plain-HTTP registry itself.
+    fn follow(&self, from: &str, location: &str) -> Result<String, OciError> {
         let url = resolve(from, location)?;
-        if url.starts_with("http://") && (self.https || authority_of(&url) != self.registry) {
-            return Err(OciError::Refused(format!("{} redirected to plain HTTP ({url}); only HTTPS is followed", self.registry)));
+        if url.starts_with("http://") && origin_of(&url) != self.origin() {
+            return Err(OciError::Refused(format!("{} sent us to plain HTTP ({url}); only HTTPS is followed", self.registry)));
         }
         Ok(url)
     }
@@ -248,8 +257,13 @@ impl Registry {
 
     /// A token from the token service at `realm` for this repository.
     async fn token(&self, realm: &str, service: Option<String>, scope: Option<String>, basic: Option<&str>) -> Result<String, OciError> {
-        if realm.starts_with("http://") && self.https {
-            return Err(OciError::Refused(format!("the registry {} names a token service over plain HTTP ({realm})", self.registry)));
+        let scheme = realm.parse::<Uri>().ok().and_then(|u| u.scheme_str().map(str::to_ascii_lowercase));
+        match scheme.as_deref() {
+            Some("https") => {}
+            Some("http") if !self.https => {}
+            _ => {
+                return Err(OciError::Refused(format!("the registry {} names a token service that is not HTTPS ({realm})", self.registry)));
+            }
         }
         let scope = scope.unwrap_or_else(|| format!("repository:{}:{}", self.repository, self.actions));
         let query = {
@@ -314,23 +328,35 @@ impl Registry {
     }
 }
 
-/// `target` against `base`: a URL as it is, a path on `base`'s origin.
+/// `target` against `base`: a URL as it is (its scheme lowercased), a
+/// scheme-relative `//host/…` on `base`'s scheme, a path on `base`'s origin.
 fn resolve(base: &str, target: &str) -> Result<String, OciError> {
-    if target.starts_with("https://") || target.starts_with("http://") {
-        return Ok(target.to_owned());
+    for scheme in ["https://", "http://"] {
+        if target.len() >= scheme.len() && target[..scheme.len()].eq_ignore_ascii_case(scheme) {
+            return Ok(format!("{scheme}{}", &target[scheme.len()..]));
+        }
+    }
+    let base_scheme = if base.starts_with("https://") { "https:" } else { "http:" };
+    if let Some(rest) = target.strip_prefix("//") {
+        return Ok(format!("{base_scheme}//{rest}"));
     }
     if !target.starts_with('/') {
         return Err(OciError::Unreachable(format!("the registry gave a location we cannot follow: {target:?}")));
     }
-    let scheme_end = base.find("://").map_or(0, |i| i + 3);
-    let origin_end = base[scheme_end..].find('/').map_or(base.len(), |i| scheme_end + i);
-    Ok(format!("{}{target}", &base[..origin_end]))
+    Ok(format!("{}{target}", origin_of(base)))
 }
 
-/// `host[:port]` of a URL.
-fn authority_of(url: &str) -> &str {
-    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-    rest.split(['/', '?']).next().unwrap_or(rest)
+/// `scheme://host[:port]` of a URL made by [`resolve`], lowercased.
+fn origin_of(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+    format!("{scheme}://{authority}").to_ascii_lowercase()
+}
+
+/// Where `registry`'s API is: Docker Hub's for `docker.io` (as `docker`
+/// and `oras` resolve it), the registry itself otherwise.
+fn api_host(registry: &str) -> &str {
+    if registry == "docker.io" { "registry-1.docker.io" } else { registry }
 }
 
 /// `response` if it succeeded; else the error its status means, with the
@@ -356,11 +382,15 @@ async fn expect(response: Response<Incoming>, what: &str) -> Result<Response<Inc
 }
 
 /// `response`'s body, at most `limit` bytes (a longer one is refused as it
-/// arrives, never held whole), its buffer charged to `memory` as it grows.
-async fn read_limited(response: Response<Incoming>, limit: usize, memory: Option<&mut Charge>, what: &str) -> Result<Bytes, OciError> {
+/// arrives, never held whole), its buffer charged to `memory` before it is
+/// made (the declared length) and as it grows.
+async fn read_limited(response: Response<Incoming>, limit: usize, mut memory: Option<&mut Charge>, what: &str) -> Result<Bytes, OciError> {
     let declared = declared_length(response.headers()).unwrap_or(0);
     if declared > limit as u64 {
         return Err(OciError::TooLarge(format!("{what} is {declared} bytes, over its bound of {limit}")));
+    }
+    if let Some(memory) = memory.as_deref_mut() {
+        memory.resize((declared as usize).saturating_add(REQUEST_BASE_BYTES)).map_err(|refusal| OciError::NoMemory(refusal.to_string()))?;
     }
     collect_charged(response.into_body(), limit, declared as usize, memory).await.map_err(|e| match e {
         BodyError::TooLarge => OciError::TooLarge(format!("{what} runs past its bound of {limit} bytes")),
@@ -382,18 +412,23 @@ mod tests {
         assert_eq!(resolve("https://r.example", "/v2/").unwrap(), "https://r.example/v2/");
         assert_eq!(resolve("https://r.example/v2/", "https://cdn.example/b?sig=1").unwrap(), "https://cdn.example/b?sig=1");
         assert!(resolve("https://r.example/", "relative/path").is_err());
-        assert_eq!(authority_of("https://cdn.example/b?sig=1"), "cdn.example");
-        assert_eq!(authority_of("http://127.0.0.1:5000?x"), "127.0.0.1:5000");
+        assert_eq!(resolve("https://r.example/v2/", "//cdn.example/b").unwrap(), "https://cdn.example/b");
+        assert_eq!(resolve("https://r.example/v2/", "HTTP://r.example/x").unwrap(), "http://r.example/x");
+        assert_eq!(origin_of("https://CDN.example/b?sig=1"), "https://cdn.example");
+        assert_eq!(origin_of("http://127.0.0.1:5000?x"), "http://127.0.0.1:5000");
+        assert_eq!(api_host("docker.io"), "registry-1.docker.io");
     }
 
     #[test]
     fn redirects_to_plain_http_are_refused_off_a_plain_http_registry() {
         let reference: Reference = "oci://r.example/faces:v1".parse().unwrap();
         let https = Registry::new(&reference, false, None, None, false);
-        assert!(https.redirect("https://r.example/v2/", "https://cdn.example/blob").is_ok());
-        assert!(matches!(https.redirect("https://r.example/v2/", "http://cdn.example/blob"), Err(OciError::Refused(_))));
+        assert!(https.follow("https://r.example/v2/", "https://cdn.example/blob").is_ok());
+        assert!(matches!(https.follow("https://r.example/v2/", "http://cdn.example/blob"), Err(OciError::Refused(_))));
+        // A blob upload's session on the registry's own host, but over plain HTTP (a TLS proxy's mistake).
+        assert!(matches!(https.follow("https://r.example/v2/", "HTTP://r.example/v2/uploads/1"), Err(OciError::Refused(_))));
         let plain = Registry::new(&reference, true, None, None, false);
-        assert!(plain.redirect("http://r.example/v2/", "/v2/other").is_ok(), "the plain-HTTP registry itself");
-        assert!(matches!(plain.redirect("http://r.example/v2/", "http://elsewhere.example/"), Err(OciError::Refused(_))));
+        assert!(plain.follow("http://r.example/v2/", "/v2/other").is_ok(), "the plain-HTTP registry itself");
+        assert!(matches!(plain.follow("http://r.example/v2/", "http://elsewhere.example/"), Err(OciError::Refused(_))));
     }
 }

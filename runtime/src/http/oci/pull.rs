@@ -91,7 +91,7 @@ impl App {
         let kept = tokio::task::spawn_blocking(move || control.registries.credentials(&tenant, &registry)).await;
         match kept {
             Ok(Ok(kept)) => Ok(kept.map(|(username, password)| Credentials { username, password })),
-            Ok(Err(e)) => Err(crate::http::admin::store_error(&e)),
+            Ok(Err(e)) => Err(response::store_error(&e)),
             Err(_) => Err(response::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error")),
         }
     }

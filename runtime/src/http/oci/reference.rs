@@ -67,9 +67,7 @@ impl FromStr for Reference {
         let bad = |why: &str| format!("{text:?} is not an OCI reference (oci://REGISTRY/REPOSITORY[:TAG|@sha256:DIGEST]): {why}");
         let rest = text.strip_prefix("oci://").ok_or_else(|| bad("it must start with oci://"))?;
         let (registry, rest) = rest.split_once('/').ok_or_else(|| bad("no repository"))?;
-        if !valid_registry(registry) {
-            return Err(bad("the registry must be HOST or HOST:PORT"));
-        }
+        let registry = crate::config::registry_name(registry).map_err(|_| bad("the registry must be HOST or HOST:PORT"))?;
         let (rest, digest) = match rest.split_once('@') {
             Some((name, digest)) if valid_digest(digest) => (name, Some(digest.to_owned())),
             Some(_) => return Err(bad("the digest must be sha256: and 64 lowercase hex digits")),
@@ -88,7 +86,7 @@ impl FromStr for Reference {
             return Err(bad("a tag is 1 to 128 of A-Z a-z 0-9 _ . -, not starting with . or -"));
         }
         let tag = tag.map(str::to_owned).or_else(|| digest.is_none().then(|| DEFAULT_TAG.to_owned()));
-        Ok(Reference { registry: registry.to_owned(), repository: repository.to_owned(), tag, digest })
+        Ok(Reference { registry, repository: repository.to_owned(), tag, digest })
     }
 }
 
@@ -96,24 +94,6 @@ impl FromStr for Reference {
 /// OCI spec's registered one every registry supports).
 pub fn valid_digest(digest: &str) -> bool {
     digest.strip_prefix("sha256:").is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
-}
-
-fn valid_registry(registry: &str) -> bool {
-    let (host, port) = match registry.strip_prefix('[') {
-        Some(v6) => match v6.split_once(']') {
-            Some((addr, rest)) if addr.parse::<std::net::Ipv6Addr>().is_ok() => ("v6", rest.strip_prefix(':')),
-            _ => return false,
-        },
-        None => match registry.split_once(':') {
-            Some((host, port)) => (host, Some(port)),
-            None => (registry, None),
-        },
-    };
-    let host_ok = host == "v6"
-        || (!host.is_empty()
-            && host.len() <= 253
-            && host.split('.').all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')));
-    host_ok && port.is_none_or(|p| p.parse::<u16>().is_ok_and(|p| p > 0))
 }
 
 /// The distribution spec's repository name: components of `[a-z0-9]+`
@@ -155,6 +135,8 @@ mod tests {
         let r: Reference = format!("oci://ghcr.io/acme/faces@{D}").parse().unwrap();
         assert_eq!((r.tag.as_deref(), r.manifest_ref()), (None, D));
         assert_eq!(r.to_string(), format!("oci://ghcr.io/acme/faces@{D}"));
+        let r: Reference = "oci://Registry.Example:0443/faces".parse().unwrap();
+        assert_eq!(r.registry, "registry.example:443", "one spelling of a registry");
         let r: Reference = "oci://registry.example/faces".parse().unwrap();
         assert_eq!(r.tag.as_deref(), Some("latest"), "no tag means latest");
         let r: Reference = format!("oci://[::1]:5000/faces:v1@{D}").parse().unwrap();
