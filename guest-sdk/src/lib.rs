@@ -40,6 +40,7 @@
 
 mod bindings;
 pub mod centerface;
+pub mod config;
 pub mod effects;
 mod error;
 pub mod http;

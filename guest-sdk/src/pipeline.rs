@@ -53,7 +53,25 @@ impl DetectOptions {
     /// (a multiple of 32 in 128..=1536) from the query; absent ones keep
     /// their defaults. An invalid value is a 400 naming the parameter.
     pub fn from_query(query: &Query) -> Result<Self, HttpError> {
-        let defaults = Self::default();
+        Self::from_query_over(query, Self::default())
+    }
+
+    /// [`Self::from_query`] over the handler's settings: the setting
+    /// `min_score` (0 < s ≤ 1, see [`crate::config`]) is the default
+    /// `threshold`, which the query's still overrides. A `min_score` that
+    /// is not such a number is a 500 `bad_setting` naming it.
+    pub fn configured(query: &Query) -> Result<Self, crate::Error> {
+        let threshold = crate::config::parse_or("min_score", DEFAULT_THRESHOLD)?;
+        if !(threshold > 0.0 && threshold <= 1.0) {
+            let message = format!("the setting \"min_score\" is {threshold}, not a number with 0 < min_score ≤ 1");
+            return Err(crate::Error::custom(500, "bad_setting", message));
+        }
+        Ok(Self::from_query_over(query, Self { threshold, ..Self::default() })?)
+    }
+
+    /// [`Self::from_query`] over `defaults` (a handler's own, from its
+    /// settings, say): the query's values win.
+    pub fn from_query_over(query: &Query, defaults: Self) -> Result<Self, HttpError> {
         Ok(Self {
             threshold: query
                 .parse_or("threshold", defaults.threshold, "a number with 0 < threshold ≤ 1", |t: f32| t > 0.0 && t <= 1.0)?,

@@ -107,7 +107,21 @@
       const versions = await tenantApi(`handlers/${encodeURIComponent(h.name)}/versions`);
       if (versions.ok) state.mine.handlers[h.name] = await versions.json();
     }
+    const settings = await tenantApi("config");
+    state.mine.settings = settings.ok ? (await settings.json()).settings || [] : [];
     renderMine();
+    renderMineSettings();
+  }
+  // The tenant's settings: values shown, secrets by name and fingerprint only (the API never returns them).
+  function renderMineSettings() {
+    const body = $("mine-settings").tBodies[0];
+    body.replaceChildren();
+    for (const s of state.mine.settings) {
+      const value = s.secret ? `secret (${s.fingerprint})` : s.value;
+      const row = el("tr", null, { "data-name": s.name, "data-secret": String(s.secret) });
+      for (const cell of [s.handler || "all handlers", s.name, value]) row.append(el("td", cell));
+      body.append(row);
+    }
   }
   // Each version's requests and 5xx share, from the log this page holds.
   function errorRates(handler) {

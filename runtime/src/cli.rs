@@ -127,6 +127,78 @@ pub enum KeyCommand {
     },
 }
 
+/// Whose setting: a tenant (not with `--key`) and perhaps one of its handlers.
+#[derive(Debug, Clone, Args)]
+pub struct SettingTarget {
+    /// The tenant (not with `--key`: the key's own).
+    #[arg(long, required_unless_present = "key")]
+    pub tenant: Option<String>,
+    /// Only this handler (its value wins over the tenant's); default: every handler of the tenant.
+    #[arg(long)]
+    pub handler: Option<String>,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "flattened")]
+    pub client: ClientArgs,
+}
+
+impl SettingTarget {
+    /// The settings' path (then `rest` and the handler's query).
+    fn path(&self, rest: &str) -> String {
+        let query = self.handler.as_ref().map_or_else(String::new, |h| format!("?handler={h}"));
+        self.client.route(format!("tenants/{}/config{rest}{query}", named(&self.tenant)), || format!("config{rest}{query}"))
+    }
+}
+
+/// `facegate config ...`
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Set a setting its handlers read (`wasi:config/store`), without a redeploy.
+    Set {
+        /// Its name.
+        name: String,
+        /// Its value.
+        value: String,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        target: SettingTarget,
+    },
+    /// Remove a setting (or a secret).
+    Unset {
+        /// Its name.
+        name: String,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        target: SettingTarget,
+    },
+    /// List a tenant's settings (secrets by name and fingerprint only).
+    List {
+        /// The tenant (not with `--key`).
+        #[arg(long, required_unless_present = "key")]
+        tenant: Option<String>,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+}
+
+/// `facegate secret ...`
+#[derive(Debug, Subcommand)]
+pub enum SecretCommand {
+    /// Set a secret its handlers read like a setting, sealed in the store
+    /// and never shown again: the value from stdin (or `--from-file`),
+    /// never from the command line.
+    Set {
+        /// Its name.
+        name: String,
+        /// Read the value from this file instead of stdin.
+        #[arg(long)]
+        from_file: Option<PathBuf>,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        target: SettingTarget,
+    },
+}
+
 /// `facegate registry ...`
 #[derive(Debug, Subcommand)]
 pub enum RegistryCommand {
@@ -464,6 +536,12 @@ pub enum Command {
     /// Upload a handler component as a new version and activate it, or
     /// have the gateway pull it from a registry (admin API).
     Deploy(DeployArgs),
+    /// A tenant's settings, which its handlers read without a redeploy (admin API).
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// A tenant's secrets: settings sealed in the store, never shown again (admin API).
+    #[command(subcommand)]
+    Secret(SecretCommand),
     /// Keep a tenant's registry credentials for its deploys by reference (admin API).
     #[command(subcommand)]
     Registry(RegistryCommand),
@@ -564,6 +642,22 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
             let path = client.route(format!("tenants/{}/registries/{registry}", named(tenant)), || format!("registries/{registry}"));
             (client, Method::PUT, path, body.into(), "application/json")
         }
+        C::Config(ConfigCommand::Set { name, value, target }) => {
+            let body = json!({ "value": value }).to_string();
+            (&target.client, Method::PUT, target.path(&format!("/{name}")), body.into(), "application/json")
+        }
+        C::Config(ConfigCommand::Unset { name, target }) => {
+            (&target.client, Method::DELETE, target.path(&format!("/{name}")), Bytes::new(), "application/json")
+        }
+        C::Config(ConfigCommand::List { tenant, client }) => {
+            let path = client.route(format!("tenants/{}/config", named(tenant)), || "config".to_owned());
+            (client, Method::GET, path, Bytes::new(), "application/json")
+        }
+        C::Secret(SecretCommand::Set { name, from_file, target }) => {
+            let value = secret_value(from_file.as_deref())?;
+            let body = json!({ "value": value, "secret": true }).to_string();
+            (&target.client, Method::PUT, target.path(&format!("/{name}")), body.into(), "application/json")
+        }
         C::Registry(RegistryCommand::List { tenant, client }) => {
             let path = client.route(format!("tenants/{}/registries", named(tenant)), || "registries".to_owned());
             (client, Method::GET, path, Bytes::new(), "application/json")
@@ -617,6 +711,20 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
     Ok(0)
 }
 
+/// A secret's value: `file`'s contents, else stdin's, without one final newline.
+fn secret_value(file: Option<&std::path::Path>) -> anyhow::Result<String> {
+    let text = match file {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?,
+        None => {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut text).context("reading the secret from stdin")?;
+            text
+        }
+    };
+    let value = text.strip_suffix('\n').map(|t| t.strip_suffix('\r').unwrap_or(t)).unwrap_or(&text);
+    Ok(value.to_owned())
+}
+
 /// `facegate push`: the component packed as the wasm artifact and pushed;
 /// prints the manifest's digest (`sha256:…`), and the pinned reference to stderr.
 async fn push(args: &PushArgs) -> anyhow::Result<i32> {
@@ -644,6 +752,9 @@ fn explicit_tenant(command: &Command) -> Option<&str> {
             tenant.as_deref()
         }
         C::Deploy(args) => args.target.tenant.as_deref(),
+        C::Config(ConfigCommand::Set { target, .. } | ConfigCommand::Unset { target, .. })
+        | C::Secret(SecretCommand::Set { target, .. }) => target.tenant.as_deref(),
+        C::Config(ConfigCommand::List { tenant, .. }) => tenant.as_deref(),
         C::Registry(
             RegistryCommand::Login { tenant, .. } | RegistryCommand::List { tenant, .. } | RegistryCommand::Logout { tenant, .. },
         ) => tenant.as_deref(),
@@ -774,6 +885,21 @@ fn print_summary(command: &Command, v: &Value) {
                 println!("{}\t{sha256}\t{}\tpath={path}\t{source}{active}", version["version"], version["size"]);
             }
         }
+        C::Config(ConfigCommand::List { .. }) => {
+            for s in v["settings"].as_array().into_iter().flatten() {
+                let scope = s["handler"].as_str().map_or_else(|| "*".to_owned(), str::to_owned);
+                let shown = match s["value"].as_str() {
+                    Some(value) => value.to_owned(),
+                    None => format!("(secret {})", s["fingerprint"].as_str().unwrap_or("?")),
+                };
+                println!("{scope}\t{}\t{shown}", s["name"].as_str().unwrap_or("?"));
+            }
+        }
+        C::Config(ConfigCommand::Set { name, .. }) => println!("{name} set"),
+        C::Secret(SecretCommand::Set { name, .. }) => {
+            println!("secret {name} set (fingerprint {})", v["fingerprint"].as_str().unwrap_or("?"))
+        }
+        C::Config(ConfigCommand::Unset { name, .. }) => println!("{name} unset"),
         C::Registry(RegistryCommand::List { .. }) => {
             for login in v["registries"].as_array().into_iter().flatten() {
                 let field = |name: &str| login[name].as_str().unwrap_or("?").to_owned();

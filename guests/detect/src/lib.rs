@@ -1,7 +1,9 @@
 //! facegate handler `detect`: `POST` an image (raw body or the form field
 //! `image`), get its faces as JSON.
 //!
-//! Query parameters: `threshold` (0 < t ≤ 1, default 0.5), `max_faces`
+//! Query parameters: `threshold` (0 < t ≤ 1, default the setting
+//! `min_score`, else 0.5: `facegate config set --tenant T --handler detect
+//! min_score 0.8` changes it without a redeploy), `max_faces`
 //! (1..=1000, default 100), `size` (letterbox side, a multiple of 32 in
 //! 128..=1536, default 640). The answer is
 //! `{"model","image":{"width","height"},"faces":[{"box","score","landmarks"}],"timings_ms"}`
@@ -14,7 +16,8 @@ struct Detect;
 
 impl Handler for Detect {
     fn handle(request: Request) -> Result<Response, Error> {
-        let options = DetectOptions::from_query(request.query())?;
+        // The default threshold is the handler's setting `min_score`, if set.
+        let options = DetectOptions::configured(request.query())?;
         // Faces only: a large JPEG is decoded at the scale the letterbox needs.
         let report = detect_faces(request.image_bytes()?, &options)?;
         Ok(report.json_response())

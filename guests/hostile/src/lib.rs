@@ -35,6 +35,7 @@
 //! | `fetch`       | an outgoing `GET` of `url` (`http://host:port/path`)       | 200, JSON: `ok: STATUS` or the error code |
 //! | `fetch-many`  | `n` (default 8, at most 64) outgoing `GET`s of `url`, each sent once the one before has its head, all kept open, then each body read | 200, JSON: how many ended each way (`ok: STATUS` or the error code) |
 //! | `lift`        | one `infer` call with `mib` (default 64) MiB of data       | 500 `resource_limit` past the host's per-call cap |
+//! | `config`      | reads its setting `name` (wasi:config), or all of them without `name` | 200, JSON: `value` (null when unset) or `all`; `error` when the host could not read it |
 //!
 //! Any attack also takes `linger=MS` (at most 10000): once its answer is
 //! sent in full, the handler keeps running `MS` milliseconds before it
@@ -62,7 +63,7 @@ use facegate_guest_sdk::{Error, Handler, Request, Response};
 /// The attacks, as `attack` accepts them (for the 400 message).
 const ATTACKS: &str = "loop, memory, recursion, panic, snoop, headers, bad-tensor, many-calls, \
                        fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap, hold, \
-                       error-code, lift, fetch, fetch-many, echo";
+                       error-code, lift, fetch, fetch-many, echo, config";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
 /// `infer` calls made by `many-calls`.
@@ -98,6 +99,7 @@ impl Handler for Hostile {
             "sleep" => sleep(),
             "big-tensor" => big_tensors(query.get("side")?, query.get("n")?),
             "count" => Ok(Response::json(200, &json!({ "served": count() }))),
+            "config" => Ok(Response::json(200, &setting(query.get("name")?))),
             "leak" => Ok(Response::json(200, &json!({ "served": leak() }))),
             "nap" => nap(query.get("ms")?),
             "hold" => hold(query.get("mib")?, query.get("ms")?),
@@ -559,4 +561,19 @@ fn big_tensors(side: Option<&str>, n: Option<&str>) -> Result<Response, Error> {
         })
         .collect();
     Ok(Response::json(200, &json!({ "side": side, "outcomes": outcomes })))
+}
+
+/// What the host says of setting `name`, or of all of them.
+fn setting(name: Option<&str>) -> Value {
+    use facegate_guest_sdk::config;
+    match name {
+        Some(name) => match config::get(name) {
+            Ok(value) => json!({ "value": value }),
+            Err(e) => json!({ "error": e.to_string() }),
+        },
+        None => match config::get_all() {
+            Ok(all) => json!({ "all": all.into_iter().collect::<std::collections::BTreeMap<_, _>>() }),
+            Err(e) => json!({ "error": e.to_string() }),
+        },
+    }
 }

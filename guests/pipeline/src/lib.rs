@@ -4,7 +4,8 @@
 //! Python or JavaScript, which have no SDK of their own for images), at
 //! deploy time; it runs in the handler's sandbox.
 //!
-//! Its answers are the Rust examples': `detect` is `guests/detect`, `blur`
+//! Its answers are the Rust examples': `detect` is `guests/detect` (its
+//! default threshold the handler's setting `min_score`), `blur`
 //! is the SDK's `blur_response` (as `guests/blur`), errors are
 //! `Response::error` of the SDK — the same statuses, codes, messages and headers.
 
@@ -39,7 +40,7 @@ impl Guest for Provider {
 
     fn detect(request: ImageRequest) -> Reply {
         answer(request, |request| {
-            let options = DetectOptions::from_query(request.query())?;
+            let options = DetectOptions::configured(request.query())?;
             Ok(detect_faces(request.image_bytes()?, &options)?.json_response())
         })
     }
@@ -97,9 +98,10 @@ fn receive(request: ImageRequest) -> Result<Request, Error> {
     Ok(Request::new(&request.method, &request.path_with_query, request.headers, request.body))
 }
 
+/// The options `query` asks for, over the handler's settings (`min_score`).
 fn options_from_query(query: &str) -> Result<DetectOptions, Error> {
     let request = Request::new("GET", &format!("/?{query}"), Vec::new(), Vec::new());
-    Ok(DetectOptions::from_query(request.query())?)
+    DetectOptions::configured(request.query())
 }
 
 fn failure(error: &Error) -> Failure {

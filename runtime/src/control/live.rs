@@ -10,10 +10,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::keys::{self, Scopes};
+use super::secrets::SecretsKey;
 use super::store::{AbortRule, Canary};
-use super::store::{NodeRow, RouteRow};
+use super::store::{NodeRow, RouteRow, SettingRow};
 use crate::admission::gate::TenantGate;
 use crate::sandbox::handler::Handler;
+use crate::sandbox::settings::{NO_VARS, Vars};
 
 /// One tenant in the live snapshot.
 #[derive(Clone)]
@@ -137,6 +139,73 @@ pub(super) fn host_routes(rows: Vec<RouteRow>) -> HostRoutes {
     rows.into_iter().map(|r| (r.hostname, HostRoute { tenant: r.tenant, handler: r.handler })).collect()
 }
 
+/// Every tenant's settings as its handlers read them (see `super::settings`).
+#[derive(Debug, Default, Clone)]
+pub struct LiveSettings(HashMap<String, TenantSettings>);
+
+/// One tenant's settings: its own, and each handler's merged over them.
+#[derive(Debug, Default, Clone)]
+struct TenantSettings {
+    every: Arc<Vars>,
+    handlers: HashMap<String, Arc<Vars>>,
+}
+
+impl LiveSettings {
+    /// What `tenant`'s `handler` reads: its own settings over its tenant's.
+    pub fn vars(&self, tenant: &str, handler: &str) -> Arc<Vars> {
+        match self.0.get(tenant) {
+            None => Arc::clone(&*NO_VARS),
+            Some(settings) => Arc::clone(settings.handlers.get(handler).unwrap_or(&settings.every)),
+        }
+    }
+
+    /// Forgets a deleted tenant's.
+    pub(super) fn remove(&mut self, tenant: &str) {
+        self.0.remove(tenant);
+    }
+}
+
+/// The associated data a setting's secret is sealed with: its tenant,
+/// handler and name, so a sealed value moved to another row does not open.
+pub(super) fn setting_context(tenant: &str, handler: &str, name: &str) -> Vec<u8> {
+    [b"setting\0", tenant.as_bytes(), b"\0", handler.as_bytes(), b"\0", name.as_bytes()].concat()
+}
+
+/// The snapshot's settings from the store's rows, secrets opened with
+/// `key`: one that does not open (or no key) is an error for its name,
+/// which its handler gets instead of a value.
+pub(super) fn live_settings(rows: Vec<(SettingRow, Vec<u8>)>, key: Option<&SecretsKey>) -> LiveSettings {
+    let mut tenants: HashMap<String, (Vars, HashMap<String, Vars>)> = HashMap::new();
+    for (row, value) in rows {
+        let value = opened(&row, value, key);
+        let (every, handlers) = tenants.entry(row.tenant).or_default();
+        if row.handler.is_empty() {
+            every.insert(row.name, value);
+        } else {
+            handlers.entry(row.handler).or_default().insert(row.name, value);
+        }
+    }
+    let tenants = tenants.into_iter().map(|(tenant, (every, handlers))| {
+        let handlers = handlers.into_iter().map(|(handler, own)| (handler, Arc::new(every.overridden_by(own)))).collect();
+        (tenant, TenantSettings { every: Arc::new(every), handlers })
+    });
+    LiveSettings(tenants.collect())
+}
+
+/// A setting's value as its handler reads it.
+fn opened(row: &SettingRow, value: Vec<u8>, key: Option<&SecretsKey>) -> Result<String, String> {
+    let not_text = || format!("the setting {:?} is not UTF-8 text", row.name);
+    if !row.secret {
+        return String::from_utf8(value).map_err(|_| not_text());
+    }
+    let Some(key) = key else {
+        return Err(format!("the secret {:?} cannot be opened: this node has no secrets key", row.name));
+    };
+    let opened = key.open(&setting_context(&row.tenant, &row.handler, &row.name), &value);
+    let opened = opened.map_err(|e| format!("the secret {:?}: {e}", row.name))?;
+    String::from_utf8(opened).map_err(|_| not_text())
+}
+
 /// What the data plane serves: an immutable snapshot, swapped on change.
 /// Its parts are shared between snapshots: a change of keys only copies
 /// the key map.
@@ -147,6 +216,8 @@ pub struct Live {
     pub(super) keys: Arc<KeyMap>,
     /// The operator's hostnames (see [`super::routes`]).
     pub(super) routes: Arc<HostRoutes>,
+    /// The tenants' settings (see [`super::settings`]).
+    pub(super) settings: Arc<LiveSettings>,
 }
 
 /// Compared against when a key id is unknown, so both paths hash once.
@@ -184,6 +255,21 @@ impl Live {
         self.routes.get(hostname)
     }
 
+    /// What `tenant`'s `handler` reads of its settings (`wasi:config/store`).
+    pub fn settings(&self, tenant: &str, handler: &str) -> Arc<Vars> {
+        self.settings.vars(tenant, handler)
+    }
+
+    /// A snapshot sharing all of this one's parts, for a change that replaces one of them.
+    pub(super) fn shared_parts(&self) -> Live {
+        Live {
+            tenants: Arc::clone(&self.tenants),
+            keys: Arc::clone(&self.keys),
+            routes: Arc::clone(&self.routes),
+            settings: Arc::clone(&self.settings),
+        }
+    }
+
     /// Whether no hostname is routed (requests need not look at theirs).
     pub fn routes_empty(&self) -> bool {
         self.routes.is_empty()
@@ -199,7 +285,7 @@ impl Live {
     pub(super) fn with_keys(&self, change: impl FnOnce(&mut KeyMap)) -> Self {
         let mut keys = KeyMap::clone(&self.keys);
         change(&mut keys);
-        Self { tenants: Arc::clone(&self.tenants), keys: Arc::new(keys), routes: Arc::clone(&self.routes) }
+        Self { keys: Arc::new(keys), ..self.shared_parts() }
     }
 
     /// The tenants of a snapshot being built (not shared yet: never copied).

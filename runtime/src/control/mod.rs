@@ -34,6 +34,7 @@ mod seal;
 pub mod secrets;
 mod seed;
 mod serving;
+mod settings;
 mod shared;
 pub mod store;
 pub mod sync;
@@ -65,6 +66,7 @@ pub use self::releases::{Release, Releases, Releasing};
 pub use self::routes::{Routes, host_of, valid_hostname};
 pub use self::seal::{ArtifactKey, CACHE_KEY_FILE, CacheKey};
 pub use self::serving::{Serving, Synced};
+pub use self::settings::{MAX_SETTING_BYTES, MAX_SETTINGS, MAX_SETTINGS_BYTES, SettingInfo, Settings};
 pub use self::tenants::Tenants;
 pub use self::upload::{Change, ChangePlace, UploadHold};
 pub use self::usage::UsageRecords;
@@ -118,6 +120,8 @@ pub struct ControlPlane {
     pub routes: Routes,
     /// Tenants' registry credentials.
     pub registries: Registries,
+    /// Tenants' settings and secrets, which their handlers read.
+    pub settings: Settings,
     /// Usage for bills.
     pub usage: UsageRecords,
     shared: Arc<Shared>,
@@ -177,6 +181,7 @@ impl ControlPlane {
             releases: Releases::new(Arc::clone(&shared), Arc::clone(&artifacts), Arc::clone(&serving)),
             routes: Routes::new(Arc::clone(&shared), Arc::clone(&serving)),
             registries: Registries::new(Arc::clone(&shared)),
+            settings: Settings::new(Arc::clone(&shared), Arc::clone(&serving)),
             // A restarted node writes under a new name: its numbers start again.
             usage: UsageRecords::new(Arc::clone(&shared), store::new_incarnation()?),
             artifacts,

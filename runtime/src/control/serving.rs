@@ -12,7 +12,7 @@ use std::time::Duration;
 use super::artifacts::{Artifacts, Compile};
 use super::cluster::Cluster;
 use super::keys;
-use super::live::{ActiveKey, KeyMap, Live, host_routes};
+use super::live::{ActiveKey, KeyMap, Live, host_routes, live_settings};
 use super::rebuild::{Rebuild, incarnations, tenant_row};
 use super::shared::Shared;
 use super::store::{Store, StoreResult, now_ms};
@@ -189,6 +189,7 @@ impl Serving {
             }
         }
         live.routes = Arc::new(host_routes(db.routes()?));
+        live.settings = Arc::new(live_settings(db.settings(None)?, self.shared.secrets_key.as_ref()));
         build.drop_recreated_meanwhile(db, &mut live)?;
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         self.generation.store(generation, Ordering::Release);
@@ -202,7 +203,19 @@ impl Serving {
         let routes = Arc::new(host_routes(self.shared.serving_db().routes()?));
         let _swapping = self.swapping();
         let current = self.live();
-        let live = Live { tenants: Arc::clone(&current.tenants), keys: Arc::clone(&current.keys), routes };
+        let live = Live { routes, ..current.shared_parts() };
+        *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
+        Ok(())
+    }
+
+    /// Reads the settings again after a change of them here (secrets
+    /// opened here); the rest is the current snapshot's.
+    pub(super) fn refresh_settings(&self) -> StoreResult<()> {
+        let rows = self.shared.serving_db().settings(None)?;
+        let settings = Arc::new(live_settings(rows, self.shared.secrets_key.as_ref()));
+        let _swapping = self.swapping();
+        let current = self.live();
+        let live = Live { settings, ..current.shared_parts() };
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         Ok(())
     }
@@ -224,7 +237,7 @@ impl Serving {
             return self.rebuild_all(db, preloaded, compile);
         }
         let build = self.rebuild(&old, preloaded, compile);
-        let mut live = Live { tenants: Arc::clone(&old.tenants), keys: Arc::default(), routes: Arc::default() };
+        let mut live = Live { tenants: Arc::clone(&old.tenants), ..Live::default() };
         if let Some(was) = live.tenants_mut().remove(tenant)
             && row.is_none()
         {
@@ -247,11 +260,12 @@ impl Serving {
         }
         let _swapping = self.swapping();
         let current = self.live();
-        (live.keys, live.routes) = (Arc::clone(&current.keys), Arc::clone(&current.routes));
+        (live.keys, live.routes, live.settings) = (Arc::clone(&current.keys), Arc::clone(&current.routes), Arc::clone(&current.settings));
         if incarnation.is_none() {
             live.keys_mut().retain(|_, key| key.tenant != tenant);
             // Deleted with the tenant in the store.
             Arc::make_mut(&mut live.routes).retain(|_, route| route.tenant != tenant);
+            Arc::make_mut(&mut live.settings).remove(tenant);
         }
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         Ok(to_compile)

@@ -24,6 +24,8 @@ pub const ALLOWED_IMPORTS: &[&str] = &[
     // granted outgoing HTTP (state.rs): JavaScript components import it
     // whether or not they use it.
     "wasi:http/outgoing-handler@",
+    // The handler's settings and secrets (sandbox/settings.rs).
+    "wasi:config/store@0.2.0-rc.1",
 ];
 
 /// The export every handler must have.

@@ -46,6 +46,44 @@ struct CreateTenant {
     limits: LimitOverrides,
 }
 
+/// `PUT …/config/{name}`'s body. No `Debug`: it may hold a secret.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SetSetting {
+    pub(super) value: String,
+    #[serde(default)]
+    pub(super) secret: bool,
+}
+
+/// The handler a settings call's query names (`handler=H`), if any.
+pub(super) fn setting_handler(query: &str) -> Result<Option<String>, StoreError> {
+    let mut handler = None;
+    for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+        match &*name {
+            "handler" => handler = Some(value.into_owned()),
+            _ => return Err(StoreError::Invalid(format!("unknown parameter {name:?} (handler)"))),
+        }
+    }
+    Ok(handler)
+}
+
+/// `GET`, `PUT` and `DELETE` of a tenant's settings (`rest`: the path
+/// after the tenant, from `config`), for the admin and tenant APIs.
+pub(super) fn settings_op(control: &ControlPlane, t: &str, (method, rest, query): (&Method, &[&str], &str), body: &Bytes) -> AdminResult {
+    match (method, rest) {
+        (&Method::GET, ["config"]) => ok(json!({ "tenant": t, "settings": control.settings.list(t)? })),
+        (&Method::PUT, ["config", name]) => {
+            let set: SetSetting = parse(body)?;
+            ok(control.settings.set(t, setting_handler(query)?.as_deref(), name, &set.value, set.secret)?)
+        }
+        (&Method::DELETE, ["config", name]) => {
+            control.settings.unset(t, setting_handler(query)?.as_deref(), name)?;
+            ok(json!({ "tenant": t, "unset": name }))
+        }
+        _ => Err(StoreError::NotFound(format!("no settings route {method} {}", rest.join("/")))),
+    }
+}
+
 /// `PUT …/registries/{registry}`'s body. No `Debug`: it holds a password.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -289,6 +327,7 @@ fn admin_op(control: &ControlPlane, (method, path, query): (&Method, &[String], 
             control.tenants.revoke_key(t, id)?;
             ok(json!({ "tenant": t, "revoked": id }))
         }
+        (_, ["tenants", t, rest @ ..]) if rest.first() == Some(&"config") => settings_op(control, t, (method, rest, query), body),
         (Method::GET, ["tenants", t, "registries"]) => ok(json!({ "tenant": t, "registries": control.registries.list(t)? })),
         (Method::PUT, ["tenants", t, "registries", registry]) => {
             let login: RegistryLogin = parse(body)?;

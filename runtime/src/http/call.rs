@@ -62,6 +62,8 @@ struct Call<'a> {
     ran: std::sync::atomic::AtomicBool,
     /// The tenant's log its records go to (the tenant as it was at the call's start).
     log: LogOwner,
+    /// The handler's settings as the call started (`wasi:config/store`).
+    settings: Arc<crate::sandbox::settings::Vars>,
 }
 
 impl App {
@@ -83,6 +85,7 @@ impl App {
         let found = (key_tenant == tenant).then(|| live.handler(tenant, name)).flatten();
         let canary = found.and_then(|_| live.canary(tenant, name)).cloned();
         let log = live.tenants.get(tenant).map(|e| LogOwner::new(tenant, &e.incarnation));
+        let settings = live.settings(tenant, name);
         let Some((gate, stable)) = found.map(|(g, h)| (Arc::clone(g), Arc::clone(h))) else {
             server.status(404);
             return response::before_body(response::error(
@@ -113,7 +116,7 @@ impl App {
         // Metered in the minute it started (see crate::telemetry::usage).
         let key = UsageKey::new(tenant, name, handler.version, crate::control::store::now_ms());
         let log = log.unwrap_or_else(|| LogOwner::new(tenant, ""));
-        let call = Call { id: &id, key: &key, trace: server.trace(), hit: OnceLock::new(), ran: Default::default(), log };
+        let call = Call { id: &id, key: &key, trace: server.trace(), hit: OnceLock::new(), ran: Default::default(), log, settings };
         let response = self.run_handler(&gate, &handler, req, &call).await;
         let status = response.status().as_u16();
         server.status(status);
@@ -225,7 +228,8 @@ impl App {
         let sandbox_limits = SandboxLimits { tenant: *limits, max_host_resources: self.config.max_host_resources };
         call.ran.store(true, std::sync::atomic::Ordering::Relaxed);
         let usage = Some((Arc::clone(self.control.usage.meter()), key.clone()));
-        let tag = RequestTag { id: Arc::clone(id), usage, trace: trace.clone(), log: call.log.clone() };
+        let settings = Arc::clone(&call.settings);
+        let tag = RequestTag { id: Arc::clone(id), usage, trace: trace.clone(), log: call.log.clone(), settings };
         match self.sandbox.handle(handler, req, deadline, sandbox_limits, tag, (instance, tenant_slot, memory, promise)).await {
             Ok(mut response) => {
                 response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));

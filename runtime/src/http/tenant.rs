@@ -21,7 +21,7 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
-use super::admin::{Activate, AdminResult, Held, RegistryLogin, StoreCall, change_of, created, key_scopes, ok, parse};
+use super::admin::{Activate, AdminResult, Held, RegistryLogin, StoreCall, change_of, created, key_scopes, ok, parse, settings_op};
 use super::app::{App, REQUEST_ID_HEADER};
 use super::auth::bearer;
 use super::response::{self, Body};
@@ -38,7 +38,8 @@ fn required(method: &Method, rest: &[&str]) -> Option<Scopes> {
     let manage = Scopes::DEPLOY;
     let look = Scopes::DEPLOY.with(Scopes::READ);
     Some(match (method, rest) {
-        (&Method::GET, ["handlers"] | ["handlers", _, "versions"] | ["routes"] | ["registries"]) => look,
+        (&Method::GET, ["handlers"] | ["handlers", _, "versions"] | ["routes"] | ["registries"] | ["config"]) => look,
+        (&Method::PUT | &Method::DELETE, ["config", _]) => manage,
         (&Method::PUT | &Method::DELETE, ["registries", _]) => manage,
         (&Method::PUT, ["handlers", _]) | (&Method::POST, ["handlers", _, "activate" | "rollback" | "promote" | "abort"]) => manage,
         (&Method::GET | &Method::POST, ["keys"]) | (&Method::DELETE, ["keys", _]) => manage,
@@ -152,6 +153,7 @@ fn tenant_op(
         (Method::POST, ["handlers", h, "promote"]) => ok(control.releases.promote(t, h)?),
         (Method::POST, ["handlers", h, "abort"]) => ok(json!({ "aborted": control.releases.abort_canary(t, h, None)? })),
         (Method::GET, ["keys"]) => ok(json!({ "tenant": t, "keys": control.tenants.keys(t)? })),
+        (_, ["config", ..]) => settings_op(control, t, (method, p.as_slice(), query), body),
         (Method::GET, ["registries"]) => ok(json!({ "tenant": t, "registries": control.registries.list(t)? })),
         (Method::PUT, ["registries", registry]) => {
             let login: RegistryLogin = parse(body)?;
@@ -196,6 +198,8 @@ mod tests {
         assert_eq!(get(&["usage"]), Some(Scopes::READ));
         assert_eq!(get(&["routes"]), Some(Scopes::DEPLOY.with(Scopes::READ)));
         assert_eq!(get(&["registries"]), Some(Scopes::DEPLOY.with(Scopes::READ)));
+        assert_eq!(get(&["config"]), Some(Scopes::DEPLOY.with(Scopes::READ)), "read lists settings (secrets' names only)");
+        assert_eq!(required(&Method::PUT, &["config", "min_score"]), Some(Scopes::DEPLOY), "deploy writes them");
         assert_eq!(required(&Method::PUT, &["registries", "ghcr.io"]), Some(Scopes::DEPLOY), "credentials are set with deploy only");
         assert_eq!(required(&Method::PUT, &["handlers", "faces"]), Some(Scopes::DEPLOY));
         assert_eq!(required(&Method::POST, &["handlers", "faces", "rollback"]), Some(Scopes::DEPLOY));

@@ -2,7 +2,7 @@
 //! handler version ([`handler`]), one request (`run`: [`Sandbox`]), whose
 //! answer ends with its guest ([`answer_end`]), what its store holds
 //! ([`state`], [`stdio`], [`instance_memory`], [`outgoing`],
-//! [`face_detect`]), instances kept warm between requests ([`warm`]), and
+//! [`face_detect`], [`settings`]), instances kept warm between requests ([`warm`]), and
 //! compiling uploads off the request path ([`compile`]).
 
 pub mod answer_end;
@@ -13,6 +13,7 @@ pub mod handler;
 pub mod instance_memory;
 pub mod outgoing;
 mod run;
+pub mod settings;
 pub mod state;
 pub mod stdio;
 pub mod warm;

@@ -26,6 +26,7 @@ use crate::sandbox::face_detect::{self, FaceDetectCtx};
 use crate::sandbox::handler::Handler;
 use crate::sandbox::instance_memory::{InstanceLimiter, MemoryLimitExceeded};
 use crate::sandbox::outgoing::Egress;
+use crate::sandbox::settings::Vars;
 use crate::sandbox::state::{self, GatewayHooks, RequestState};
 use crate::sandbox::stdio::escape_for_log;
 use crate::sandbox::warm::{WARM_MAX_MEMORY, Warm, WarmBudget};
@@ -132,6 +133,8 @@ pub struct RequestTag {
     pub trace: RequestTrace,
     /// The tenant's log its handler's output goes to (this creation of the tenant).
     pub log: LogOwner,
+    /// The handler's settings and secrets, as the snapshot held them when the request started.
+    pub settings: Arc<Vars>,
 }
 
 /// What a client is told of a [`SandboxError`].
@@ -230,6 +233,7 @@ impl Sandbox {
             RequestState::http,
         )?;
         face_detect::add_to_linker(&mut linker, state::face_detect_view)?;
+        super::settings::add_to_linker(&mut linker, state::settings_view)?;
         wasmtime_wasi_http::p2::bindings::http::outgoing_handler::add_to_linker::<_, wasmtime_wasi_http::WasiHttp>(
             &mut linker,
             RequestState::http,
@@ -315,7 +319,8 @@ impl Sandbox {
     ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
         let method = request.method().clone();
         let (mut store, warm_proxy, served) = self.store_for(handler, deadline, limits);
-        let RequestTag { id: request_id, usage, trace, log } = tag;
+        let RequestTag { id: request_id, usage, trace, log, settings } = tag;
+        store.data_mut().settings = settings;
         trace.set([KeyValue::new("faas.coldstart", warm_proxy.is_none())]);
         if let Some((meter, key)) = usage {
             store.data_mut().face_detect.meter_as(meter, key);

@@ -12,6 +12,7 @@ use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpC
 use crate::sandbox::face_detect::{FaceDetectCtx, FaceDetectView};
 use crate::sandbox::instance_memory::InstanceLimiter;
 use crate::sandbox::outgoing::{Caller, Egress, Refusals, Sent};
+use crate::sandbox::settings::{NO_VARS, SettingsView, Vars};
 use crate::sandbox::stdio::{CappedCapture, STDIO_CAPTURE_BYTES};
 use crate::telemetry::trace::RequestTrace;
 
@@ -151,6 +152,8 @@ pub struct RequestState {
     pub deadline: Instant,
     /// The guest's stdout and stderr, for the logs.
     pub stdio: CappedCapture,
+    /// Its settings and secrets (`wasi:config/store`), as the request started.
+    pub settings: Arc<Vars>,
 }
 
 impl RequestState {
@@ -171,7 +174,8 @@ impl RequestState {
         table.set_max_capacity(max_host_resources);
         let mut http = WasiHttpCtx::new();
         http.set_field_size_limit(FIELD_SIZE_LIMIT);
-        Self { table, wasi, http, deadline: hooks.deadline, hooks, face_detect, limiter, stdio }
+        let settings = Arc::clone(&*NO_VARS);
+        Self { table, wasi, http, deadline: hooks.deadline, hooks, face_detect, limiter, stdio, settings }
     }
 
     /// The guest's span of this request: its `infer` calls are its
@@ -225,6 +229,11 @@ impl WasiHttpView for RequestState {
     fn http(&mut self) -> WasiHttpCtxView<'_> {
         WasiHttpCtxView { ctx: &mut self.http, table: &mut self.table, hooks: &mut self.hooks }
     }
+}
+
+/// Projects the settings' view (for [`crate::sandbox::settings::add_to_linker`]).
+pub fn settings_view(state: &mut RequestState) -> SettingsView<'_> {
+    SettingsView(&state.settings)
 }
 
 /// Projects the face-detect view (for [`crate::sandbox::face_detect::add_to_linker`]).

@@ -204,12 +204,26 @@ fn a_tenant_deploys_starts_a_canary_and_reads_its_log_tail() {
         .json()
         .unwrap();
     let invoke: Value = admin(reqwest::Method::POST, "/admin/v1/tenants/console-self/keys").send().unwrap().json().unwrap();
+    // A setting and a secret, which the tenant's view lists (the secret by name only).
+    const SECRET: &str = "console-secret-value-91af";
+    let set = |name: &str, value: &str, secret: bool| {
+        let path = format!("/admin/v1/tenants/console-self/config/{name}");
+        assert_eq!(admin(reqwest::Method::PUT, &path).json(&json!({ "value": value, "secret": secret })).send().unwrap().status(), 200);
+    };
+    set("min_score", "0.7", false);
+    set("webhook_token", SECRET, true);
     let browser = Browser::start(1280, 1600);
     browser.open("/");
     browser.click("#tab-mine");
     browser.type_into("#mine-key", deploy["key"].as_str().unwrap());
     browser.click("#mine-form button");
     browser.wait_for("!document.getElementById('mine-body').hidden && window.facegateConsole.mine.scopes.includes('deploy')");
+    browser.wait_for("document.querySelectorAll('#mine-settings tbody tr').length === 2");
+    let settings = browser.script("return [...document.querySelectorAll('#mine-settings tbody tr')].map(r => r.textContent);");
+    let shown = settings.to_string();
+    assert!(shown.contains("min_score") && shown.contains("0.7") && shown.contains("webhook_token"), "{shown}");
+    let page = browser.script("return document.documentElement.outerHTML;").to_string();
+    assert!(!page.contains(SECRET), "the console page never holds a secret's value");
 
     browser.type_into("#mine-name", "faces");
     browser.attach("#mine-file", &guest("detect"));

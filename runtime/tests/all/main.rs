@@ -25,6 +25,7 @@ mod restart;
 mod routes;
 mod scripts;
 mod secrets;
+mod settings;
 mod stores;
 mod tenants;
 mod tls;

@@ -20,19 +20,19 @@ use sha2::{Digest, Sha256};
 use crate::harness::{self, ADMIN_TOKEN, anonymous, client_with_key, guest};
 
 /// The registry user of the basic-auth tests and its bcrypt hash (`htpasswd -nbB`).
-const USER: &str = "ci";
-const PASSWORD: &str = "registry-pass-7f3a";
+pub(crate) const USER: &str = "ci";
+pub(crate) const PASSWORD: &str = "registry-pass-7f3a";
 const HTPASSWD: &str = "ci:$2y$05$meEL7NhuVWf65Om30pG2ZO6rbutEBHBnCKZbAO9BCGNE1MY9gGxvm\n";
 
 /// A distribution registry on 127.0.0.1 over plain HTTP, stopped when dropped.
-struct Registry {
-    addr: SocketAddr,
+pub(crate) struct Registry {
+    pub(crate) addr: SocketAddr,
     child: Child,
 }
 
 impl Registry {
     /// Starts one storing under `dir`, with basic auth if `auth`.
-    fn start(dir: &Path, auth: bool) -> Self {
+    pub(crate) fn start(dir: &Path, auth: bool) -> Self {
         let _ = std::fs::remove_dir_all(dir);
         std::fs::create_dir_all(dir.join("data")).unwrap();
         let addr = free_port();
@@ -60,7 +60,7 @@ impl Registry {
         registry
     }
 
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -76,7 +76,7 @@ fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
 }
 
-fn scratch(name: &str) -> PathBuf {
+pub(crate) fn scratch(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("oci-{name}-{}", std::process::id()))
 }
 
@@ -92,7 +92,7 @@ fn gateway(name: &str, registries: &[SocketAddr], edit: impl FnOnce(&mut facegat
 }
 
 /// `facegate ARGS` against the gateway at `addr` with the admin token and `env`.
-fn cli(addr: SocketAddr, args: &[&str], env: &[(&str, &str)], stdin: &str) -> (i32, String, String) {
+pub(crate) fn cli(addr: SocketAddr, args: &[&str], env: &[(&str, &str)], stdin: &str) -> (i32, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_facegate"))
         .args(args)
         .env("FACEGATE_URL", format!("http://{addr}"))
@@ -189,6 +189,10 @@ fn pushed_components_deploy_by_tag_and_by_digest_and_roll_back_with_the_registry
     assert_eq!(sources, [pinned_hello.as_str(), source.as_str()]);
     let (code, out, _) = cli(addr, &["versions", "--tenant", "demo", "--handler", "reg"], &[], "");
     assert!(code == 0 && out.contains(&hello) && out.contains(&faces), "{out}");
+
+    // The CLI's deploy by digest, with the tenant's deploy key, as a CI job would.
+    let (code, out, err) = cli(addr, &["deploy", "--handler", "pinned", &source, "--key", &key], &[], "");
+    assert!(code == 0 && out.contains(&source), "{out}{err}");
 
     // A tag the registry does not have.
     let (status, refused) = admin_deploy(addr, "demo", "reg", json!({ "source": format!("oci://{reg}/acme/hello:nope") }));

@@ -382,3 +382,29 @@ fn one_component_serves_three_routes_in_each_language() {
         }
     }
 }
+
+/// The Python and JavaScript `detect` read the handler's setting
+/// `min_score` (through the pipeline component linked into them), as the
+/// Rust one does: the next request answers only faces above it.
+#[test]
+fn python_and_javascript_detect_take_min_score_from_the_handlers_settings() {
+    for (language, suffix) in LANGUAGES {
+        let key = deployed(language, suffix, "detect");
+        let handler = format!("configured-{suffix}");
+        let bytes = std::fs::read(built(language, "detect")).unwrap();
+        let (status, body) = admin_json(admin(Method::PUT, &format!("tenants/scripts/handlers/{handler}")).body(bytes));
+        assert_eq!(status, 201, "{body}");
+        let scores = || -> Vec<f64> {
+            let (status, _, body) = call(&key, &format!("scripts/{handler}"), Method::POST, "", image("city.jpg"));
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+            let body: Value = serde_json::from_slice(&body).unwrap();
+            body["faces"].as_array().unwrap().iter().map(|f| f["score"].as_f64().unwrap()).collect()
+        };
+        let before = scores();
+        let setting = admin(Method::PUT, &format!("tenants/scripts/config/min_score?handler={handler}")).json(&json!({ "value": "0.8" }));
+        assert_eq!(admin_json(setting).0, 200);
+        let after = scores();
+        assert_eq!(after.len(), before.iter().filter(|&&s| s > 0.8).count(), "{language}: {before:?} then {after:?}");
+        assert!(after.len() < before.len(), "{language}: city.jpg has faces under 0.8: {before:?}");
+    }
+}

@@ -285,7 +285,9 @@ pub type ListenerSource = Box<dyn FnOnce() -> anyhow::Result<Box<dyn Listener>> 
 /// part of the contract per concept, each implemented by both stores.
 /// Methods take `&mut self`: each part of the control plane holds its
 /// connection behind a lock of its own.
-pub trait Store: TenantStore + ReleaseStore + ArtifactStore + NodeStore + UsageStore + RouteStore + RegistryLoginStore + Send {
+pub trait Store:
+    TenantStore + ReleaseStore + ArtifactStore + NodeStore + UsageStore + RouteStore + RegistryLoginStore + SettingStore + Send
+{
     /// What this store is, for logs: `sqlite:<path>` or `postgres://host/db` (no password).
     fn describe(&self) -> String;
 
@@ -468,6 +470,39 @@ pub trait RegistryLoginStore {
 
     /// Forgets `tenant`'s credentials for `registry`.
     fn remove_registry_login(&mut self, tenant: &str, registry: &str) -> StoreResult<()>;
+}
+
+/// A tenant's setting or secret, as stored beside its value.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct SettingRow {
+    /// The tenant.
+    pub tenant: String,
+    /// The handler it is for; empty: every handler of the tenant.
+    pub handler: String,
+    /// Its name, as handlers ask for it.
+    pub name: String,
+    /// Whether its value is a secret (sealed with the secrets key).
+    pub secret: bool,
+    /// Unix seconds of its last change.
+    pub updated_at: i64,
+}
+
+/// The store's part for tenants' settings and secrets (see `control::settings`).
+pub trait SettingStore {
+    /// Sets `row`'s setting to `value` (a secret's sealed already).
+    fn put_setting(&mut self, row: &SettingRow, value: &[u8]) -> StoreResult<()>;
+
+    /// Removes `tenant`'s setting `name` of `handler` (empty: the tenant's own).
+    fn remove_setting(&mut self, tenant: &str, handler: &str, name: &str) -> StoreResult<()>;
+
+    /// Every setting with its value, of `tenant` or (`None`) of all tenants.
+    fn settings(&mut self, tenant: Option<&str>) -> StoreResult<Vec<(SettingRow, Vec<u8>)>>;
+}
+
+/// The refusal of a setting a tenant does not have.
+pub(super) fn no_setting(tenant: &str, handler: &str, name: &str) -> StoreError {
+    let of = if handler.is_empty() { String::new() } else { format!(" of handler {handler:?}") };
+    StoreError::NotFound(format!("tenant {tenant:?} has no setting {name:?}{of}"))
 }
 
 /// The refusal of credentials a tenant does not have.

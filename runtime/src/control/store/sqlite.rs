@@ -12,8 +12,8 @@ use super::{
     TenantRow, VersionRow, new_incarnation, now,
 };
 use super::{
-    ArtifactStore, NodeStore, RegistryLoginRow, RegistryLoginStore, ReleaseStore, RouteRow, RouteStore, TenantStore, UsageStore,
-    hostname_taken, no_registry_login,
+    ArtifactStore, NodeStore, RegistryLoginRow, RegistryLoginStore, ReleaseStore, RouteRow, RouteStore, SettingRow, SettingStore,
+    TenantStore, UsageStore, hostname_taken, no_registry_login, no_setting,
 };
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
 use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
@@ -497,6 +497,36 @@ impl RegistryLoginStore for SqliteStore {
             return Err(no_registry_login(tenant, registry));
         }
         Ok(())
+    }
+}
+
+impl SettingStore for SqliteStore {
+    fn put_setting(&mut self, row: &SettingRow, value: &[u8]) -> StoreResult<()> {
+        self.tenant(&row.tenant)?;
+        self.conn.execute(
+            "INSERT INTO settings (tenant, handler, name, secret, value, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT (tenant, handler, name) DO UPDATE SET secret = excluded.secret, value = excluded.value, updated_at = excluded.updated_at",
+            params![row.tenant, row.handler, row.name, row.secret, value, row.updated_at],
+        )?;
+        Ok(())
+    }
+
+    fn remove_setting(&mut self, tenant: &str, handler: &str, name: &str) -> StoreResult<()> {
+        if self.conn.execute("DELETE FROM settings WHERE tenant = ?1 AND handler = ?2 AND name = ?3", [tenant, handler, name])? == 0 {
+            return Err(no_setting(tenant, handler, name));
+        }
+        Ok(())
+    }
+
+    fn settings(&mut self, tenant: Option<&str>) -> StoreResult<Vec<(SettingRow, Vec<u8>)>> {
+        let mut stmt = self.conn.prepare(
+            "SELECT tenant, handler, name, secret, updated_at, value FROM settings WHERE ?1 IS NULL OR tenant = ?1 ORDER BY tenant, handler, name",
+        )?;
+        let rows = stmt.query_map([tenant], |r| {
+            let row = SettingRow { tenant: r.get(0)?, handler: r.get(1)?, name: r.get(2)?, secret: r.get(3)?, updated_at: r.get(4)? };
+            Ok((row, r.get(5)?))
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
     }
 }
 
