@@ -65,8 +65,9 @@ pub fn get_all() -> Result<Vec<(String, String)>, SettingError> {
 pub fn parse_or<T: FromStr>(name: &str, default: T) -> Result<T, SettingError> {
     match get(name)? {
         None => Ok(default),
+        // Never the value in the error: it may be a secret, and errors reach the client.
         Some(text) => {
-            text.trim().parse().map_err(|_| SettingError { name: name.to_owned(), why: format!("is {text:?}, not a valid value") })
+            text.trim().parse().map_err(|_| SettingError { name: name.to_owned(), why: "is not a valid value of its type".to_owned() })
         }
     }
 }

@@ -63,7 +63,7 @@ impl DetectOptions {
     pub fn configured(query: &Query) -> Result<Self, crate::Error> {
         let threshold = crate::config::parse_or("min_score", DEFAULT_THRESHOLD)?;
         if !(threshold > 0.0 && threshold <= 1.0) {
-            let message = format!("the setting \"min_score\" is {threshold}, not a number with 0 < min_score ≤ 1");
+            let message = "the setting \"min_score\" is not a number with 0 < min_score ≤ 1";
             return Err(crate::Error::custom(500, "bad_setting", message));
         }
         Ok(Self::from_query_over(query, Self { threshold, ..Self::default() })?)

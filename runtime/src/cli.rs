@@ -127,25 +127,40 @@ pub enum KeyCommand {
     },
 }
 
-/// Whose setting: a tenant (not with `--key`) and perhaps one of its handlers.
+/// A tenant (`--tenant`; not with `--key`: the key's own) and where its API is.
 #[derive(Debug, Clone, Args)]
-pub struct SettingTarget {
+pub struct TenantClient {
     /// The tenant (not with `--key`: the key's own).
     #[arg(long, required_unless_present = "key")]
     pub tenant: Option<String>,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "flattened")]
+    pub client: ClientArgs,
+}
+
+impl TenantClient {
+    /// `rest` under the tenant's path in the admin API, or in the tenant API with a key.
+    fn path(&self, rest: &str) -> String {
+        self.client.route(format!("tenants/{}/{rest}", named(&self.tenant)), || rest.to_owned())
+    }
+}
+
+/// Whose setting: a tenant and perhaps one of its handlers.
+#[derive(Debug, Clone, Args)]
+pub struct SettingTarget {
     /// Only this handler (its value wins over the tenant's); default: every handler of the tenant.
     #[arg(long)]
     pub handler: Option<String>,
     #[command(flatten)]
     #[allow(missing_docs, reason = "flattened")]
-    pub client: ClientArgs,
+    pub of: TenantClient,
 }
 
 impl SettingTarget {
     /// The settings' path (then `rest` and the handler's query).
     fn path(&self, rest: &str) -> String {
         let query = self.handler.as_ref().map_or_else(String::new, |h| format!("?handler={h}"));
-        self.client.route(format!("tenants/{}/config{rest}{query}", named(&self.tenant)), || format!("config{rest}{query}"))
+        self.of.path(&format!("config{rest}{query}"))
     }
 }
 
@@ -172,12 +187,9 @@ pub enum ConfigCommand {
     },
     /// List a tenant's settings (secrets by name and fingerprint only).
     List {
-        /// The tenant (not with `--key`).
-        #[arg(long, required_unless_present = "key")]
-        tenant: Option<String>,
         #[command(flatten)]
         #[allow(missing_docs, reason = "flattened")]
-        client: ClientArgs,
+        of: TenantClient,
     },
 }
 
@@ -209,35 +221,26 @@ pub enum RegistryCommand {
     Login {
         /// The registry, `HOST[:PORT]` as references name it.
         registry: String,
-        /// Tenant name (not with `--key`).
-        #[arg(long, required_unless_present = "key")]
-        tenant: Option<String>,
         #[command(flatten)]
         #[allow(missing_docs, reason = "flattened")]
         credentials: RegistryArgs,
         #[command(flatten)]
         #[allow(missing_docs, reason = "flattened")]
-        client: ClientArgs,
+        of: TenantClient,
     },
     /// List the registries a tenant keeps credentials for (user names, never passwords).
     List {
-        /// Tenant name (not with `--key`).
-        #[arg(long, required_unless_present = "key")]
-        tenant: Option<String>,
         #[command(flatten)]
         #[allow(missing_docs, reason = "flattened")]
-        client: ClientArgs,
+        of: TenantClient,
     },
     /// Forget a tenant's credentials for a registry.
     Logout {
         /// The registry.
         registry: String,
-        /// Tenant name (not with `--key`).
-        #[arg(long, required_unless_present = "key")]
-        tenant: Option<String>,
         #[command(flatten)]
         #[allow(missing_docs, reason = "flattened")]
-        client: ClientArgs,
+        of: TenantClient,
     },
 }
 
@@ -634,37 +637,29 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
             (&args.target.client, Method::PUT, args.target.path(&args.query()), body, content_type)
         }
         C::Push(args) => return push(args).await,
-        C::Registry(RegistryCommand::Login { registry, tenant, credentials, client }) => {
+        C::Registry(RegistryCommand::Login { registry, credentials, of }) => {
             let Some(given) = credentials.credentials(registry, true)? else {
                 bail!("no credentials for {registry}: give --registry-username and --registry-password-stdin, or log in with docker first");
             };
             let body = json!({ "username": given.username, "password": given.password }).to_string();
-            let path = client.route(format!("tenants/{}/registries/{registry}", named(tenant)), || format!("registries/{registry}"));
-            (client, Method::PUT, path, body.into(), "application/json")
+            (&of.client, Method::PUT, of.path(&format!("registries/{registry}")), body.into(), "application/json")
         }
         C::Config(ConfigCommand::Set { name, value, target }) => {
             let body = json!({ "value": value }).to_string();
-            (&target.client, Method::PUT, target.path(&format!("/{name}")), body.into(), "application/json")
+            (&target.of.client, Method::PUT, target.path(&format!("/{name}")), body.into(), "application/json")
         }
         C::Config(ConfigCommand::Unset { name, target }) => {
-            (&target.client, Method::DELETE, target.path(&format!("/{name}")), Bytes::new(), "application/json")
+            (&target.of.client, Method::DELETE, target.path(&format!("/{name}")), Bytes::new(), "application/json")
         }
-        C::Config(ConfigCommand::List { tenant, client }) => {
-            let path = client.route(format!("tenants/{}/config", named(tenant)), || "config".to_owned());
-            (client, Method::GET, path, Bytes::new(), "application/json")
-        }
+        C::Config(ConfigCommand::List { of }) => (&of.client, Method::GET, of.path("config"), Bytes::new(), "application/json"),
         C::Secret(SecretCommand::Set { name, from_file, target }) => {
             let value = secret_value(from_file.as_deref())?;
             let body = json!({ "value": value, "secret": true }).to_string();
-            (&target.client, Method::PUT, target.path(&format!("/{name}")), body.into(), "application/json")
+            (&target.of.client, Method::PUT, target.path(&format!("/{name}")), body.into(), "application/json")
         }
-        C::Registry(RegistryCommand::List { tenant, client }) => {
-            let path = client.route(format!("tenants/{}/registries", named(tenant)), || "registries".to_owned());
-            (client, Method::GET, path, Bytes::new(), "application/json")
-        }
-        C::Registry(RegistryCommand::Logout { registry, tenant, client }) => {
-            let path = client.route(format!("tenants/{}/registries/{registry}", named(tenant)), || format!("registries/{registry}"));
-            (client, Method::DELETE, path, Bytes::new(), "application/json")
+        C::Registry(RegistryCommand::List { of }) => (&of.client, Method::GET, of.path("registries"), Bytes::new(), "application/json"),
+        C::Registry(RegistryCommand::Logout { registry, of }) => {
+            (&of.client, Method::DELETE, of.path(&format!("registries/{registry}")), Bytes::new(), "application/json")
         }
         C::Promote(t) => (&t.client, Method::POST, t.path("/promote"), Bytes::new(), "application/json"),
         C::Abort(t) => (&t.client, Method::POST, t.path("/abort"), Bytes::new(), "application/json"),
@@ -716,12 +711,19 @@ fn secret_value(file: Option<&std::path::Path>) -> anyhow::Result<String> {
     let text = match file {
         Some(path) => std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?,
         None => {
+            // Typed at a terminal, the secret would show as it is typed.
+            if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+                bail!("pipe the secret into this command (printf %s \"$SECRET\" | facegate secret set ...) or give --from-file");
+            }
             let mut text = String::new();
             std::io::Read::read_to_string(&mut std::io::stdin(), &mut text).context("reading the secret from stdin")?;
             text
         }
     };
     let value = text.strip_suffix('\n').map(|t| t.strip_suffix('\r').unwrap_or(t)).unwrap_or(&text);
+    if value.is_empty() {
+        bail!("the secret is empty (an unset variable piped in?): nothing was set");
+    }
     Ok(value.to_owned())
 }
 
@@ -753,11 +755,11 @@ fn explicit_tenant(command: &Command) -> Option<&str> {
         }
         C::Deploy(args) => args.target.tenant.as_deref(),
         C::Config(ConfigCommand::Set { target, .. } | ConfigCommand::Unset { target, .. })
-        | C::Secret(SecretCommand::Set { target, .. }) => target.tenant.as_deref(),
-        C::Config(ConfigCommand::List { tenant, .. }) => tenant.as_deref(),
-        C::Registry(
-            RegistryCommand::Login { tenant, .. } | RegistryCommand::List { tenant, .. } | RegistryCommand::Logout { tenant, .. },
-        ) => tenant.as_deref(),
+        | C::Secret(SecretCommand::Set { target, .. }) => target.of.tenant.as_deref(),
+        C::Config(ConfigCommand::List { of })
+        | C::Registry(RegistryCommand::Login { of, .. } | RegistryCommand::List { of } | RegistryCommand::Logout { of, .. }) => {
+            of.tenant.as_deref()
+        }
         C::Promote(t) | C::Abort(t) | C::Versions(t) | C::Rollback(t) => t.tenant.as_deref(),
         C::Activate(ActivateArgs { target, .. }) => target.tenant.as_deref(),
         C::Usage(args) => args.tenant.as_deref(),

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 use super::keys::{self, Scopes};
 use super::secrets::SecretsKey;
 use super::store::{AbortRule, Canary};
-use super::store::{NodeRow, RouteRow, SettingRow};
+use super::store::{NodeRow, RouteRow, StoredSetting};
 use crate::admission::gate::TenantGate;
 use crate::sandbox::handler::Handler;
-use crate::sandbox::settings::{NO_VARS, Vars};
+use crate::sandbox::settings::{HandlerSettings, Vars};
 
 /// One tenant in the live snapshot.
 #[derive(Clone)]
@@ -141,22 +141,37 @@ pub(super) fn host_routes(rows: Vec<RouteRow>) -> HostRoutes {
 
 /// Every tenant's settings as its handlers read them (see `super::settings`).
 #[derive(Debug, Default, Clone)]
-pub struct LiveSettings(HashMap<String, TenantSettings>);
+pub struct LiveSettings(HashMap<String, Arc<TenantSettings>>);
 
-/// One tenant's settings: its own, and each handler's merged over them.
-#[derive(Debug, Default, Clone)]
+/// One tenant's settings: its own and each handler's, each once.
+#[derive(Debug, Default)]
 struct TenantSettings {
+    /// Which creation of the tenant they belong to: another one of the
+    /// same name (deleted and created again, not yet synced here) reads none.
+    incarnation: String,
     every: Arc<Vars>,
     handlers: HashMap<String, Arc<Vars>>,
 }
 
 impl LiveSettings {
-    /// What `tenant`'s `handler` reads: its own settings over its tenant's.
-    pub fn vars(&self, tenant: &str, handler: &str) -> Arc<Vars> {
-        match self.0.get(tenant) {
-            None => Arc::clone(&*NO_VARS),
-            Some(settings) => Arc::clone(settings.handlers.get(handler).unwrap_or(&settings.every)),
+    /// What `tenant`'s `handler` reads, if `incarnation` is the tenant's whose settings these are.
+    fn of(&self, (tenant, incarnation): (&str, &str), handler: &str) -> HandlerSettings {
+        match self.0.get(tenant).filter(|s| s.incarnation == incarnation) {
+            None => HandlerSettings::default(),
+            Some(settings) => {
+                let own = settings.handlers.get(handler).map_or_else(|| HandlerSettings::default().own, Arc::clone);
+                HandlerSettings { own, every: Arc::clone(&settings.every) }
+            }
         }
+    }
+
+    /// These, with `tenant`'s replaced by those of `rows` (its settings as
+    /// the store has them now; none: it has none).
+    pub(super) fn with_tenant(&self, tenant: &str, rows: Vec<StoredSetting>, key: Option<&SecretsKey>) -> LiveSettings {
+        let mut settings = self.clone();
+        settings.0.remove(tenant);
+        settings.0.extend(live_settings(rows, key).0);
+        settings
     }
 
     /// Forgets a deleted tenant's.
@@ -165,44 +180,48 @@ impl LiveSettings {
     }
 }
 
-/// The associated data a setting's secret is sealed with: its tenant,
-/// handler and name, so a sealed value moved to another row does not open.
-pub(super) fn setting_context(tenant: &str, handler: &str, name: &str) -> Vec<u8> {
-    [b"setting\0", tenant.as_bytes(), b"\0", handler.as_bytes(), b"\0", name.as_bytes()].concat()
+/// The associated data a setting's secret is sealed with: its tenant (this
+/// creation of it), handler and name, so a sealed value moved to another
+/// row, or restored into a tenant created again, does not open.
+pub(super) fn setting_context(tenant: (&str, &str), handler: &str, name: &str) -> Vec<u8> {
+    let (tenant, incarnation) = tenant;
+    [b"setting\0", tenant.as_bytes(), b"\0", incarnation.as_bytes(), b"\0", handler.as_bytes(), b"\0", name.as_bytes()].concat()
 }
 
 /// The snapshot's settings from the store's rows, secrets opened with
 /// `key`: one that does not open (or no key) is an error for its name,
 /// which its handler gets instead of a value.
-pub(super) fn live_settings(rows: Vec<(SettingRow, Vec<u8>)>, key: Option<&SecretsKey>) -> LiveSettings {
-    let mut tenants: HashMap<String, (Vars, HashMap<String, Vars>)> = HashMap::new();
-    for (row, value) in rows {
-        let value = opened(&row, value, key);
-        let (every, handlers) = tenants.entry(row.tenant).or_default();
+pub(super) fn live_settings(rows: Vec<StoredSetting>, key: Option<&SecretsKey>) -> LiveSettings {
+    let mut tenants: HashMap<String, (String, Vars, HashMap<String, Vars>)> = HashMap::new();
+    for stored in rows {
+        let value = opened(&stored, key);
+        let StoredSetting { row, incarnation, .. } = stored;
+        let (_, every, handlers) = tenants.entry(row.tenant).or_insert_with(|| (incarnation, Vars::default(), HashMap::new()));
         if row.handler.is_empty() {
             every.insert(row.name, value);
         } else {
             handlers.entry(row.handler).or_default().insert(row.name, value);
         }
     }
-    let tenants = tenants.into_iter().map(|(tenant, (every, handlers))| {
-        let handlers = handlers.into_iter().map(|(handler, own)| (handler, Arc::new(every.overridden_by(own)))).collect();
-        (tenant, TenantSettings { every: Arc::new(every), handlers })
+    let tenants = tenants.into_iter().map(|(tenant, (incarnation, every, handlers))| {
+        let handlers = handlers.into_iter().map(|(handler, own)| (handler, Arc::new(own))).collect();
+        (tenant, Arc::new(TenantSettings { incarnation, every: Arc::new(every), handlers }))
     });
     LiveSettings(tenants.collect())
 }
 
 /// A setting's value as its handler reads it.
-fn opened(row: &SettingRow, value: Vec<u8>, key: Option<&SecretsKey>) -> Result<String, String> {
+fn opened(stored: &StoredSetting, key: Option<&SecretsKey>) -> Result<String, String> {
+    let row = &stored.row;
     let not_text = || format!("the setting {:?} is not UTF-8 text", row.name);
     if !row.secret {
-        return String::from_utf8(value).map_err(|_| not_text());
+        return String::from_utf8(stored.value.clone()).map_err(|_| not_text());
     }
     let Some(key) = key else {
         return Err(format!("the secret {:?} cannot be opened: this node has no secrets key", row.name));
     };
-    let opened = key.open(&setting_context(&row.tenant, &row.handler, &row.name), &value);
-    let opened = opened.map_err(|e| format!("the secret {:?}: {e}", row.name))?;
+    let context = setting_context((&row.tenant, &stored.incarnation), &row.handler, &row.name);
+    let opened = key.open(&context, &stored.value).map_err(|e| format!("the secret {:?}: {e}", row.name))?;
     String::from_utf8(opened).map_err(|_| not_text())
 }
 
@@ -255,9 +274,13 @@ impl Live {
         self.routes.get(hostname)
     }
 
-    /// What `tenant`'s `handler` reads of its settings (`wasi:config/store`).
-    pub fn settings(&self, tenant: &str, handler: &str) -> Arc<Vars> {
-        self.settings.vars(tenant, handler)
+    /// What `tenant`'s `handler` reads of its settings (`wasi:config/store`):
+    /// none unless they belong to the tenant this snapshot serves.
+    pub fn settings(&self, tenant: &str, handler: &str) -> HandlerSettings {
+        match self.tenants.get(tenant) {
+            Some(entry) => self.settings.of((tenant, &entry.incarnation), handler),
+            None => HandlerSettings::default(),
+        }
     }
 
     /// A snapshot sharing all of this one's parts, for a change that replaces one of them.

@@ -200,7 +200,9 @@ impl Serving {
     /// Reads the routed hostnames again after a change of them here; the
     /// tenants and keys are the current snapshot's.
     pub(super) fn refresh_routes(&self) -> StoreResult<()> {
-        let routes = Arc::new(host_routes(self.shared.serving_db().routes()?));
+        // The store held until the swap (see `refresh_settings`).
+        let mut db = self.shared.serving_db();
+        let routes = Arc::new(host_routes(db.routes()?));
         let _swapping = self.swapping();
         let current = self.live();
         let live = Live { routes, ..current.shared_parts() };
@@ -208,15 +210,19 @@ impl Serving {
         Ok(())
     }
 
-    /// Reads the settings again after a change of them here (secrets
-    /// opened here); the rest is the current snapshot's.
-    pub(super) fn refresh_settings(&self) -> StoreResult<()> {
-        let rows = self.shared.serving_db().settings(None)?;
-        let settings = Arc::new(live_settings(rows, self.shared.secrets_key.as_ref()));
+    /// Reads `tenant`'s settings again after a change of them here (its
+    /// secrets opened here); the rest is the current snapshot's. The store
+    /// is held until the swap: a rebuild waits and reads after it, so an
+    /// older read never lands on top of a newer one.
+    pub(super) fn refresh_settings(&self, tenant: &str) -> StoreResult<()> {
+        let mut db = self.shared.serving_db();
+        let rows = db.settings(Some(tenant))?;
         let _swapping = self.swapping();
         let current = self.live();
+        let settings = Arc::new(current.settings.with_tenant(tenant, rows, self.shared.secrets_key.as_ref()));
         let live = Live { settings, ..current.shared_parts() };
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
+        drop(db);
         Ok(())
     }
 

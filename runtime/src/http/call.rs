@@ -63,7 +63,7 @@ struct Call<'a> {
     /// The tenant's log its records go to (the tenant as it was at the call's start).
     log: LogOwner,
     /// The handler's settings as the call started (`wasi:config/store`).
-    settings: Arc<crate::sandbox::settings::Vars>,
+    settings: crate::sandbox::settings::HandlerSettings,
 }
 
 impl App {
@@ -228,7 +228,7 @@ impl App {
         let sandbox_limits = SandboxLimits { tenant: *limits, max_host_resources: self.config.max_host_resources };
         call.ran.store(true, std::sync::atomic::Ordering::Relaxed);
         let usage = Some((Arc::clone(self.control.usage.meter()), key.clone()));
-        let settings = Arc::clone(&call.settings);
+        let settings = call.settings.clone();
         let tag = RequestTag { id: Arc::clone(id), usage, trace: trace.clone(), log: call.log.clone(), settings };
         match self.sandbox.handle(handler, req, deadline, sandbox_limits, tag, (instance, tenant_slot, memory, promise)).await {
             Ok(mut response) => {

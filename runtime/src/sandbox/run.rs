@@ -26,7 +26,7 @@ use crate::sandbox::face_detect::{self, FaceDetectCtx};
 use crate::sandbox::handler::Handler;
 use crate::sandbox::instance_memory::{InstanceLimiter, MemoryLimitExceeded};
 use crate::sandbox::outgoing::Egress;
-use crate::sandbox::settings::Vars;
+use crate::sandbox::settings::HandlerSettings;
 use crate::sandbox::state::{self, GatewayHooks, RequestState};
 use crate::sandbox::stdio::escape_for_log;
 use crate::sandbox::warm::{WARM_MAX_MEMORY, Warm, WarmBudget};
@@ -134,7 +134,7 @@ pub struct RequestTag {
     /// The tenant's log its handler's output goes to (this creation of the tenant).
     pub log: LogOwner,
     /// The handler's settings and secrets, as the snapshot held them when the request started.
-    pub settings: Arc<Vars>,
+    pub settings: HandlerSettings,
 }
 
 /// What a client is told of a [`SandboxError`].
@@ -492,6 +492,8 @@ fn keep_warm(
     limits: SandboxLimits,
 ) {
     let state = store.data_mut();
+    // An idle instance holds no request's settings.
+    state.settings = HandlerSettings::default();
     let keep = served < limits.tenant.instance_reuse
         && state.holds_only_stdio()
         && state.limiter.used() <= WARM_MAX_MEMORY

@@ -12,7 +12,7 @@ use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpC
 use crate::sandbox::face_detect::{FaceDetectCtx, FaceDetectView};
 use crate::sandbox::instance_memory::InstanceLimiter;
 use crate::sandbox::outgoing::{Caller, Egress, Refusals, Sent};
-use crate::sandbox::settings::{NO_VARS, SettingsView, Vars};
+use crate::sandbox::settings::{HandlerSettings, SettingsView};
 use crate::sandbox::stdio::{CappedCapture, STDIO_CAPTURE_BYTES};
 use crate::telemetry::trace::RequestTrace;
 
@@ -153,7 +153,7 @@ pub struct RequestState {
     /// The guest's stdout and stderr, for the logs.
     pub stdio: CappedCapture,
     /// Its settings and secrets (`wasi:config/store`), as the request started.
-    pub settings: Arc<Vars>,
+    pub settings: HandlerSettings,
 }
 
 impl RequestState {
@@ -174,7 +174,7 @@ impl RequestState {
         table.set_max_capacity(max_host_resources);
         let mut http = WasiHttpCtx::new();
         http.set_field_size_limit(FIELD_SIZE_LIMIT);
-        let settings = Arc::clone(&*NO_VARS);
+        let settings = HandlerSettings::default();
         Self { table, wasi, http, deadline: hooks.deadline, hooks, face_detect, limiter, stdio, settings }
     }
 

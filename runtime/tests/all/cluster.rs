@@ -575,7 +575,7 @@ fn a_hostname_routed_through_one_node_is_routed_by_the_others() {
 /// node of a shared store without a secrets key keeps none.
 #[test]
 fn a_component_pulled_through_one_node_is_served_by_the_others_with_credentials_kept_through_another() {
-    use crate::registry::{PASSWORD, Registry, USER, cli, scratch};
+    use crate::registry::{PASSWORD, Registry, USER, push_as_user, scratch};
     let pg = ThrowawayPostgres::start().unwrap();
     let url = pg.url();
     let mut registry = Registry::start(&scratch("cluster"), true);
@@ -586,17 +586,7 @@ fn a_component_pulled_through_one_node_is_served_by_the_others_with_credentials_
     let (b, _) = node_with(&url, "node-b", &[&pulling[..], &["--secrets-key", &secrets_key]].concat());
     let (c, _) = node_with(&url, "node-c", &pulling);
     let reference = format!("oci://{reg}/acme/hello:v1");
-    let push = [
-        "push",
-        &guest("hello").display().to_string(),
-        &reference,
-        "--plain-http",
-        "--registry-username",
-        USER,
-        "--registry-password-stdin",
-    ];
-    let (code, out, err) = cli(a.addr, &push, &[], &format!("{PASSWORD}\n"));
-    assert_eq!(code, 0, "{out}{err}");
+    push_as_user(a.addr, &reference);
 
     a.json(a.admin(Method::POST, "tenants").json(&json!({ "name": "pulled" })));
     let key = a.json(a.admin(Method::POST, "tenants/pulled/keys"))["key"].as_str().unwrap().to_owned();

@@ -110,13 +110,23 @@ pub(crate) fn cli(addr: SocketAddr, args: &[&str], env: &[(&str, &str)], stdin: 
     (output.status.code().unwrap_or(-1), text(&output.stdout), text(&output.stderr))
 }
 
-/// Pushes `component` to `reference` with the CLI; returns the digest it printed.
+/// Pushes `component` to `reference` with the CLI (`created` pinned by
+/// `SOURCE_DATE_EPOCH`, as a reproducible build does); returns the digest it printed.
 fn push(addr: SocketAddr, component: &str, reference: &str) -> String {
-    let (code, out, err) = cli(addr, &["push", &guest(component).display().to_string(), reference, "--plain-http"], &[], "");
+    let args = ["push", &guest(component).display().to_string(), reference, "--plain-http"];
+    let (code, out, err) = cli(addr, &args, &[("SOURCE_DATE_EPOCH", "1764892800")], "");
     assert_eq!(code, 0, "push: {out}{err}");
     let digest = out.trim().to_owned();
     assert!(digest.starts_with("sha256:") && digest.len() == 71, "{out}");
     digest
+}
+
+/// Pushes the hello component to `reference` with the CLI as [`USER`] (password from stdin).
+pub(crate) fn push_as_user(addr: SocketAddr, reference: &str) {
+    let file = guest("hello").display().to_string();
+    let args = ["push", &file, reference, "--plain-http", "--registry-username", USER, "--registry-password-stdin"];
+    let (code, out, err) = cli(addr, &args, &[], &format!("{PASSWORD}\n"));
+    assert_eq!(code, 0, "{out}{err}");
 }
 
 /// A deploy by reference through an API: `PUT` `path` with the JSON body.
@@ -164,7 +174,11 @@ fn pushed_components_deploy_by_tag_and_by_digest_and_roll_back_with_the_registry
     let (addr, data) = gateway("plain", &[reg], |_| {});
     let hello = push(addr, "hello", &format!("oci://{reg}/acme/hello:v1"));
     let faces = push(addr, "faces", &format!("oci://{reg}/acme/faces:v1"));
-    assert_eq!(push(addr, "hello", &format!("oci://{reg}/acme/hello:v1")), hello, "the same component, the same digest");
+    assert_eq!(
+        push(addr, "hello", &format!("oci://{reg}/acme/hello:v1")),
+        hello,
+        "the same component and SOURCE_DATE_EPOCH, the same digest"
+    );
 
     // The CLI's deploy by tag: the node pulls it; the version records the digest the tag resolved to.
     let (code, out, err) = cli(addr, &["deploy", "--tenant", "demo", "--handler", "reg", &format!("oci://{reg}/acme/hello:v1")], &[], "");
@@ -477,17 +491,7 @@ fn credentials_a_tenant_keeps_are_sealed_serve_its_own_pulls_only_and_are_never_
     let reg = registry.addr;
     let (addr, data) = gateway("kept", &[reg], |_| {});
     let reference = format!("oci://{reg}/acme/hello:v1");
-    let args = [
-        "push",
-        &guest("hello").display().to_string(),
-        &reference,
-        "--plain-http",
-        "--registry-username",
-        USER,
-        "--registry-password-stdin",
-    ];
-    let (code, out, err) = cli(addr, &args, &[], &format!("{PASSWORD}\n"));
-    assert_eq!(code, 0, "{out}{err}");
+    push_as_user(addr, &reference);
 
     // demo keeps its credentials through the tenant API (deploy scope); an invoke key may not.
     let key = deploy_key(addr, "demo");

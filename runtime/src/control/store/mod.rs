@@ -487,16 +487,51 @@ pub struct SettingRow {
     pub updated_at: i64,
 }
 
+/// A stored setting: its row, its value (a secret's sealed) and the
+/// incarnation of the tenant it belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredSetting {
+    /// The row.
+    pub row: SettingRow,
+    /// Its value as stored.
+    pub value: Vec<u8>,
+    /// Which creation of the tenant it belongs to.
+    pub incarnation: String,
+}
+
+/// How many settings, and how many bytes of values, a tenant may have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SettingQuota {
+    /// Settings, all its handlers together.
+    pub count: usize,
+    /// Bytes of values as stored.
+    pub bytes: usize,
+}
+
 /// The store's part for tenants' settings and secrets (see `control::settings`).
 pub trait SettingStore {
-    /// Sets `row`'s setting to `value` (a secret's sealed already).
-    fn put_setting(&mut self, row: &SettingRow, value: &[u8]) -> StoreResult<()>;
+    /// Sets `row`'s setting to `value` (a secret's sealed already), in one
+    /// transaction with the check that the tenant stays within `quota`
+    /// ([`StoreError::Quota`] otherwise), the tenant's row locked, so two
+    /// nodes at once cannot both pass it.
+    fn put_setting(&mut self, row: &SettingRow, value: &[u8], quota: SettingQuota) -> StoreResult<()>;
 
     /// Removes `tenant`'s setting `name` of `handler` (empty: the tenant's own).
     fn remove_setting(&mut self, tenant: &str, handler: &str, name: &str) -> StoreResult<()>;
 
-    /// Every setting with its value, of `tenant` or (`None`) of all tenants.
-    fn settings(&mut self, tenant: Option<&str>) -> StoreResult<Vec<(SettingRow, Vec<u8>)>>;
+    /// Every setting, of `tenant` or (`None`) of all tenants.
+    fn settings(&mut self, tenant: Option<&str>) -> StoreResult<Vec<StoredSetting>>;
+}
+
+/// The refusal of a setting past `quota`: the tenant would have `count`
+/// settings of `bytes` bytes with it.
+pub(super) fn settings_quota(tenant: &str, quota: SettingQuota, (count, bytes): (usize, usize)) -> Option<StoreError> {
+    (count > quota.count || bytes > quota.bytes).then(|| {
+        StoreError::Quota(format!(
+            "tenant {tenant:?} may have {} settings of {} bytes in all; with this one it would have {count} of {bytes} bytes",
+            quota.count, quota.bytes
+        ))
+    })
 }
 
 /// The refusal of a setting a tenant does not have.

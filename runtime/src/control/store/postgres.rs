@@ -28,6 +28,7 @@ use super::{
     TenantStore, UsageStore, hostname_taken, no_registry_login, no_setting,
 };
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
+use super::{SettingQuota, StoredSetting, settings_quota};
 use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::{Scopes, sha256_hex};
@@ -42,7 +43,7 @@ const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order (the files in `migrations/postgres/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings");
 
 /// The PostgreSQL store (see the module docs).
 pub struct PgStore {
@@ -682,9 +683,20 @@ impl RegistryLoginStore for PgStore {
 }
 
 impl SettingStore for PgStore {
-    fn put_setting(&mut self, row: &SettingRow, value: &[u8]) -> StoreResult<()> {
+    fn put_setting(&mut self, row: &SettingRow, value: &[u8], quota: SettingQuota) -> StoreResult<()> {
         self.write(|tx| {
-            tenant_exists(tx, &row.tenant, "FOR SHARE")?;
+            // FOR UPDATE: one node's change of this tenant's settings at a time, so the quota holds.
+            tenant_exists(tx, &row.tenant, "FOR UPDATE")?;
+            let used = tx
+                .query_one(
+                    "SELECT COUNT(*), COALESCE(SUM(LENGTH(value)), 0)::BIGINT FROM settings WHERE tenant = $1 AND NOT (handler = $2 AND name = $3)",
+                    &[&row.tenant, &row.handler, &row.name],
+                )
+                .map_err(db_error)?;
+            let (count, bytes): (i64, i64) = (used.get(0), used.get(1));
+            if let Some(refusal) = settings_quota(&row.tenant, quota, (count as usize + 1, bytes as usize + value.len())) {
+                return Err(refusal);
+            }
             tx.execute(
                 "INSERT INTO settings (tenant, handler, name, secret, value, updated_at) VALUES ($1, $2, $3, $4, $5, $6)
                  ON CONFLICT (tenant, handler, name) DO UPDATE SET secret = excluded.secret, value = excluded.value, updated_at = excluded.updated_at",
@@ -706,19 +718,20 @@ impl SettingStore for PgStore {
         Ok(())
     }
 
-    fn settings(&mut self, tenant: Option<&str>) -> StoreResult<Vec<(SettingRow, Vec<u8>)>> {
+    fn settings(&mut self, tenant: Option<&str>) -> StoreResult<Vec<StoredSetting>> {
         self.with(|c| {
             let rows = c
                 .query(
-                    "SELECT tenant, handler, name, secret, updated_at, value FROM settings WHERE $1::TEXT IS NULL OR tenant = $1 ORDER BY tenant, handler, name",
+                    "SELECT s.tenant, s.handler, s.name, s.secret, s.updated_at, s.value, t.incarnation FROM settings s JOIN tenants t ON t.name = s.tenant
+                     WHERE $1::TEXT IS NULL OR s.tenant = $1 ORDER BY s.tenant, s.handler, s.name",
                     &[&tenant],
                 )
                 .map_err(db_error)?;
-            let row = |r: &postgres::Row| {
-                let setting = SettingRow { tenant: r.get(0), handler: r.get(1), name: r.get(2), secret: r.get(3), updated_at: r.get(4) };
-                (setting, r.get(5))
+            let stored = |r: &postgres::Row| {
+                let row = SettingRow { tenant: r.get(0), handler: r.get(1), name: r.get(2), secret: r.get(3), updated_at: r.get(4) };
+                StoredSetting { row, value: r.get(5), incarnation: r.get(6) }
             };
-            Ok(rows.iter().map(row).collect())
+            Ok(rows.iter().map(stored).collect())
         })
     }
 }

@@ -16,6 +16,7 @@ use super::{
     TenantStore, UsageStore, hostname_taken, no_registry_login, no_setting,
 };
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
+use super::{SettingQuota, StoredSetting, settings_quota};
 use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
@@ -25,7 +26,7 @@ use crate::telemetry::usage::{Delta, Usage, UsageKey};
 
 /// Migrations, in order (the files in `migrations/sqlite/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings");
 
 /// Tables whose changes bump the generation.
 const WATCHED: [&str; 4] = ["tenants", "api_keys", "handlers", "versions"];
@@ -501,13 +502,24 @@ impl RegistryLoginStore for SqliteStore {
 }
 
 impl SettingStore for SqliteStore {
-    fn put_setting(&mut self, row: &SettingRow, value: &[u8]) -> StoreResult<()> {
+    fn put_setting(&mut self, row: &SettingRow, value: &[u8], quota: SettingQuota) -> StoreResult<()> {
         self.tenant(&row.tenant)?;
-        self.conn.execute(
+        let tx = self.conn.transaction()?;
+        let (count, bytes): (i64, i64) = tx.query_row(
+            "SELECT COUNT(*), COALESCE(SUM(LENGTH(value)), 0) FROM settings WHERE tenant = ?1 AND NOT (handler = ?2 AND name = ?3)",
+            [&row.tenant, &row.handler, &row.name],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
+        let with = (count as usize + 1, bytes as usize + value.len());
+        if let Some(refusal) = settings_quota(&row.tenant, quota, with) {
+            return Err(refusal);
+        }
+        tx.execute(
             "INSERT INTO settings (tenant, handler, name, secret, value, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
              ON CONFLICT (tenant, handler, name) DO UPDATE SET secret = excluded.secret, value = excluded.value, updated_at = excluded.updated_at",
             params![row.tenant, row.handler, row.name, row.secret, value, row.updated_at],
         )?;
+        tx.commit()?;
         Ok(())
     }
 
@@ -518,13 +530,14 @@ impl SettingStore for SqliteStore {
         Ok(())
     }
 
-    fn settings(&mut self, tenant: Option<&str>) -> StoreResult<Vec<(SettingRow, Vec<u8>)>> {
+    fn settings(&mut self, tenant: Option<&str>) -> StoreResult<Vec<StoredSetting>> {
         let mut stmt = self.conn.prepare(
-            "SELECT tenant, handler, name, secret, updated_at, value FROM settings WHERE ?1 IS NULL OR tenant = ?1 ORDER BY tenant, handler, name",
+            "SELECT s.tenant, s.handler, s.name, s.secret, s.updated_at, s.value, t.incarnation FROM settings s JOIN tenants t ON t.name = s.tenant
+             WHERE ?1 IS NULL OR s.tenant = ?1 ORDER BY s.tenant, s.handler, s.name",
         )?;
         let rows = stmt.query_map([tenant], |r| {
             let row = SettingRow { tenant: r.get(0)?, handler: r.get(1)?, name: r.get(2)?, secret: r.get(3)?, updated_at: r.get(4)? };
-            Ok((row, r.get(5)?))
+            Ok(StoredSetting { row, value: r.get(5)?, incarnation: r.get(6)? })
         })?;
         Ok(rows.collect::<Result<_, _>>()?)
     }

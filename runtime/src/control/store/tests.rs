@@ -550,3 +550,40 @@ fn registry_credentials_are_kept_per_tenant_replaced_forgotten_and_go_with_it() 
         assert!(s.registry_logins("globex").unwrap().is_empty(), "{kind}: deleted with the tenant");
     }
 }
+
+#[test]
+fn settings_are_kept_per_tenant_and_handler_within_the_quota_and_go_with_the_tenant() {
+    use super::{SettingQuota, SettingRow};
+    for mut store in stores("settings") {
+        let s = &mut *store;
+        let kind = s.describe();
+        s.create_tenant("acme", &LimitOverrides::default()).unwrap();
+        s.create_tenant("globex", &LimitOverrides::default()).unwrap();
+        let row = |tenant: &str, handler: &str, name: &str| SettingRow {
+            tenant: tenant.into(),
+            handler: handler.into(),
+            name: name.into(),
+            secret: false,
+            updated_at: 1,
+        };
+        let quota = SettingQuota { count: 2, bytes: 10 };
+        s.put_setting(&row("acme", "", "min_score"), b"0.5", quota).unwrap();
+        s.put_setting(&row("acme", "detect", "min_score"), b"0.8", quota).unwrap();
+        s.put_setting(&row("acme", "detect", "min_score"), b"0.9", quota).expect("a replacement is not a new setting");
+        assert!(matches!(s.put_setting(&row("acme", "", "third"), b"x", quota), Err(StoreError::Quota(_))), "{kind}: past the count");
+        assert!(
+            matches!(s.put_setting(&row("acme", "", "min_score"), b"0123456789", quota), Err(StoreError::Quota(_))),
+            "{kind}: past the bytes"
+        );
+        s.put_setting(&row("globex", "", "min_score"), b"0.1", quota).unwrap();
+        let acme = s.settings(Some("acme")).unwrap();
+        let values: Vec<(&str, &[u8])> = acme.iter().map(|s| (s.row.handler.as_str(), s.value.as_slice())).collect();
+        assert_eq!(values, [("", b"0.5".as_slice()), ("detect", b"0.9".as_slice())], "{kind}");
+        assert_eq!(acme[0].incarnation, s.tenant("acme").unwrap().incarnation, "{kind}: tied to this creation of the tenant");
+        assert_eq!(s.settings(None).unwrap().len(), 3, "{kind}");
+        s.remove_setting("acme", "detect", "min_score").unwrap();
+        assert!(matches!(s.remove_setting("acme", "detect", "min_score"), Err(StoreError::NotFound(_))), "{kind}");
+        s.delete_tenant("globex").unwrap();
+        assert_eq!(s.settings(None).unwrap().len(), 1, "{kind}: deleted with the tenant");
+    }
+}

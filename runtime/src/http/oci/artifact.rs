@@ -130,9 +130,13 @@ pub fn component_layer(manifest: &[u8]) -> Result<Descriptor, String> {
     Ok(layer)
 }
 
-/// Now, as RFC 3339 in UTC (`2026-12-05T22:45:00Z`).
-pub fn now_rfc3339() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+/// The artifact's `created`, RFC 3339 in UTC: `SOURCE_DATE_EPOCH` (Unix
+/// seconds) when set, as reproducible builds set it, so the same
+/// component pushes to the same digest; else now.
+pub fn created_rfc3339() -> String {
+    let pinned = std::env::var("SOURCE_DATE_EPOCH").ok().and_then(|s| s.trim().parse::<i64>().ok());
+    let secs =
+        pinned.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64));
     crate::telemetry::dates::rfc3339(secs)
 }
 

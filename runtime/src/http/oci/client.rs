@@ -152,7 +152,7 @@ impl Registry {
     /// Pushes `component` as the wasm artifact under `tag` (its layer named
     /// `title`); returns the manifest's digest. Blobs the registry has are not sent again.
     pub async fn push(&mut self, tag: &str, component: Bytes, title: &str) -> Result<String, OciError> {
-        let packed = artifact::pack(&component, title, artifact::now_rfc3339());
+        let packed = artifact::pack(&component, title, artifact::created_rfc3339());
         let config_digest = digest_of(&packed.config);
         self.push_blob(Bytes::from(packed.config), &config_digest).await?;
         self.push_blob(component, &packed.layer.digest).await?;
