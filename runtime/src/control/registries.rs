@@ -80,13 +80,7 @@ impl Registries {
     }
 
     fn key(&self) -> StoreResult<&SecretsKey> {
-        self.shared.secrets_key.as_ref().ok_or_else(|| {
-            StoreError::Conflict(
-                "this gateway keeps no secrets: its nodes share a store and were given no secrets key \
-                 (set FACEGATE_SECRETS_KEY or --secrets-key-file, the same on every node)"
-                    .into(),
-            )
-        })
+        self.shared.secrets_key()
     }
 }
 

@@ -99,13 +99,7 @@ impl Settings {
     }
 
     fn seal(&self, row: &SettingRow, incarnation: &str, value: &str) -> StoreResult<Vec<u8>> {
-        let key = self.shared.secrets_key.as_ref().ok_or_else(|| {
-            StoreError::Conflict(
-                "this gateway keeps no secrets: its nodes share a store and were given no secrets key \
-                 (set FACEGATE_SECRETS_KEY or --secrets-key-file, the same on every node)"
-                    .into(),
-            )
-        })?;
+        let key = self.shared.secrets_key()?;
         Ok(key.seal(&setting_context((&row.tenant, incarnation), &row.handler, &row.name), value.as_bytes())?)
     }
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::blobs::ArtifactCache;
 use super::seal::ArtifactKey;
-use super::store::{Store, StoreError};
+use super::store::{Store, StoreError, StoreResult};
 use crate::admission::limits::{LimitOverrides, TenantLimits};
 use crate::sandbox::Sandbox;
 use crate::sandbox::compile::{CompileError, CompilePool};
@@ -69,6 +69,18 @@ pub(super) struct Shared {
 }
 
 impl Shared {
+    /// The key tenants' secrets are sealed with; a clear refusal on nodes
+    /// that share a store and were given none (each would seal its own).
+    pub fn secrets_key(&self) -> StoreResult<&super::secrets::SecretsKey> {
+        self.secrets_key.as_ref().ok_or_else(|| {
+            StoreError::Conflict(
+                "this gateway keeps no secrets: its nodes share a store and were given no secrets key \
+                 (set FACEGATE_SECRETS_KEY or --secrets-key-file, the same on every node)"
+                    .into(),
+            )
+        })
+    }
+
     /// The store's main connection.
     pub fn db(&self) -> MutexGuard<'_, Box<dyn Store>> {
         self.db.lock()

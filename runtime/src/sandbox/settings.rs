@@ -37,16 +37,6 @@ impl Vars {
     pub fn insert(&mut self, name: String, value: Result<String, String>) {
         self.0.insert(name, value);
     }
-
-    /// How many there are.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
 }
 
 /// What one handler reads: its own settings over its tenant's, each kept
