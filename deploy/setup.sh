@@ -115,6 +115,8 @@ build() {
   log "building the example handlers (wasm32-wasip2)"
   deploy/scripts/build-guests.sh
   cp guests/target/wasm32-wasip2/release/detect.wasm "$HOME_DIR/handlers/demo/detect.wasm"
+  # Seeded as it is named: the crate's file has an underscore, a handler's name a hyphen.
+  cp guests/target/wasm32-wasip2/release/detect_cached.wasm "$HOME_DIR/handlers/demo/detect-cached.wasm"
   # Linked into Python and JavaScript handlers at deploy time (--pipeline-component).
   cp guests/target/wasm32-wasip2/release/pipeline.wasm "$HOME_DIR/lib/pipeline.wasm"
   for extra in blur crop faces; do
@@ -123,7 +125,7 @@ build() {
     fi
   done
   log "building the Python and JavaScript example handlers"
-  for example in detect blur faces; do
+  for example in detect detect-cached blur faces; do
     deploy/scripts/build-python.sh "guests/python/$example" "$HOME_DIR/handlers/demo/$example-py.wasm"
     if have_node20; then
       deploy/scripts/build-js.sh "guests/js/$example" "$HOME_DIR/handlers/demo/$example-js.wasm"

@@ -32,6 +32,8 @@ fi
 # The Kubernetes manifests, against the Kubernetes schemas.
 deploy/scripts/validate-k8s.sh
 deploy/scripts/build-guests.sh
+# The JavaScript SDK's SHA-256 against the standard's vectors (node is there when JavaScript handlers build).
+if command -v node >/dev/null; then node guest-sdk/js/sha256.test.mjs; fi
 HOME_DIR=${FACEGATE_HOME:-$PWD/.facegate}
 export FACEGATE_HOME=$HOME_DIR
 export ORT_DYLIB_PATH=${ORT_DYLIB_PATH:-$HOME_DIR/lib/libonnxruntime.so}

@@ -19,7 +19,7 @@ OUT="$GUESTS/target/$TARGET/release"
 COMPONENT_HEADER="0061736d0d000100"
 # The components: each guest's [lib] name,
 # which name their .wasm files.
-COMPONENTS=(detect blur crop bench hostile pipeline faces spin_router hello)
+COMPONENTS=(detect detect_cached blur crop bench hostile pipeline faces spin_router hello)
 
 # Keep in step with guests/.cargo/config.toml (RUSTFLAGS replaces it).
 SIMD="-C target-feature=+simd128"

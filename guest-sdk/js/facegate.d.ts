@@ -134,3 +134,36 @@ export declare function readRequest(request: IncomingRequest): ImageRequest;
 export declare function writeReply(reply: Reply, responseOut: ResponseOutparam): void;
 /** Sends the SDK's JSON error through `responseOut`. */
 export declare function sendError(responseOut: ResponseOutparam, status: number, code: string, message: string): void;
+
+/** SHA-256 of `bytes`, as 64 hex digits (synchronous; see sha256.js). */
+export function sha256Hex(bytes: Uint8Array): string;
+
+/** The handler's setting (or secret) `name`, or `fallback` when unset; throws a `Refusal` (500 `bad_setting`) when it cannot be read. */
+export function setting(name: string, fallback?: string): string | undefined;
+/** Every setting of this handler, by name. */
+export function settings(): Record<string, string>;
+
+/** Times `Bucket.update` retries a swap that lost a race. */
+export const UPDATE_TRIES: number;
+
+/** A state call that failed; `limit`: one of the tenant's or the request's limits refused it. */
+export class StateError extends Error {
+  readonly limit: boolean;
+  /** 507 `state_limit` for a limit, else 500 `state_error`. */
+  refusal(): Refusal;
+}
+
+/** One of the tenant's buckets (wasi:keyvalue); every call throws a `StateError` when it fails. */
+export class Bucket {
+  constructor(name: string);
+  get(key: string): Uint8Array | undefined;
+  set(key: string, value: Uint8Array | string): void;
+  delete(key: string): void;
+  exists(key: string): boolean;
+  keys(): string[];
+  increment(key: string, delta?: number | bigint): bigint;
+  update(key: string, change: (current: Uint8Array | undefined) => Uint8Array | string): Uint8Array;
+  getMany(keys: string[]): Array<Uint8Array | undefined>;
+  setMany(items: Array<[string, Uint8Array | string]>): void;
+  deleteMany(keys: string[]): void;
+}

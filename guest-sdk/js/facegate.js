@@ -34,9 +34,14 @@
  */
 
 import * as pipeline from "facegate:face-detect/pipeline@0.1.0";
+import * as config from "wasi:config/store@0.2.0-rc.1";
+import * as atomics from "wasi:keyvalue/atomics@0.2.0-draft2";
+import * as batch from "wasi:keyvalue/batch@0.2.0-draft2";
+import * as kv from "wasi:keyvalue/store@0.2.0-draft2";
 import { Fields, OutgoingBody, OutgoingResponse, ResponseOutparam } from "wasi:http/types@0.2.12";
+import { sha256Hex } from "./sha256.js";
 
-export { pipeline };
+export { pipeline, sha256Hex };
 
 /** Bytes asked for per read of the request body (the Rust SDK's READ_CHUNK). */
 export const READ_CHUNK = 64 * 1024;
@@ -328,4 +333,189 @@ function describe(error) {
 
 function log(message) {
   console.error(`facegate (js): ${message}`);
+}
+
+// -- Settings and secrets (wasi:config/store) --------------------------------
+
+/**
+ * The handler's setting (or secret) `name`, as the request started
+ * (`facegate config set`, `facegate secret set`: the handler's own over its
+ * tenant's), or `fallback` when it is not set. Throws a `Refusal` (500
+ * `bad_setting`) when the host cannot read it (a secret it cannot open); the
+ * message names the setting, never its value.
+ * @param {string} name
+ * @param {string} [fallback]
+ * @returns {string | undefined}
+ */
+export function setting(name, fallback) {
+  let value;
+  try {
+    value = config.get(name);
+  } catch {
+    throw new Refusal(500, "bad_setting", `the setting ${JSON.stringify(name)} cannot be read`);
+  }
+  return value === undefined ? fallback : value;
+}
+
+/** Every setting of this handler, as an object by name (see `setting`). */
+export function settings() {
+  try {
+    return Object.fromEntries(config.getAll());
+  } catch {
+    throw new Refusal(500, "bad_setting", "the settings cannot be read");
+  }
+}
+
+// -- State (wasi:keyvalue) -----------------------------------------------------
+
+/** Times `Bucket.update` retries a swap that lost a race. */
+export const UPDATE_TRIES = 16;
+
+/**
+ * A state call that failed. `limit` is true when one of the tenant's or the
+ * request's limits refused it (`kv_keys`, `kv_bytes`, `kv_value_bytes`,
+ * `kv_ops`: the message names it). `refusal()`: 507 `state_limit`, else 500
+ * `state_error`, as the Rust SDK answers.
+ */
+export class StateError extends Error {
+  constructor(message, limit = false) {
+    super(message);
+    this.name = "StateError";
+    this.limit = limit;
+  }
+
+  /** The error for a `wasi:keyvalue/store` error value. */
+  static of(error) {
+    switch (error && error.tag) {
+      case "no-such-store":
+        return new StateError("the tenant's state cannot be reached: no such store");
+      case "access-denied":
+        return new StateError("the tenant's state cannot be reached: access denied (the tenant was deleted)");
+      default: {
+        const message = error && typeof error.val === "string" ? error.val : String(error);
+        // The host names the limit a refusal is for, as "(kv_...)".
+        return new StateError(message, message.includes("(kv_"));
+      }
+    }
+  }
+
+  /** This error as the JSON error a handler answers with. */
+  refusal() {
+    return this.limit ? new Refusal(507, "state_limit", this.message) : new Refusal(500, "state_error", this.message);
+  }
+}
+
+/** Runs `call`, turning a store error it throws into a `StateError`. */
+function stateful(call) {
+  try {
+    return call();
+  } catch (error) {
+    if (error && error.payload !== undefined) {
+      throw StateError.of(error.payload);
+    }
+    throw error;
+  }
+}
+
+/**
+ * One of the tenant's buckets: keys and values the gateway keeps in its
+ * database, read by every request on every node after this one. A bucket is
+ * a name (1 to 64 ASCII letters, digits, `.`, `_`, `-`) within the tenant.
+ * Values are `Uint8Array`s (strings are stored as UTF-8). Every call throws
+ * a `StateError` when it fails.
+ */
+export class Bucket {
+  /** @param {string} name */
+  constructor(name) {
+    this.bucket = stateful(() => kv.open(name));
+  }
+
+  /** The value of `key`, `undefined` if it has none. */
+  get(key) {
+    return stateful(() => this.bucket.get(key));
+  }
+
+  /** Sets `key` to `value` (a `Uint8Array` or a string). */
+  set(key, value) {
+    const bytes = typeof value === "string" ? encoder.encode(value) : value;
+    stateful(() => this.bucket.set(key, bytes));
+  }
+
+  /** Deletes `key` (a missing key is no error). */
+  delete(key) {
+    stateful(() => this.bucket.delete(key));
+  }
+
+  /** Whether `key` has a value. */
+  exists(key) {
+    return stateful(() => this.bucket.exists(key));
+  }
+
+  /** Every key, in byte order (each page of 100 one of the request's `kv_ops`). */
+  keys() {
+    const found = [];
+    let cursor;
+    do {
+      const page = stateful(() => this.bucket.listKeys(cursor));
+      found.push(...page.keys);
+      cursor = page.cursor;
+    } while (cursor !== undefined);
+    return found;
+  }
+
+  /**
+   * Adds `delta` to the counter `key` (decimal text; a missing key counts
+   * from 0), atomically across every request on every node; the new value.
+   * @param {string} key
+   * @param {number | bigint} [delta]
+   * @returns {bigint}
+   */
+  increment(key, delta = 1) {
+    return stateful(() => atomics.increment(this.bucket, key, BigInt(delta)));
+  }
+
+  /**
+   * Replaces `key`'s value with `change(current)` atomically
+   * (compare-and-swap, retried with the fresh value up to `UPDATE_TRIES`
+   * times); the value written.
+   */
+  update(key, change) {
+    let cas = stateful(() => atomics.Cas.new(this.bucket, key));
+    for (let i = 0; i < UPDATE_TRIES; i++) {
+      const current = stateful(() => cas.current());
+      const next = change(current);
+      const value = typeof next === "string" ? encoder.encode(next) : next;
+      try {
+        atomics.swap(cas, value);
+        return value;
+      } catch (error) {
+        const payload = error && error.payload;
+        if (payload && payload.tag === "cas-failed") {
+          cas = payload.val;
+          continue;
+        }
+        if (payload && payload.tag === "store-error") {
+          throw StateError.of(payload.val);
+        }
+        throw error;
+      }
+    }
+    throw new StateError(`${JSON.stringify(key)} changed under ${UPDATE_TRIES} tries to update it`);
+  }
+
+  /** The values of `keys`, in order (`undefined`: no value). */
+  getMany(keys) {
+    return stateful(() => batch.getMany(this.bucket, keys)).map((pair) => (pair === undefined ? undefined : pair[1]));
+  }
+
+  /** Sets every `[key, value]` of `items`, all or none. */
+  setMany(items) {
+    const bytes = items.map(([key, value]) => [key, typeof value === "string" ? encoder.encode(value) : value]);
+    stateful(() => batch.setMany(this.bucket, bytes));
+  }
+
+  /** Deletes every key of `keys`. */
+  deleteMany(keys) {
+    stateful(() => batch.deleteMany(this.bucket, keys));
+  }
 }

@@ -32,6 +32,8 @@
 //! - [`effects`]: blurring and cropping faces.
 //! - [`pipeline`]: [`detect`], the whole path from bytes to faces, and its
 //!   options and JSON answer.
+//! - [`config`]: the handler's settings and secrets (`wasi:config/store`).
+//! - [`kv`]: the tenant's state, buckets of keys and values (`wasi:keyvalue`).
 //!
 //! Everything except the calls into the host runs natively too, so handlers'
 //! logic can be unit-tested with `cargo test`.
@@ -45,6 +47,7 @@ pub mod effects;
 mod error;
 pub mod http;
 pub mod image;
+pub mod kv;
 pub mod pipeline;
 
 pub use error::{Error, InferError};

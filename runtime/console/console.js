@@ -96,8 +96,9 @@
     // The log (and each version's share of 5xx, which is read from it) needs the read scope.
     const reads = state.mine.scopes.includes("read");
     $("mine-log").hidden = !reads;
-    say("mine-status", reads ? "Connected." : "Connected. This key has no read scope: no log or error rates.", "ok");
-    if (reads) pollMineLog();
+    $("mine-charts").hidden = !reads;
+    say("mine-status", reads ? "Connected." : "Connected. This key has no read scope: no log, usage or error rates.", "ok");
+    if (reads) { pollMineLog(); pollMineUsage(); }
   });
   async function refreshMine() {
     const response = await tenantApi("handlers");
@@ -122,6 +123,123 @@
       for (const cell of [s.handler || "all handlers", s.name, value]) row.append(el("td", cell));
       body.append(row);
     }
+  }
+  // ---- the tenant's usage and latency over the last 7 days, drawn as SVG
+  // (no library, nothing from elsewhere: the console works offline) ----
+  const SVG = "http://www.w3.org/2000/svg";
+  const DAYS = 7, SLOTS = DAYS * 24, PLOT_WIDTH = 720, HOUR_MS = 3600 * 1000;
+  const PALETTE = ["#1f6feb", "#8250df", "#1a7f37", "#bf3989", "#9a6700", "#0550ae", "#cf222e", "#57606a"];
+  function svg(tag, attrs, text) {
+    const node = document.createElementNS(SVG, tag);
+    for (const [name, value] of Object.entries(attrs || {})) node.setAttribute(name, String(value));
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+  // Clears a plot (its <title> stays) and draws the day lines and labels under `height`.
+  function plotFrame(id, height, hours, caption) {
+    const plot = $(id);
+    for (const child of [...plot.children]) if (child.tagName !== "title") child.remove();
+    const width = PLOT_WIDTH / SLOTS;
+    hours.forEach((h, i) => {
+      if (new Date(h.start).getHours() !== 0) return;
+      plot.append(svg("line", { x1: i * width, x2: i * width, y1: 14, y2: height - 14, stroke: "#dde2e7" }));
+      plot.append(svg("text", { x: i * width + 2, y: height - 2 }, new Date(h.start).toLocaleDateString(undefined, { weekday: "short", day: "numeric" })));
+    });
+    plot.append(svg("text", { x: 4, y: 11 }, caption));
+    return plot;
+  }
+  // One slot per hour of the last 7 days, from the tenant's usage rows.
+  function hourSlots(report) {
+    const end = Math.floor(report.to_ms / HOUR_MS) * HOUR_MS;
+    const hours = Array.from({ length: SLOTS }, (_, i) => ({ start: end - (SLOTS - 1 - i) * HOUR_MS, ok: 0, client: 0, server: 0, device: 0, latency: {} }));
+    const first = hours[0].start;
+    for (const r of report.rows) {
+      const slot = hours[Math.round((r.start_ms - first) / HOUR_MS)];
+      if (!slot) continue;
+      slot.ok += r.requests_2xx + r.requests_3xx; slot.client += r.requests_4xx; slot.server += r.requests_5xx;
+      slot.device += r.device_us;
+      const l = slot.latency[r.handler] || (slot.latency[r.handler] = { requests: 0, us: 0 });
+      l.requests += r.requests_2xx + r.requests_3xx + r.requests_4xx + r.requests_5xx; l.us += r.latency_us || 0;
+    }
+    return hours;
+  }
+  function drawRequests(hours) {
+    const height = 170, room = height - 32, width = PLOT_WIDTH / SLOTS;
+    const top = Math.max(1, ...hours.map((h) => h.ok + h.client + h.server));
+    const plot = plotFrame("mine-usage", height, hours, `${top} requests in the busiest hour`);
+    hours.forEach((h, i) => {
+      let y = height - 16;
+      for (const [status, count, color] of [["ok", h.ok, "#1f6feb"], ["4xx", h.client, "#bf8700"], ["5xx", h.server, "#cf222e"]]) {
+        if (!count) continue;
+        const tall = Math.max(1, (count / top) * room);
+        y -= tall;
+        const bar = svg("rect", { x: i * width, y, width: Math.max(1, width - 0.5), height: tall, fill: color, "data-status": status, "data-requests": count });
+        bar.append(svg("title", {}, `${new Date(h.start).toLocaleString()}: ${count} ${status === "ok" ? "2xx/3xx" : status}`));
+        plot.append(bar);
+      }
+    });
+  }
+  function drawDevice(hours) {
+    const height = 130, room = height - 32, width = PLOT_WIDTH / SLOTS;
+    const top = Math.max(1, ...hours.map((h) => h.device));
+    const plot = plotFrame("mine-device", height, hours, `${(top / 1e6).toFixed(2)} device seconds in the busiest hour`);
+    hours.forEach((h, i) => {
+      if (!h.device) return;
+      const tall = Math.max(1, (h.device / top) * room);
+      const bar = svg("rect", { x: i * width, y: height - 16 - tall, width: Math.max(1, width - 0.5), height: tall, fill: "#8250df", "data-device-ms": Math.round(h.device / 1000) });
+      bar.append(svg("title", {}, `${new Date(h.start).toLocaleString()}: ${(h.device / 1e6).toFixed(3)} s`));
+      plot.append(bar);
+    });
+  }
+  function drawLatency(hours) {
+    const height = 170, room = height - 32, width = PLOT_WIDTH / SLOTS;
+    const handlers = [...new Set(hours.flatMap((h) => Object.keys(h.latency)))].sort();
+    const mean = (l) => (l && l.requests ? l.us / l.requests / 1000 : null);
+    const top = Math.max(1, ...hours.flatMap((h) => handlers.map((name) => mean(h.latency[name]) || 0)));
+    const plot = plotFrame("mine-latency", height, hours, `${top.toFixed(1)} ms at the slowest hour's mean`);
+    const legend = $("mine-latency-legend");
+    legend.replaceChildren();
+    handlers.forEach((name, n) => {
+      const color = PALETTE[n % PALETTE.length];
+      const points = hours.map((h, i) => [i, mean(h.latency[name])]).filter(([, ms]) => ms !== null)
+        .map(([i, ms]) => [i * width + width / 2, height - 16 - (ms / top) * room, ms, hours[i].start]);
+      plot.append(svg("polyline", { points: points.map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" "), fill: "none", stroke: color, "stroke-width": 1.5, "data-handler": name }));
+      for (const [x, y, ms, start] of points) {
+        const dot = svg("circle", { cx: x, cy: y, r: 2, fill: color, "data-handler": name, "data-ms": ms.toFixed(2) });
+        dot.append(svg("title", {}, `${name}, ${new Date(start).toLocaleString()}: ${ms.toFixed(1)} ms`));
+        plot.append(dot);
+      }
+      const item = el("li", null, { "data-handler": name });
+      item.append(el("span", "", { class: "swatch", style: `background:${color}` }), ` ${name}`);
+      legend.append(item);
+    });
+  }
+  async function refreshMineUsage() {
+    const from = Math.floor(Date.now() / 1000) - DAYS * 86400;
+    const response = await tenantApi(`usage?from=${from}&by=hour`);
+    if (!response.ok) return;
+    const hours = hourSlots(await response.json());
+    state.mine.hours = hours;
+    drawRequests(hours);
+    drawDevice(hours);
+    drawLatency(hours);
+    const kv = await tenantApi("kv");
+    if (kv.ok) {
+      const held = await kv.json();
+      state.mine.kv = held;
+      const buckets = (held.buckets || []).map((b) => `${b.name} (${b.keys})`).join(", ");
+      $("mine-state").textContent = `${held.keys} keys, ${held.bytes} bytes` + (buckets ? ` in ${buckets}` : "");
+    }
+  }
+  // Usage is written by the nodes every flush interval: read again every 5 s.
+  function pollMineUsage() {
+    const mine = state.mine;
+    const tick = async () => {
+      if (state.mine !== mine) return;
+      try { await refreshMineUsage(); } catch (_) { /* next tick */ }
+      setTimeout(tick, 5000);
+    };
+    tick();
   }
   // Each version's requests and 5xx share, from the log this page holds.
   function errorRates(handler) {

@@ -14,6 +14,9 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode, Uri};
 use serde_json::{Value, json};
 
+mod kv;
+
+pub use self::kv::KvCommand;
 use crate::admission::limits::LimitOverrides;
 use crate::http::LogCursor;
 use crate::http::client::send;
@@ -545,6 +548,10 @@ pub enum Command {
     /// A tenant's secrets: settings sealed in the store, never shown again (admin API).
     #[command(subcommand)]
     Secret(SecretCommand),
+    /// A tenant's state, which its handlers keep (`wasi:keyvalue`): list,
+    /// read, write and delete keys (admin API, or the tenant API with a key).
+    #[command(subcommand)]
+    Kv(KvCommand),
     /// Keep a tenant's registry credentials for its deploys by reference (admin API).
     #[command(subcommand)]
     Registry(RegistryCommand),
@@ -672,24 +679,20 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         C::Usage(args) => (&args.client, Method::GET, args.path(), Bytes::new(), "application/json"),
         C::Check(args) => return check(args),
         C::Logs(args) => return logs(args).await,
+        C::Kv(command) => return kv::run(command).await,
         C::Serve(_) | C::Bench { .. } => bail!("not a client command"),
     };
-    if let (Some(key), Some(named)) = (&client.key, explicit_tenant(&command)) {
-        let own = key_tenant(client, key).await?;
-        if own != named {
-            eprintln!(
-                "error: --tenant {named:?} is not this key's tenant ({own:?}): a tenant's key acts for its own tenant only; \
-                 drop --tenant, or use {named:?}'s key or the admin token"
-            );
-            return Ok(2);
-        }
+    if let Some(code) = own_tenant_refused(client, explicit_tenant(&command)).await? {
+        return Ok(code);
     }
     let token = match &client.key {
         Some(key) => key.clone(),
         None => std::env::var("FACEGATE_ADMIN_TOKEN")
             .context("set FACEGATE_ADMIN_TOKEN to the gateway's admin token, or give a tenant's key (--key)")?,
     };
-    let (status, value) = call(client, &token, method, &path, body, content_type).await?;
+    let (status, bytes) = exchange(client, &token, method, &path, body, content_type).await?;
+    let value: Value =
+        serde_json::from_slice(&bytes).unwrap_or_else(|_| json!({ "error": { "message": String::from_utf8_lossy(&bytes) } }));
     if !status.is_success() {
         let message = value["error"]["message"].as_str().map_or_else(|| value.to_string(), str::to_owned);
         if client.json {
@@ -704,6 +707,21 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         print_summary(&command, &value);
     }
     Ok(0)
+}
+
+/// With a tenant's key, a `--tenant` that is not the key's own: the
+/// refusal is printed, and its exit code returned.
+async fn own_tenant_refused(client: &ClientArgs, named: Option<&str>) -> anyhow::Result<Option<i32>> {
+    let (Some(key), Some(named)) = (&client.key, named) else { return Ok(None) };
+    let own = key_tenant(client, key).await?;
+    if own == named {
+        return Ok(None);
+    }
+    eprintln!(
+        "error: --tenant {named:?} is not this key's tenant ({own:?}): a tenant's key acts for its own tenant only; \
+         drop --tenant, or use {named:?}'s key or the admin token"
+    );
+    Ok(Some(2))
 }
 
 /// A secret's value: `file`'s contents, else stdin's, without one final newline.
@@ -792,15 +810,16 @@ async fn key_tenant(client: &ClientArgs, key: &str) -> anyhow::Result<String> {
     }
 }
 
-/// One admin request; returns the status and the JSON answer.
-async fn call(
+/// One request to the admin API (the tenant API with a key); returns the
+/// status and the answer's bytes.
+async fn exchange(
     client: &ClientArgs,
     token: &str,
     method: Method,
     path: &str,
     body: Bytes,
     content_type: &str,
-) -> anyhow::Result<(StatusCode, Value)> {
+) -> anyhow::Result<(StatusCode, Bytes)> {
     let api = if client.key.is_some() { "tenant" } else { "admin" };
     let url = format!("{}/{api}/v1/{path}", client.url.trim_end_matches('/'));
     let uri: Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
@@ -816,8 +835,7 @@ async fn call(
     let response = send(&uri, request, client.ca_cert.as_deref()).await.with_context(|| format!("cannot reach {url}"))?;
     let status = response.status();
     let bytes = response.into_body().collect().await.context("reading the answer")?.to_bytes();
-    let value = serde_json::from_slice(&bytes).unwrap_or_else(|_| json!({ "error": { "message": String::from_utf8_lossy(&bytes) } }));
-    Ok((status, value))
+    Ok((status, bytes))
 }
 
 fn print_summary(command: &Command, v: &Value) {

@@ -265,6 +265,12 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_MAX_HOST_RESOURCES", default_value_t = crate::sandbox::state::DEFAULT_MAX_HOST_RESOURCES)]
     pub max_host_resources: usize,
 
+    /// Connections to the store's database for handlers' state
+    /// (`wasi:keyvalue`), each on a thread of its own; one tenant's calls
+    /// use at most half of them at once.
+    #[arg(long, env = "FACEGATE_STATE_CONNECTIONS", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub state_connections: u16,
+
     /// Threads that compile uploaded components (serving keeps the other cores).
     #[arg(long, env = "FACEGATE_COMPILE_THREADS", default_value_t = DEFAULT_COMPILE_THREADS)]
     pub compile_threads: usize,

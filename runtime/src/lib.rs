@@ -15,7 +15,8 @@
 //! versions: the store, its live snapshot and the cluster's sync),
 //! [`config`] (flags), [`sandbox`] (the wasmtime engine, handlers, one
 //! request's store and limits, warm instances, compiling, outgoing HTTP,
-//! the `face-detect` host side), [`telemetry`] (Prometheus metrics, usage records, logs, traces), and
+//! the `face-detect` host side, `wasi:keyvalue`), [`kv`] (handlers' state in
+//! the store's database: its statements and connections), [`telemetry`] (Prometheus metrics, usage records, logs, traces), and
 //! [`admission`] (a tenant's limits and gate, instance slots, the node's
 //! memory budget). The benchmarks are the `facegate-bench` binary
 //! (`runtime/bench/`), which `facegate bench` runs.
@@ -25,6 +26,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod http;
+pub mod kv;
 pub mod sandbox;
 pub mod serve;
 pub mod telemetry;

@@ -32,10 +32,18 @@ call no WIT import at module level.
 """
 
 import sys
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from componentize_py_types import Err, Ok
-from wit_world.imports import pipeline, streams, types
+from wit_world.imports import (
+    atomics,
+    batch,
+    pipeline,
+    streams,
+    types,
+    wasi_config_store,
+    wasi_keyvalue_store,
+)
 
 __all__ = [
     "Refusal",
@@ -50,6 +58,10 @@ __all__ = [
     "path_of",
     "pipeline",
     "types",
+    "setting",
+    "settings",
+    "Bucket",
+    "StateError",
 ]
 
 # Bytes asked for per read of the request body (the Rust SDK's READ_CHUNK).
@@ -269,3 +281,142 @@ def _read_body(request: types.IncomingRequest, most: int) -> bytes:
 
 def _log(message: str) -> None:
     print(f"facegate (python): {message}", file=sys.stderr)
+
+
+# -- Settings and secrets (wasi:config/store) ---------------------------------
+
+
+def setting(name: str, default: Optional[str] = None) -> Optional[str]:
+    """The handler's setting (or secret) ``name``, as the request started
+    (``facegate config set``, ``facegate secret set``: the handler's own over
+    its tenant's), or ``default`` when it is not set. :class:`Refusal` (500
+    ``bad_setting``) when the host cannot read it (a secret it cannot open);
+    the message names the setting, never its value."""
+    try:
+        value = wasi_config_store.get(name)
+    except Err:
+        raise Refusal(500, "bad_setting", f"the setting {name!r} cannot be read") from None
+    return default if value is None else value
+
+
+def settings() -> Dict[str, str]:
+    """Every setting of this handler, by name (see :func:`setting`)."""
+    try:
+        return dict(wasi_config_store.get_all())
+    except Err:
+        raise Refusal(500, "bad_setting", "the settings cannot be read") from None
+
+
+# -- State (wasi:keyvalue) -----------------------------------------------------
+
+# Times Bucket.update retries a swap that lost a race.
+UPDATE_TRIES = 16
+
+
+class StateError(Exception):
+    """A state call that failed. ``limit`` is true when one of the tenant's
+    or the request's limits refused it (``kv_keys``, ``kv_bytes``,
+    ``kv_value_bytes``, ``kv_ops``: the message names it). As a
+    :class:`Refusal` (:meth:`refusal`): 507 ``state_limit``, else 500
+    ``state_error``, as the Rust SDK answers."""
+
+    def __init__(self, message: str, limit: bool = False):
+        super().__init__(message)
+        self.limit = limit
+
+    @classmethod
+    def of(cls, error) -> "StateError":
+        """The error for a ``wasi:keyvalue/store`` error."""
+        if isinstance(error, wasi_keyvalue_store.Error_NoSuchStore):
+            return cls("the tenant's state cannot be reached: no such store")
+        if isinstance(error, wasi_keyvalue_store.Error_AccessDenied):
+            return cls("the tenant's state cannot be reached: access denied (the tenant was deleted)")
+        message = getattr(error, "value", str(error))
+        # The host names the limit a refusal is for, as "(kv_...)".
+        return cls(message, limit="(kv_" in message)
+
+    def refusal(self) -> Refusal:
+        """This error as the JSON error a handler answers with."""
+        if self.limit:
+            return Refusal(507, "state_limit", str(self))
+        return Refusal(500, "state_error", str(self))
+
+
+def _state(call, *args):
+    try:
+        return call(*args)
+    except Err as e:
+        raise StateError.of(e.value) from None
+
+
+class Bucket:
+    """One of the tenant's buckets: keys and values the gateway keeps in its
+    database, read by every request on every node after this one. A bucket
+    is a name (1 to 64 ASCII letters, digits, ``.``, ``_``, ``-``) within the
+    tenant. Every call raises :class:`StateError` when it fails."""
+
+    def __init__(self, name: str):
+        self._bucket = _state(wasi_keyvalue_store.open, name)
+
+    def get(self, key: str) -> Optional[bytes]:
+        """The value of ``key``, ``None`` if it has none."""
+        return _state(self._bucket.get, key)
+
+    def set(self, key: str, value: bytes) -> None:
+        """Sets ``key`` to ``value``."""
+        _state(self._bucket.set, key, bytes(value))
+
+    def delete(self, key: str) -> None:
+        """Deletes ``key`` (a missing key is no error)."""
+        _state(self._bucket.delete, key)
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` has a value."""
+        return _state(self._bucket.exists, key)
+
+    def keys(self) -> List[str]:
+        """Every key, in byte order (each page of 100 one of the request's ``kv_ops``)."""
+        found: List[str] = []
+        cursor: Optional[str] = None
+        while True:
+            page = _state(self._bucket.list_keys, cursor)
+            found.extend(page.keys)
+            if page.cursor is None:
+                return found
+            cursor = page.cursor
+
+    def increment(self, key: str, delta: int = 1) -> int:
+        """Adds ``delta`` to the counter ``key`` (decimal text; a missing key
+        counts from 0), atomically across every request on every node; the
+        new value."""
+        return _state(atomics.increment, self._bucket, key, delta)
+
+    def update(self, key: str, change: Callable[[Optional[bytes]], bytes]) -> bytes:
+        """Replaces ``key``'s value with ``change(current)`` atomically
+        (compare-and-swap, retried with the fresh value up to
+        ``UPDATE_TRIES`` times); the value written."""
+        cas = _state(atomics.Cas.new, self._bucket, key)
+        for _ in range(UPDATE_TRIES):
+            value = bytes(change(_state(cas.current)))
+            try:
+                atomics.swap(cas, value)
+                return value
+            except Err as e:
+                if isinstance(e.value, atomics.CasError_CasFailed):
+                    cas = e.value.value
+                    continue
+                raise StateError.of(e.value.value) from None
+        raise StateError(f"{key!r} changed under {UPDATE_TRIES} tries to update it")
+
+    def get_many(self, keys: List[str]) -> List[Optional[bytes]]:
+        """The values of ``keys``, in order (``None``: no value)."""
+        found = _state(batch.get_many, self._bucket, list(keys))
+        return [None if pair is None else pair[1] for pair in found]
+
+    def set_many(self, items: List[Tuple[str, bytes]]) -> None:
+        """Sets every key of ``items``, all or none."""
+        _state(batch.set_many, self._bucket, [(key, bytes(value)) for key, value in items])
+
+    def delete_many(self, keys: List[str]) -> None:
+        """Deletes every key of ``keys``."""
+        _state(batch.delete_many, self._bucket, list(keys))

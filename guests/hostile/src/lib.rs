@@ -36,6 +36,11 @@
 //! | `fetch-many`  | `n` (default 8, at most 64) outgoing `GET`s of `url`, each sent once the one before has its head, all kept open, then each body read | 200, JSON: how many ended each way (`ok: STATUS` or the error code) |
 //! | `lift`        | one `infer` call with `mib` (default 64) MiB of data       | 500 `resource_limit` past the host's per-call cap |
 //! | `config`      | reads its setting `name` (wasi:config), or all of them without `name` | 200, JSON: `value` (null when unset) or `all`; `error` when the host could not read it |
+//! | `kv-fill`     | writes `bytes` (default 1024) bytes under ever new keys of `bucket` (default `fill`) until a write fails | 200, JSON: `written`, `error` (the limit it met) |
+//! | `kv-get`      | reads `key` of `bucket` (wasi:keyvalue)                    | 200, JSON: `value` (text; null when absent) or `error` |
+//! | `kv-put`      | writes `value` to `key` of `bucket`                        | 200, JSON: `ok` or `error`  |
+//! | `kv-incr`     | adds `by` (default 1) to the counter `key` of `bucket`     | 200, JSON: `value` or `error` |
+//! | `kv-list`     | lists the keys of `bucket`                                 | 200, JSON: `keys` or `error` |
 //!
 //! Any attack also takes `linger=MS` (at most 10000): once its answer is
 //! sent in full, the handler keeps running `MS` milliseconds before it
@@ -63,7 +68,7 @@ use facegate_guest_sdk::{Error, Handler, Request, Response};
 /// The attacks, as `attack` accepts them (for the 400 message).
 const ATTACKS: &str = "loop, memory, recursion, panic, snoop, headers, bad-tensor, many-calls, \
                        fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap, hold, \
-                       error-code, lift, fetch, fetch-many, echo, config";
+                       error-code, lift, fetch, fetch-many, echo, config, kv-fill, kv-get, kv-put, kv-incr, kv-list";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
 /// `infer` calls made by `many-calls`.
@@ -79,7 +84,8 @@ impl Handler for Hostile {
 
     fn handle(request: Request) -> Result<Response, Error> {
         let query = request.query();
-        match query.get("attack")?.unwrap_or("") {
+        let attack = query.get("attack")?.unwrap_or("");
+        match attack {
             "loop" => spin(),
             "memory" => hoard(),
             "recursion" => Ok(Response::json(200, &json!({ "depth": recurse(0) }))),
@@ -100,6 +106,8 @@ impl Handler for Hostile {
             "big-tensor" => big_tensors(query.get("side")?, query.get("n")?),
             "count" => Ok(Response::json(200, &json!({ "served": count() }))),
             "config" => Ok(Response::json(200, &setting(query.get("name")?))),
+            "kv-fill" => Ok(Response::json(200, &kv_fill(query.get("bucket")?.unwrap_or("fill"), query.get("bytes")?))),
+            "kv-get" | "kv-put" | "kv-incr" | "kv-list" => Ok(Response::json(200, &kv_call(attack, request.query())?)),
             "leak" => Ok(Response::json(200, &json!({ "served": leak() }))),
             "nap" => nap(query.get("ms")?),
             "hold" => hold(query.get("mib")?, query.get("ms")?),
@@ -576,4 +584,39 @@ fn setting(name: Option<&str>) -> Value {
             Err(e) => json!({ "error": e.to_string() }),
         },
     }
+}
+
+/// For `kv-fill`: writes `bytes`-byte values (default 1024) under new keys
+/// of `bucket` until a write fails; how many were written, and why not more.
+fn kv_fill(bucket: &str, bytes: Option<&str>) -> Value {
+    use facegate_guest_sdk::kv::Bucket;
+    let size = bytes.and_then(|b| b.parse().ok()).unwrap_or(1024_usize);
+    let bucket = match Bucket::open(bucket) {
+        Ok(bucket) => bucket,
+        Err(e) => return json!({ "written": 0, "error": e.to_string() }),
+    };
+    let value = vec![b'x'; size];
+    let mut written = 0_u64;
+    loop {
+        if let Err(e) = bucket.set(&format!("k{written}"), &value) {
+            return json!({ "written": written, "error": e.to_string() });
+        }
+        written += 1;
+    }
+}
+
+/// For `kv-get`, `kv-put`, `kv-incr` and `kv-list`: one call on `key` of
+/// `bucket` (default `b`), its outcome as JSON.
+fn kv_call(attack: &str, query: &facegate_guest_sdk::http::Query) -> Result<Value, Error> {
+    use facegate_guest_sdk::kv::Bucket;
+    let (bucket, key) = (query.get("bucket")?.unwrap_or("b"), query.get("key")?.unwrap_or("k"));
+    let outcome = Bucket::open(bucket).and_then(|bucket| match attack {
+        "kv-get" => bucket.get(key).map(|v| json!({ "value": v.map(|v| String::from_utf8_lossy(&v).into_owned()) })),
+        "kv-put" => bucket.set(key, query.get("value").ok().flatten().unwrap_or("").as_bytes()).map(|()| json!({ "ok": true })),
+        "kv-incr" => {
+            bucket.increment(key, query.get("by").ok().flatten().and_then(|b| b.parse().ok()).unwrap_or(1)).map(|v| json!({ "value": v }))
+        }
+        _ => bucket.keys().map(|keys| json!({ "keys": keys })),
+    });
+    Ok(outcome.unwrap_or_else(|e| json!({ "error": e.to_string() })))
 }

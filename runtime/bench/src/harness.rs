@@ -43,7 +43,9 @@ pub struct BenchConfig {
     /// at ten times capacity beside a neighbour; not part of `all`),
     /// `tracing` (throughput traced against untraced; not part of `all`),
     /// `overhead` (the smallest handler through the gateway against a bare
-    /// hyper server; not part of `all`), or `all`.
+    /// hyper server; not part of `all`), `state` (key-value set and get on
+    /// SQLite and PostgreSQL, and a repeated image through `detect-cached`
+    /// against `detect`; not part of `all`), or `all`.
     #[arg(long, default_value = "all")]
     pub suite: String,
 
@@ -181,11 +183,6 @@ pub(crate) async fn start_seeded(
     let gateway = facegate::Gateway::new(&config, models)?;
     let _ = std::fs::remove_dir_all(&seed_copy);
     let keys = gateway.seeded_keys.iter().map(|k| (k.tenant.clone(), k.key.clone())).collect();
-    // Everything is loaded: without an admin API nothing changes the store,
-    // which can go now (with one, the caller removes `bench_data_dir(label)`).
-    if config.admin_token.is_none() {
-        let _ = std::fs::remove_dir_all(&data_dir);
-    }
     let (listener, addr) = facegate::bind(config.listen).await?;
     let task = tokio::spawn(async move {
         let _ = gateway.serve(listener, std::future::pending()).await;
@@ -213,6 +210,16 @@ fn rust_handlers_only(seed_dir: &std::path::Path, data_dir: &std::path::Path) ->
         }
     }
     Ok(copy)
+}
+
+/// Removes this process's throw-away stores (each gateway's stays while it
+/// serves: handlers' state lives in it).
+pub(crate) fn remove_bench_dirs() {
+    let prefix = format!("facegate-bench-{}-", std::process::id());
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for entry in entries.flatten().filter(|e| e.file_name().to_string_lossy().starts_with(&prefix)) {
+        let _ = std::fs::remove_dir_all(entry.path());
+    }
 }
 
 /// The throw-away store of the bench gateway numbered `label`.

@@ -16,6 +16,7 @@ mod native;
 mod overhead;
 mod overload;
 mod pipeline;
+mod state;
 mod traces;
 
 use std::time::Duration;
@@ -80,5 +81,9 @@ async fn run(config: BenchConfig) -> anyhow::Result<()> {
     if suite == "overhead" {
         overhead::run(&config, duration).await?;
     }
+    if suite == "state" {
+        state::run(&config, &images, duration).await?;
+    }
+    harness::remove_bench_dirs();
     Ok(())
 }

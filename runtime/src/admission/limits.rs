@@ -47,6 +47,14 @@ pub const DEFAULT_MAX_VERSIONS: u32 = 20;
 pub const DEFAULT_MAX_HANDLERS: u32 = 32;
 /// Default unrevoked API keys one tenant may have.
 pub const DEFAULT_MAX_KEYS: u32 = 100;
+/// Default most keys a tenant's state holds (`wasi:keyvalue`).
+pub const DEFAULT_KV_KEYS: u64 = 100_000;
+/// Default most bytes a tenant's state holds (64 MiB).
+pub const DEFAULT_KV_BYTES: u64 = 64 << 20;
+/// Default largest value in a tenant's state (1 MiB).
+pub const DEFAULT_KV_VALUE_BYTES: u64 = 1 << 20;
+/// Default most keys one request reads or writes.
+pub const DEFAULT_KV_OPS: u32 = 1000;
 /// Most versions, handlers or keys a tenant may be given.
 const MAX_STORED: u32 = 10_000;
 
@@ -199,6 +207,29 @@ tenant_limits! {
         /// (403 `quota_exceeded`) until one is revoked.
         max_keys: u32 = DEFAULT_MAX_KEYS, flag "max-keys", env "FACEGATE_MAX_KEYS",
             parser clap::value_parser!(u32).range(1..=i64::from(MAX_STORED)), rule within(1, MAX_STORED);
+        /// Settings and secrets the tenant may have (`facegate config set`,
+        /// `secret set`), all its handlers together; one more: 403 `quota_exceeded`.
+        settings: u32 = 64, flag "max-settings", env "FACEGATE_MAX_SETTINGS", rule within(0, 10_000);
+        /// Longest value of one setting or secret, bytes; longer: 403 `quota_exceeded`.
+        setting_bytes: u64 = 8 << 10, flag "max-setting-bytes", env "FACEGATE_MAX_SETTING_BYTES", rule within(1, 1 << 20);
+        /// Bytes all the tenant's settings may take (values as stored, a
+        /// secret's sealed); past it: 403 `quota_exceeded`. Every node's
+        /// snapshot holds them.
+        settings_bytes: u64 = 64 << 10, flag "max-settings-bytes", env "FACEGATE_MAX_SETTINGS_BYTES", rule within(0, 16 << 20);
+        /// Keys the tenant's handlers may keep in their state
+        /// (`wasi:keyvalue`), all buckets together; a write of one more
+        /// fails with an error naming this limit.
+        kv_keys: u64 = DEFAULT_KV_KEYS, flag "kv-max-keys", env "FACEGATE_KV_MAX_KEYS", rule any;
+        /// Bytes the tenant's state may hold (bucket names, keys and values
+        /// together); a write that would grow it past this fails.
+        kv_bytes: u64 = DEFAULT_KV_BYTES, flag "kv-max-bytes", env "FACEGATE_KV_MAX_BYTES", rule any;
+        /// Largest value the tenant's state may hold, bytes; also what a
+        /// read of one key is charged to the node's memory before it is
+        /// made. The server's value is also every tenant's ceiling.
+        kv_value_bytes: u64 = DEFAULT_KV_VALUE_BYTES, flag "kv-max-value-bytes", env "FACEGATE_KV_MAX_VALUE_BYTES", rule up_to_default(0);
+        /// Keys one request may read or write in its tenant's state (each
+        /// key of a batch counts, a listing counts one); past it, an error.
+        kv_ops: u32 = DEFAULT_KV_OPS, flag "kv-max-ops", env "FACEGATE_KV_MAX_OPS", rule any;
     }
     fixed {
         /// Share of device time when tenants compete (the fair queue's

@@ -21,7 +21,7 @@ use crate::sandbox::settings::{HandlerSettings, Vars};
 #[derive(Clone)]
 pub struct TenantEntry {
     /// Which creation of a tenant of this name (see `store::new_incarnation`).
-    pub incarnation: String,
+    pub incarnation: Arc<str>,
     /// Admission state.
     pub gate: Arc<TenantGate>,
     /// Active handler versions by name.

@@ -66,7 +66,7 @@ pub use self::releases::{Release, Releases, Releasing};
 pub use self::routes::{Routes, host_of, valid_hostname};
 pub use self::seal::{ArtifactKey, CACHE_KEY_FILE, CacheKey};
 pub use self::serving::{Serving, Synced};
-pub use self::settings::{MAX_SETTING_BYTES, MAX_SETTINGS, MAX_SETTINGS_BYTES, SettingInfo, Settings};
+pub use self::settings::{SettingInfo, Settings};
 pub use self::tenants::Tenants;
 pub use self::upload::{Change, ChangePlace, UploadHold};
 pub use self::usage::UsageRecords;

@@ -34,7 +34,7 @@ impl Rebuild<'_> {
     /// served to it.
     pub(super) fn forget_gone(&self, incarnations: &HashMap<&str, &str>) {
         for (name, entry) in self.old.tenants.iter() {
-            if incarnations.get(name.as_str()) != Some(&entry.incarnation.as_str()) {
+            if incarnations.get(name.as_str()) != Some(&&*entry.incarnation) {
                 self.forget_tenant(name, entry);
             }
         }
@@ -44,7 +44,7 @@ impl Rebuild<'_> {
     /// of the same incarnation is kept while its limits are unchanged.
     pub(super) fn tenant_entry(&self, row: store::TenantRow) -> (String, TenantEntry) {
         let limits = self.shared.defaults.with(&row.overrides);
-        let previous = self.old.tenants.get(&row.name).filter(|e| e.incarnation == row.incarnation);
+        let previous = self.old.tenants.get(&row.name).filter(|e| *e.incarnation == *row.incarnation);
         let gate = match previous {
             Some(entry) if entry.gate.limits == limits => Arc::clone(&entry.gate),
             previous => {
@@ -58,7 +58,7 @@ impl Rebuild<'_> {
         for model in self.shared.models.iter() {
             model.set_tenant_weight(&row.name, weight);
         }
-        (row.name, TenantEntry { incarnation: row.incarnation, gate, handlers: HashMap::new(), canaries: HashMap::new() })
+        (row.name, TenantEntry { incarnation: row.incarnation.into(), gate, handlers: HashMap::new(), canaries: HashMap::new() })
     }
 
     /// The store is read in several statements: a tenant deleted (and
@@ -72,7 +72,7 @@ impl Rebuild<'_> {
         let changed: Vec<String> = live
             .tenants
             .iter()
-            .filter(|(name, entry)| now.get(name.as_str()) != Some(&entry.incarnation.as_str()))
+            .filter(|(name, entry)| now.get(name.as_str()) != Some(&&*entry.incarnation))
             .map(|(name, _)| name.clone())
             .collect();
         for name in changed {

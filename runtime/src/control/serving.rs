@@ -239,7 +239,7 @@ impl Serving {
         let old = self.live();
         let row = tenant_row(db, tenant)?;
         let incarnation = row.as_ref().map(|r| r.incarnation.clone());
-        if old.tenants.get(tenant).is_some_and(|was| incarnation.as_ref().is_some_and(|now| *now != was.incarnation)) {
+        if old.tenants.get(tenant).is_some_and(|was| incarnation.as_ref().is_some_and(|now| **now != *was.incarnation)) {
             return self.rebuild_all(db, preloaded, compile);
         }
         let build = self.rebuild(&old, preloaded, compile);

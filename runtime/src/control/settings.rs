@@ -16,12 +16,6 @@ use super::shared::Shared;
 use super::store::{SettingQuota, SettingRow, StoreError, StoreResult, now};
 use crate::sandbox::handler::valid_name;
 
-/// Settings one tenant may have, all its handlers together.
-pub const MAX_SETTINGS: usize = 64;
-/// The longest value of one setting, bytes.
-pub const MAX_SETTING_BYTES: usize = 8 << 10;
-/// The most a tenant's settings may take in all (values as stored), bytes.
-pub const MAX_SETTINGS_BYTES: usize = 64 << 10;
 /// The longest name.
 const MAX_NAME_BYTES: usize = 128;
 
@@ -60,14 +54,20 @@ impl Settings {
     /// bounds or, for a secret, without a secrets key.
     pub fn set(&self, tenant: &str, handler: Option<&str>, name: &str, value: &str, secret: bool) -> StoreResult<SettingInfo> {
         let (handler, name) = (handler_of(handler)?, valid_setting_name(name)?);
-        if value.len() > MAX_SETTING_BYTES {
-            return Err(StoreError::Invalid(format!("a setting's value is at most {MAX_SETTING_BYTES} bytes, not {}", value.len())));
-        }
         let row = SettingRow { tenant: tenant.to_owned(), handler, name, secret, updated_at: now() };
         let mut db = self.shared.db();
-        let incarnation = db.tenant(tenant)?.incarnation;
-        let stored = if secret { self.seal(&row, &incarnation, value)? } else { value.as_bytes().to_vec() };
-        db.put_setting(&row, &stored, SettingQuota { count: MAX_SETTINGS, bytes: MAX_SETTINGS_BYTES })?;
+        let tenant_row = db.tenant(tenant)?;
+        let limits = self.shared.defaults.with(&tenant_row.overrides);
+        if value.len() as u64 > limits.setting_bytes {
+            let message = format!("a setting's value is at most {} bytes (setting_bytes), not {}", limits.setting_bytes, value.len());
+            return Err(StoreError::Quota(message));
+        }
+        let stored = if secret { self.seal(&row, &tenant_row.incarnation, value)? } else { value.as_bytes().to_vec() };
+        let quota = SettingQuota {
+            count: usize::try_from(limits.settings).unwrap_or(usize::MAX),
+            bytes: usize::try_from(limits.settings_bytes).unwrap_or(usize::MAX),
+        };
+        db.put_setting(&row, &stored, quota)?;
         drop(db);
         self.refresh(tenant);
         tracing::info!(tenant, handler = %row.handler, name = %row.name, secret, "setting changed");

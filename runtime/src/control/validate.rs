@@ -26,6 +26,10 @@ pub const ALLOWED_IMPORTS: &[&str] = &[
     "wasi:http/outgoing-handler@",
     // The handler's settings and secrets (sandbox/settings.rs).
     "wasi:config/store@0.2.0-rc.1",
+    // The tenant's state (sandbox/keyvalue.rs).
+    "wasi:keyvalue/store@0.2.0-draft2",
+    "wasi:keyvalue/atomics@0.2.0-draft2",
+    "wasi:keyvalue/batch@0.2.0-draft2",
 ];
 
 /// The export every handler must have.

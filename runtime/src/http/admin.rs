@@ -154,6 +154,11 @@ impl App {
         if req.method() == Method::GET && rest == ["usage"] {
             return self.usage_report(&req, None).await;
         }
+        if let ["tenants", tenant, state @ ..] = rest
+            && state.first() == Some(&"kv")
+        {
+            return self.kv_api(tenant, state, req).await;
+        }
         let method = req.method().clone();
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();

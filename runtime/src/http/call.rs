@@ -64,6 +64,8 @@ struct Call<'a> {
     log: LogOwner,
     /// The handler's settings as the call started (`wasi:config/store`).
     settings: crate::sandbox::settings::HandlerSettings,
+    /// Whose state its `wasi:keyvalue` calls reach: the tenant as it was at the call's start.
+    owner: Option<crate::kv::Owner>,
 }
 
 impl App {
@@ -84,7 +86,9 @@ impl App {
         };
         let found = (key_tenant == tenant).then(|| live.handler(tenant, name)).flatten();
         let canary = found.and_then(|_| live.canary(tenant, name)).cloned();
-        let log = live.tenants.get(tenant).map(|e| LogOwner::new(tenant, &e.incarnation));
+        let entry = live.tenants.get(tenant);
+        let log = entry.map(|e| LogOwner::new(tenant, &e.incarnation));
+        let incarnation = entry.map(|e| Arc::clone(&e.incarnation));
         let settings = live.settings(tenant, name);
         let Some((gate, stable)) = found.map(|(g, h)| (Arc::clone(g), Arc::clone(h))) else {
             server.status(404);
@@ -116,7 +120,16 @@ impl App {
         // Metered in the minute it started (see crate::telemetry::usage).
         let key = UsageKey::new(tenant, name, handler.version, crate::control::store::now_ms());
         let log = log.unwrap_or_else(|| LogOwner::new(tenant, ""));
-        let call = Call { id: &id, key: &key, trace: server.trace(), hit: OnceLock::new(), ran: Default::default(), log, settings };
+        let call = Call {
+            id: &id,
+            key: &key,
+            trace: server.trace(),
+            hit: OnceLock::new(),
+            ran: Default::default(),
+            log,
+            settings,
+            owner: incarnation.map(|incarnation| crate::kv::Owner { tenant: Arc::clone(&handler.tenant), incarnation }),
+        };
         let response = self.run_handler(&gate, &handler, req, &call).await;
         let status = response.status().as_u16();
         server.status(status);
@@ -129,9 +142,9 @@ impl App {
         {
             self.count_canary(canary, side, status);
         }
-        self.metrics.record(tenant, name, status, started.elapsed());
+        self.metrics.record(tenant, name, status, outcome.1);
         let meter = self.control.usage.meter();
-        meter.add(&key, &Usage::answer(status));
+        meter.add(&key, &Usage::answer(status, outcome.1));
         // The server span ends when the answer's body is sent.
         let mut response = response::counted(response, (BytesOut::new(Arc::clone(meter), key), server));
         if let Ok(value) = hyper::header::HeaderValue::from_str(&id) {
@@ -229,7 +242,8 @@ impl App {
         call.ran.store(true, std::sync::atomic::Ordering::Relaxed);
         let usage = Some((Arc::clone(self.control.usage.meter()), key.clone()));
         let settings = call.settings.clone();
-        let tag = RequestTag { id: Arc::clone(id), usage, trace: trace.clone(), log: call.log.clone(), settings };
+        let owner = call.owner.clone();
+        let tag = RequestTag { id: Arc::clone(id), usage, trace: trace.clone(), log: call.log.clone(), settings, owner };
         match self.sandbox.handle(handler, req, deadline, sandbox_limits, tag, (instance, tenant_slot, memory, promise)).await {
             Ok(mut response) => {
                 response.headers_mut().insert(VERSION_HEADER, hyper::header::HeaderValue::from(handler.version));

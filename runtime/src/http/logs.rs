@@ -636,7 +636,7 @@ struct Reader {
     control: Arc<ControlPlane>,
     tenant: String,
     key: String,
-    incarnation: Option<String>,
+    incarnation: Option<Arc<str>>,
     /// Its log on this node.
     owner: LogOwner,
 }

@@ -17,6 +17,7 @@ mod call;
 pub mod client;
 mod conn;
 pub mod console;
+mod kv;
 mod logs;
 pub mod mount;
 pub mod oci;

@@ -10,6 +10,8 @@
 //! | `PUT handlers/{h}` (`?canary=P`), `POST handlers/{h}/activate`, `…/rollback`, `…/promote`, `…/abort` | `deploy` |
 //! | `GET keys`, `POST keys` (an `invoke` key), `DELETE keys/{id}` (an `invoke` key) | `deploy` |
 //! | `GET usage`, `GET logs` (every live node's records) | `read` |
+//! | `GET config`, `GET kv…` (the state: buckets, keys, values) | `read` or `deploy` |
+//! | `PUT`/`DELETE config/{name}`, `PUT`/`DELETE kv/{bucket}[/{key}]` | `deploy` |
 //!
 //! A missing, wrong or revoked key is 401 (slowed like a wrong admin
 //! token); a key without the route's scope is 403. A tenant's calls past
@@ -40,6 +42,8 @@ fn required(method: &Method, rest: &[&str]) -> Option<Scopes> {
     Some(match (method, rest) {
         (&Method::GET, ["handlers"] | ["handlers", _, "versions"] | ["routes"] | ["registries"] | ["config"]) => look,
         (&Method::PUT | &Method::DELETE, ["config", _]) => manage,
+        (&Method::GET, ["kv", ..]) => look,
+        (&Method::PUT | &Method::DELETE, ["kv", _, ..]) => manage,
         (&Method::PUT | &Method::DELETE, ["registries", _]) => manage,
         (&Method::PUT, ["handlers", _]) | (&Method::POST, ["handlers", _, "activate" | "rollback" | "promote" | "abort"]) => manage,
         (&Method::GET | &Method::POST, ["keys"]) | (&Method::DELETE, ["keys", _]) => manage,
@@ -79,6 +83,9 @@ impl App {
         }
         if rest == ["logs"] {
             return self.tenant_logs(&req, &tenant).await;
+        }
+        if rest.first() == Some(&"kv") {
+            return self.kv_api(&tenant, rest, req).await;
         }
         let query = req.uri().query().unwrap_or("").to_owned();
         let path: Vec<String> = rest.iter().map(|s| (*s).to_owned()).collect();
@@ -200,6 +207,9 @@ mod tests {
         assert_eq!(get(&["registries"]), Some(Scopes::DEPLOY.with(Scopes::READ)));
         assert_eq!(get(&["config"]), Some(Scopes::DEPLOY.with(Scopes::READ)), "read lists settings (secrets' names only)");
         assert_eq!(required(&Method::PUT, &["config", "min_score"]), Some(Scopes::DEPLOY), "deploy writes them");
+        assert_eq!(get(&["kv", "cache", "k"]), Some(Scopes::DEPLOY.with(Scopes::READ)), "read reads the state");
+        assert_eq!(required(&Method::DELETE, &["kv", "cache"]), Some(Scopes::DEPLOY), "deploy clears it");
+        assert_eq!(required(&Method::DELETE, &["kv"]), None, "not all of it at once");
         assert_eq!(required(&Method::PUT, &["registries", "ghcr.io"]), Some(Scopes::DEPLOY), "credentials are set with deploy only");
         assert_eq!(required(&Method::PUT, &["handlers", "faces"]), Some(Scopes::DEPLOY));
         assert_eq!(required(&Method::POST, &["handlers", "faces", "rollback"]), Some(Scopes::DEPLOY));

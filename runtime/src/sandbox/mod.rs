@@ -2,7 +2,7 @@
 //! handler version ([`handler`]), one request (`run`: [`Sandbox`]), whose
 //! answer ends with its guest ([`answer_end`]), what its store holds
 //! ([`state`], [`stdio`], [`instance_memory`], [`outgoing`],
-//! [`face_detect`], [`settings`]), instances kept warm between requests ([`warm`]), and
+//! [`face_detect`], [`settings`], [`keyvalue`]), instances kept warm between requests ([`warm`]), and
 //! compiling uploads off the request path ([`compile`]).
 
 pub mod answer_end;
@@ -11,6 +11,7 @@ pub mod engine;
 pub mod face_detect;
 pub mod handler;
 pub mod instance_memory;
+pub mod keyvalue;
 pub mod outgoing;
 mod run;
 pub mod settings;

@@ -21,10 +21,12 @@ use wasmtime_wasi_http::{FieldMapError, WasiHttpView};
 use crate::admission::limits::Limit;
 use crate::admission::limits::TenantLimits;
 use crate::admission::memory::{MemoryBudget, NodeMemoryExhausted, Refusal};
+use crate::kv::{KvPool, Owner};
 use crate::sandbox::answer_end;
 use crate::sandbox::face_detect::{self, FaceDetectCtx};
 use crate::sandbox::handler::Handler;
 use crate::sandbox::instance_memory::{InstanceLimiter, MemoryLimitExceeded};
+use crate::sandbox::keyvalue::{KvCtx, KvLimits};
 use crate::sandbox::outgoing::Egress;
 use crate::sandbox::settings::HandlerSettings;
 use crate::sandbox::state::{self, GatewayHooks, RequestState};
@@ -135,6 +137,8 @@ pub struct RequestTag {
     pub log: LogOwner,
     /// The handler's settings and secrets, as the snapshot held them when the request started.
     pub settings: HandlerSettings,
+    /// Whose state its `wasi:keyvalue` calls reach (`None`: none).
+    pub owner: Option<Owner>,
 }
 
 /// What a client is told of a [`SandboxError`].
@@ -203,6 +207,8 @@ pub struct Sandbox {
     egress: Egress,
     /// The node's memory budget, charged by every store.
     memory: Arc<MemoryBudget>,
+    /// The handlers' state, if this node keeps it (see [`Sandbox::with_state`]).
+    kv: Option<Arc<KvPool>>,
 }
 
 /// Deadline marker error, so a timeout is told apart from other traps.
@@ -234,6 +240,7 @@ impl Sandbox {
         )?;
         face_detect::add_to_linker(&mut linker, state::face_detect_view)?;
         super::settings::add_to_linker(&mut linker, state::settings_view)?;
+        super::keyvalue::add_to_linker(&mut linker, state::kv_view)?;
         wasmtime_wasi_http::p2::bindings::http::outgoing_handler::add_to_linker::<_, wasmtime_wasi_http::WasiHttp>(
             &mut linker,
             RequestState::http,
@@ -254,7 +261,20 @@ impl Sandbox {
             logs: Arc::default(),
             warm,
             reused: AtomicU64::new(0),
+            kv: None,
         })
+    }
+
+    /// Gives handlers their tenants' state on `pool` (without it, every
+    /// `wasi:keyvalue` open is `no-such-store`).
+    pub fn with_state(mut self, pool: Arc<KvPool>) -> Self {
+        self.kv = Some(pool);
+        self
+    }
+
+    /// The handlers' state, if this node keeps it.
+    pub fn state(&self) -> Option<&Arc<KvPool>> {
+        self.kv.as_ref()
     }
 
     /// The per-tenant counters of limit hits.
@@ -319,10 +339,12 @@ impl Sandbox {
     ) -> Result<hyper::Response<HyperOutgoingBody>, SandboxError> {
         let method = request.method().clone();
         let (mut store, warm_proxy, served) = self.store_for(handler, deadline, limits);
-        let RequestTag { id: request_id, usage, trace, log, settings } = tag;
+        let RequestTag { id: request_id, usage, trace, log, settings, owner } = tag;
         store.data_mut().settings = settings;
+        store.data_mut().kv = self.kv(handler, owner, deadline, limits);
         trace.set([KeyValue::new("faas.coldstart", warm_proxy.is_none())]);
         if let Some((meter, key)) = usage {
+            store.data_mut().kv.meter_as(Arc::clone(&meter), key.clone());
             store.data_mut().face_detect.meter_as(meter, key);
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -371,6 +393,7 @@ impl Sandbox {
             log_output(&handler_ref, (&request_id, &log), &store, (&hits, &logs));
             let used = store.data().limiter.used();
             store.data_mut().face_detect.settle(used);
+            store.data_mut().kv.settle();
             match result {
                 Ok(Ok(proxy)) => {
                     store.data().face_detect.ended();
@@ -438,6 +461,13 @@ impl Sandbox {
         store.set_epoch_deadline(1);
     }
 
+    /// The request's state capability: `owner`'s state, within the
+    /// tenant's limits, until `deadline`.
+    fn kv(&self, handler: &Handler, owner: Option<Owner>, deadline: Instant, limits: SandboxLimits) -> KvCtx {
+        let at = self.kv.as_ref().zip(owner).map(|(pool, owner)| (Arc::clone(pool), owner));
+        KvCtx::new(at, KvLimits::of(&limits.tenant), deadline, self.memory.empty(&handler.tenant))
+    }
+
     /// The request's face-detect capability: its deadline and call budget,
     /// its inputs charged to the node's memory budget.
     fn face_detect(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> FaceDetectCtx {
@@ -492,8 +522,9 @@ fn keep_warm(
     limits: SandboxLimits,
 ) {
     let state = store.data_mut();
-    // An idle instance holds no request's settings.
+    // An idle instance holds no request's settings, nor its state's connections.
     state.settings = HandlerSettings::default();
+    state.kv = KvCtx::default();
     let keep = served < limits.tenant.instance_reuse
         && state.holds_only_stdio()
         && state.limiter.used() <= WARM_MAX_MEMORY

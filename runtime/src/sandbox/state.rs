@@ -11,6 +11,7 @@ use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpC
 
 use crate::sandbox::face_detect::{FaceDetectCtx, FaceDetectView};
 use crate::sandbox::instance_memory::InstanceLimiter;
+use crate::sandbox::keyvalue::{KvCtx, KvView};
 use crate::sandbox::outgoing::{Caller, Egress, Refusals, Sent};
 use crate::sandbox::settings::{HandlerSettings, SettingsView};
 use crate::sandbox::stdio::{CappedCapture, STDIO_CAPTURE_BYTES};
@@ -154,6 +155,8 @@ pub struct RequestState {
     pub stdio: CappedCapture,
     /// Its settings and secrets (`wasi:config/store`), as the request started.
     pub settings: HandlerSettings,
+    /// Its tenant's state (`wasi:keyvalue`).
+    pub kv: KvCtx,
 }
 
 impl RequestState {
@@ -175,7 +178,7 @@ impl RequestState {
         let mut http = WasiHttpCtx::new();
         http.set_field_size_limit(FIELD_SIZE_LIMIT);
         let settings = HandlerSettings::default();
-        Self { table, wasi, http, deadline: hooks.deadline, hooks, face_detect, limiter, stdio, settings }
+        Self { table, wasi, http, deadline: hooks.deadline, hooks, face_detect, limiter, stdio, settings, kv: KvCtx::default() }
     }
 
     /// The guest's span of this request: its `infer` calls are its
@@ -234,6 +237,11 @@ impl WasiHttpView for RequestState {
 /// Projects the settings' view (for [`crate::sandbox::settings::add_to_linker`]).
 pub fn settings_view(state: &mut RequestState) -> SettingsView<'_> {
     SettingsView(&state.settings)
+}
+
+/// Projects the state's view (for [`crate::sandbox::keyvalue::add_to_linker`]).
+pub fn kv_view(state: &mut RequestState) -> KvView<'_> {
+    KvView { ctx: &mut state.kv, table: &mut state.table }
 }
 
 /// Projects the face-detect view (for [`crate::sandbox::face_detect::add_to_linker`]).

@@ -99,7 +99,8 @@ impl Gateway {
         let warm = (config.warm_instances as usize, Duration::from_secs(config.warm_idle_secs));
         let egress = outgoing::Egress::new(config.egress_rules());
         outgoing::log_rules(egress.rules());
-        let sandbox = Arc::new(Sandbox::new(engine, models.clone(), warm, egress, memory)?);
+        let state = state_pool(config)?;
+        let sandbox = Arc::new(Sandbox::new(engine, models.clone(), warm, egress, memory)?.with_state(state));
         sandbox.logs().set_capacity(usize::try_from(config.tenant_log_bytes).unwrap_or(usize::MAX));
         sandbox.logs().set_total_capacity(usize::try_from(config.tenant_logs_total_mib << 20).unwrap_or(usize::MAX));
         // Per-tenant counters the control plane clears when a tenant is deleted.
@@ -433,4 +434,16 @@ fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()>> {
     Ok(async {
         let _ = tokio::signal::ctrl_c().await;
     })
+}
+
+/// The connections of handlers' state to the store's database (opened at
+/// their first call, after the store has migrated).
+fn state_pool(config: &ServeConfig) -> anyhow::Result<Arc<crate::kv::KvPool>> {
+    let workers = usize::from(config.state_connections);
+    match config.store.as_deref() {
+        Some(url) if control::store::is_shared(Some(url)) => {
+            crate::kv::KvPool::postgres(control::store::postgres::client_config(url)?, workers)
+        }
+        _ => crate::kv::KvPool::sqlite(config.data_dir.join(control::store::DB_FILE), workers),
+    }
 }

@@ -122,12 +122,26 @@ usage_fields! {
     /// The largest instance memory (linear memories and tables) a request
     /// ended with, bytes.
     peak_memory_bytes: Max, column "peak MiB" / 1_048_576;
+    /// Keys read from the tenant's state (`wasi:keyvalue`): each key a
+    /// get, an exists or a batch looked up, and each listing.
+    kv_reads: Sum, column "kv reads" / 1;
+    /// Keys written to the tenant's state: each key set, deleted,
+    /// incremented or swapped.
+    kv_writes: Sum, column "kv writes" / 1;
+    /// The most bytes the tenant's state held after a write of these requests.
+    kv_bytes: Max, column "kv MiB" / 1_048_576;
+    /// Time from each request's arrival to its answer's head, µs, summed
+    /// (over the answers: the mean latency).
+    latency_us: Sum, column "latency s" / 1_000_000;
+    /// The slowest of these answers, µs.
+    latency_max_us: Max, column "max latency ms" / 1_000;
 }
 
 impl Usage {
-    /// One answer of `status`.
-    pub fn answer(status: u16) -> Self {
-        let mut usage = Self::default();
+    /// One answer of `status`, its head sent `latency` after the request arrived.
+    pub fn answer(status: u16, latency: std::time::Duration) -> Self {
+        let latency_us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        let mut usage = Self { latency_us, latency_max_us: latency_us, ..Self::default() };
         match status {
             300..=399 => usage.requests_3xx = 1,
             400..=499 => usage.requests_4xx = 1,
@@ -282,25 +296,26 @@ mod tests {
     fn requests_count_in_the_minute_they_started_by_status_class() {
         assert_eq!(key(3).bucket_ms, 3 * BUCKET_MS);
         let meter = Meter::new("n".into());
-        for status in [200, 204, 301, 404, 429, 500, 503] {
-            meter.add(&key(3), &Usage::answer(status));
+        for (status, ms) in [(200, 5), (204, 1), (301, 1), (404, 1), (429, 1), (500, 40), (503, 1)] {
+            meter.add(&key(3), &Usage::answer(status, std::time::Duration::from_millis(ms)));
         }
         meter.add(&key(3), &Usage { peak_memory_bytes: 10, ..Usage::default() });
         meter.add(&key(3), &Usage { peak_memory_bytes: 4, guest_us: 7, ..Usage::default() });
         let usage = meter.unwritten()[&key(3)];
         assert_eq!((usage.requests_2xx, usage.requests_3xx, usage.requests_4xx, usage.requests_5xx), (2, 1, 2, 2));
         assert_eq!((usage.peak_memory_bytes, usage.guest_us, usage.requests()), (10, 7, 7));
+        assert_eq!((usage.latency_us, usage.latency_max_us), (50_000, 40_000), "latencies summed, the slowest kept");
     }
 
     #[test]
     fn a_delta_not_written_is_sealed_again_under_its_number() {
         let meter = Meter::new("n".into());
         assert_eq!(meter.seal(), None, "nothing to write");
-        meter.add(&key(1), &Usage::answer(200));
+        meter.add(&key(1), &Usage::answer(200, std::time::Duration::ZERO));
         let first = meter.seal().unwrap();
         assert_eq!(first.seq, 1);
         // The write failed; meanwhile more came.
-        meter.add(&key(1), &Usage::answer(200));
+        meter.add(&key(1), &Usage::answer(200, std::time::Duration::ZERO));
         assert_eq!(meter.seal().unwrap(), first, "the same delta, the same number: written once");
         assert_eq!(meter.unwritten()[&key(1)].requests_2xx, 2);
         meter.written(1);

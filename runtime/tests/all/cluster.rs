@@ -670,3 +670,60 @@ fn a_setting_changed_through_one_node_is_read_on_another_and_a_foreign_key_opens
         assert!(!bytes.windows(SECRET.len()).any(|w| w == SECRET.as_bytes()), "the database holds the secret in clear");
     }
 }
+
+/// Handlers' state is the cluster's: a key written through one node is
+/// read on the other, and 1,000 concurrent `increment`s spread over both
+/// nodes end at exactly 1,000, each answered with a value of its own.
+#[test]
+fn a_thousand_increments_spread_over_two_nodes_end_at_exactly_a_thousand() {
+    const INCREMENTS: usize = 1000;
+    const CLIENTS: usize = 32;
+    let pg = ThrowawayPostgres::start().unwrap();
+    let url = pg.url();
+    let (a, _) = node(&url, "node-a");
+    let (b, _) = node(&url, "node-b");
+    let limits = json!({ "rps": 0.0, "max_concurrency": 64 });
+    a.json(a.admin(Method::POST, "tenants").json(&json!({ "name": "counted", "limits": limits })));
+    let key = a.json(a.admin(Method::POST, "tenants/counted/keys"))["key"].as_str().unwrap().to_owned();
+    a.json(a.admin(Method::PUT, "tenants/counted/handlers/attack").body(std::fs::read(guest("hostile")).unwrap()));
+    let call = |server: &Server, query: &str| -> Option<Value> {
+        let url = format!("http://{}/v1/counted/attack?{query}", server.addr);
+        let response = crate::harness::client_with_key(&key).get(url).send().ok()?;
+        (response.status() == 200).then(|| response.json().ok()).flatten()
+    };
+    within(Duration::from_secs(10), "B serves the handler", || call(&b, "attack=kv-get&bucket=c&key=n").is_some());
+    assert_eq!(call(&a, "attack=kv-put&bucket=c&key=greeting&value=hi"), Some(json!({ "ok": true })));
+    assert_eq!(call(&b, "attack=kv-get&bucket=c&key=greeting"), Some(json!({ "value": "hi" })), "written on A, read on B");
+
+    let values = std::sync::Mutex::new(Vec::with_capacity(INCREMENTS));
+    std::thread::scope(|s| {
+        for client in 0..CLIENTS {
+            let (a, b, values, key) = (&a, &b, &values, &key);
+            s.spawn(move || {
+                let http = crate::harness::client_with_key(key);
+                for i in (client..INCREMENTS).step_by(CLIENTS) {
+                    let server = if i % 2 == 0 { a } else { b };
+                    let url = format!("http://{}/v1/counted/attack?attack=kv-incr&bucket=c&key=n", server.addr);
+                    loop {
+                        let response = http.get(&url).send().unwrap();
+                        // Refused before the handler ran (admission): safe to send again.
+                        if matches!(response.status().as_u16(), 429 | 503) {
+                            std::thread::sleep(Duration::from_millis(20));
+                            continue;
+                        }
+                        assert_eq!(response.status(), 200);
+                        let body: Value = response.json().unwrap();
+                        let value = body["value"].as_i64().unwrap_or_else(|| panic!("{body}"));
+                        values.lock().unwrap().push(value);
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let mut values = values.into_inner().unwrap();
+    values.sort_unstable();
+    assert_eq!(values, (1..=INCREMENTS as i64).collect::<Vec<_>>(), "every increment counted once");
+    assert_eq!(call(&b, "attack=kv-get&bucket=c&key=n"), Some(json!({ "value": "1000" })));
+    assert_eq!(call(&a, "attack=kv-get&bucket=c&key=n"), Some(json!({ "value": "1000" })));
+}

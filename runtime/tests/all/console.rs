@@ -255,6 +255,21 @@ fn a_tenant_deploys_starts_a_canary_and_reads_its_log_tail() {
     let sources = browser
         .script("return [...document.querySelectorAll('.mine-handler[data-handler=faces] tbody tr')].map(r => r.lastChild.textContent);");
     assert_eq!(sources, json!(["upload", "upload"]), "each version says where it came from");
+    // The plots: the hour's requests by status, device time, and the handler's mean latency.
+    let plotted = browser.wait_for(
+        "(() => { const n = [...document.querySelectorAll('#mine-usage rect[data-status=ok]')].reduce((n, r) => n + Number(r.dataset.requests), 0);
+           return n === 12 ? n : null; })()",
+    );
+    assert_eq!(plotted, json!(12), "every request in the requests plot");
+    let device =
+        browser.script("return [...document.querySelectorAll('#mine-device rect')].reduce((n, r) => n + Number(r.dataset.deviceMs), 0);");
+    assert!(device.as_f64().unwrap() > 0.0, "device time plotted: {device}");
+    let latency =
+        browser.script("return [...document.querySelectorAll('#mine-latency circle[data-handler=faces]')].map(c => Number(c.dataset.ms));");
+    let latency: Vec<f64> = serde_json::from_value(latency).unwrap();
+    assert!(!latency.is_empty() && latency.iter().all(|&ms| ms > 0.0 && ms < 60_000.0), "the handler's latency: {latency:?}");
+    let legend = browser.script("return [...document.querySelectorAll('#mine-latency-legend li')].map(l => l.dataset.handler);");
+    assert_eq!(legend, json!(["faces"]));
     browser.screenshot("console-tenant-canary");
 
     browser.script("[...document.querySelectorAll('.mine-handler button')].find(b => b.textContent === 'Promote canary').click();");

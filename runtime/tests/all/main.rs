@@ -26,6 +26,7 @@ mod routes;
 mod scripts;
 mod secrets;
 mod settings;
+mod state;
 mod stores;
 mod tenants;
 mod tls;

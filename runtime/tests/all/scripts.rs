@@ -408,3 +408,30 @@ fn python_and_javascript_detect_take_min_score_from_the_handlers_settings() {
         assert!(after.len() < before.len(), "{language}: city.jpg has faces under 0.8: {before:?}");
     }
 }
+
+/// The caching examples in Python and JavaScript: the first image is a
+/// miss answered as `detect` answers it, the same image again a hit with
+/// the same body and no inference; another image is another key.
+#[test]
+fn python_and_javascript_detect_cached_answer_a_repeated_image_from_state() {
+    for (language, suffix) in LANGUAGES {
+        let key = deployed(language, suffix, "detect-cached");
+        let handler = format!("scripts/detect-cached-{suffix}");
+        // The bucket is the tenant's, shared by both languages' handlers (and
+        // their keys alike): another size for each, not to find the other's answer.
+        let query = if suffix == "py" { "size=320" } else { "size=384" };
+        let post = || call(&key, &handler, Method::POST, query, image("city.jpg"));
+        let (status, headers, first) = post();
+        assert_eq!(status, 200, "{language}: {}", String::from_utf8_lossy(&first));
+        let cache = |headers: &[(String, String)]| headers.iter().find(|(n, _)| n == "x-facegate-cache").map(|(_, v)| v.clone());
+        assert_eq!(cache(&headers).as_deref(), Some("miss"), "{language}");
+        let (status, headers, second) = post();
+        assert_eq!((status, cache(&headers).as_deref()), (200, Some("hit")), "{language}");
+        assert_eq!(second, first, "{language}: the same answer");
+        let plain = call(&rust_key(), "demo/detect", Method::POST, query, image("city.jpg"));
+        assert_eq!(boxes(&first).len(), boxes(&plain.2).len(), "{language}: detect's faces");
+        // Another image, another key.
+        let (_, headers, _) = call(&key, &handler, Method::POST, query, image("grace_hopper.jpg"));
+        assert_eq!(cache(&headers).as_deref(), Some("miss"), "{language}");
+    }
+}

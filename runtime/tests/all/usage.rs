@@ -16,7 +16,7 @@ use crate::process::Server;
 const FLUSH_MS: &str = "200";
 
 /// The usage report's rows summed (all periods, handlers and versions).
-fn total(report: &Value) -> Value {
+pub(crate) fn total(report: &Value) -> Value {
     let mut sum = serde_json::Map::new();
     for row in report["rows"].as_array().unwrap() {
         for (field, value) in row.as_object().unwrap() {
@@ -30,12 +30,12 @@ fn total(report: &Value) -> Value {
 }
 
 /// All of a field of [`total`] (0 when no row has it).
-fn field(total: &Value, name: &str) -> u64 {
+pub(crate) fn field(total: &Value, name: &str) -> u64 {
     total[name].as_u64().unwrap_or(0)
 }
 
 /// Polls `report` until its rows add up to `requests` answers; returns the total.
-fn until_requests(requests: u64, mut report: impl FnMut() -> Value) -> Value {
+pub(crate) fn until_requests(requests: u64, mut report: impl FnMut() -> Value) -> Value {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let sum = total(&report());

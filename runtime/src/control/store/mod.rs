@@ -528,7 +528,7 @@ pub trait SettingStore {
 pub(super) fn settings_quota(tenant: &str, quota: SettingQuota, (count, bytes): (usize, usize)) -> Option<StoreError> {
     (count > quota.count || bytes > quota.bytes).then(|| {
         StoreError::Quota(format!(
-            "tenant {tenant:?} may have {} settings of {} bytes in all; with this one it would have {count} of {bytes} bytes",
+            "tenant {tenant:?} may have {} settings (settings) of {} bytes in all (settings_bytes); with this one it would have {count} of {bytes} bytes",
             quota.count, quota.bytes
         ))
     })

@@ -43,7 +43,7 @@ const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order (the files in `migrations/postgres/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings", "0011_state");
 
 /// The PostgreSQL store (see the module docs).
 pub struct PgStore {
@@ -56,16 +56,7 @@ pub struct PgStore {
 impl PgStore {
     /// Connects to `url` (see `pg_connect` for TLS) and applies missing migrations.
     pub fn open(url: &str) -> anyhow::Result<Self> {
-        let (mut config, tls) = super::pg_connect::connector(url)?;
-        if config.get_connect_timeout().is_none() {
-            config.connect_timeout(Duration::from_secs(3));
-        }
-        // A database that vanishes without closing the connection is noticed
-        // in seconds, not after the kernel's retransmissions (~15 min).
-        config.keepalives(true).keepalives_idle(Duration::from_secs(10)).keepalives_interval(Duration::from_secs(2)).keepalives_retries(3);
-        config.tcp_user_timeout(Duration::from_secs(15));
-        config.options("-c statement_timeout=30000 -c lock_timeout=10000");
-        config.application_name("facegate");
+        let (config, tls) = client_config(url)?;
         let described = describe(&config);
         let mut store = Self { config, tls, described, client: None };
         store.with(migrate).map_err(|e| anyhow::anyhow!("{}: {e}", store.described))?;
@@ -118,6 +109,22 @@ impl PgStore {
                 .collect()
         })
     }
+}
+
+/// The connection settings of every client of `url` (the store's and the
+/// state's, `crate::kv`): TLS as `pg_connect` decides, timeouts, keepalives.
+pub fn client_config(url: &str) -> anyhow::Result<(Config, MakeRustlsConnect)> {
+    let (mut config, tls) = super::pg_connect::connector(url)?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(Duration::from_secs(3));
+    }
+    // A database that vanishes without closing the connection is noticed
+    // in seconds, not after the kernel's retransmissions (~15 min).
+    config.keepalives(true).keepalives_idle(Duration::from_secs(10)).keepalives_interval(Duration::from_secs(2)).keepalives_retries(3);
+    config.tcp_user_timeout(Duration::from_secs(15));
+    config.options("-c statement_timeout=30000 -c lock_timeout=10000");
+    config.application_name("facegate");
+    Ok((config, tls))
 }
 
 /// Runs `f` on a scoped thread when the caller is inside a Tokio runtime

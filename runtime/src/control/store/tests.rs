@@ -10,7 +10,7 @@ use crate::control::keys::sha256_hex;
 use facegate_throwaway_pg::ThrowawayPostgres;
 
 /// One server for the whole test binary; each test gets a database of its own.
-fn postgres_server() -> &'static ThrowawayPostgres {
+pub(crate) fn postgres_server() -> &'static ThrowawayPostgres {
     static SERVER: OnceLock<ThrowawayPostgres> = OnceLock::new();
     SERVER.get_or_init(|| ThrowawayPostgres::start().expect("start a throw-away PostgreSQL (deploy/test.sh installs postgresql-15)"))
 }
@@ -23,7 +23,7 @@ fn stores(name: &str) -> Vec<Box<dyn Store>> {
     vec![Box::new(sqlite), Box::new(postgres::PgStore::open(&fresh_database(name)).unwrap())]
 }
 
-fn fresh_database(name: &str) -> String {
+pub(crate) fn fresh_database(name: &str) -> String {
     let server = postgres_server();
     let db = format!("test_{}", name.replace('-', "_"));
     let mut admin = ::postgres::Client::connect(&server.url(), ::postgres::NoTls).unwrap();
