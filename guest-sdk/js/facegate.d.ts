@@ -148,6 +148,9 @@ export const UPDATE_TRIES: number;
 
 /** A state call that failed; `limit`: one of the tenant's or the request's limits refused it. */
 export class StateError extends Error {
+  constructor(message: string, limit?: boolean);
+  /** The error for a `wasi:keyvalue/store` error value (`{tag, val}`). */
+  static of(error: { tag: string; val?: string }): StateError;
   readonly limit: boolean;
   /** 507 `state_limit` for a limit, else 500 `state_error`. */
   refusal(): Refusal;
@@ -156,6 +159,8 @@ export class StateError extends Error {
 /** One of the tenant's buckets (wasi:keyvalue); every call throws a `StateError` when it fails. */
 export class Bucket {
   constructor(name: string);
+  /** Gives the bucket back to the host now (an instance holding one is not kept warm). */
+  close(): void;
   get(key: string): Uint8Array | undefined;
   set(key: string, value: Uint8Array | string): void;
   delete(key: string): void;

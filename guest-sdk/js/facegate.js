@@ -241,6 +241,9 @@ function replyFor(error) {
   if (error instanceof Refusal) {
     return error.reply();
   }
+  if (error instanceof StateError) {
+    return error.refusal().reply();
+  }
   console.error(`${error}${error && error.stack ? `\n${error.stack}` : ""}`);
   const kind = error && error.name ? error.name : typeof error;
   return errorReply(500, "internal", `the handler failed: ${kind}`);
@@ -370,6 +373,8 @@ export function settings() {
 
 /** Times `Bucket.update` retries a swap that lost a race. */
 export const UPDATE_TRIES = 16;
+/** The names a limit's refusal carries, as the host words it. */
+const LIMITS = ["(kv_keys)", "(kv_bytes)", "(kv_value_bytes)", "(kv_ops)"];
 
 /**
  * A state call that failed. `limit` is true when one of the tenant's or the
@@ -393,8 +398,8 @@ export class StateError extends Error {
         return new StateError("the tenant's state cannot be reached: access denied (the tenant was deleted)");
       default: {
         const message = error && typeof error.val === "string" ? error.val : String(error);
-        // The host names the limit a refusal is for, as "(kv_...)".
-        return new StateError(message, message.includes("(kv_"));
+        // The host names the limit a refusal is for, as "(kv_keys)" and the like.
+        return new StateError(message, LIMITS.some((name) => message.includes(name)));
       }
     }
   }
@@ -428,6 +433,22 @@ export class Bucket {
   /** @param {string} name */
   constructor(name) {
     this.bucket = stateful(() => kv.open(name));
+  }
+
+  /**
+   * Gives the bucket back to the host now: an instance still holding one
+   * (until the garbage collector finds it) is not kept warm for the next
+   * request. Also `[Symbol.dispose]`, for `using`.
+   */
+  close() {
+    if (this.bucket !== undefined) {
+      this.bucket[dispose]();
+      this.bucket = undefined;
+    }
+  }
+
+  [dispose]() {
+    this.close();
   }
 
   /** The value of `key`, `undefined` if it has none. */
@@ -481,26 +502,33 @@ export class Bucket {
    */
   update(key, change) {
     let cas = stateful(() => atomics.Cas.new(this.bucket, key));
-    for (let i = 0; i < UPDATE_TRIES; i++) {
-      const current = stateful(() => cas.current());
-      const next = change(current);
-      const value = typeof next === "string" ? encoder.encode(next) : next;
-      try {
-        atomics.swap(cas, value);
-        return value;
-      } catch (error) {
-        const payload = error && error.payload;
-        if (payload && payload.tag === "cas-failed") {
-          cas = payload.val;
-          continue;
+    try {
+      for (let i = 0; i < UPDATE_TRIES; i++) {
+        const current = stateful(() => cas.current());
+        const next = change(current);
+        const value = typeof next === "string" ? encoder.encode(next) : next;
+        // `swap` takes the handle: a failure hands a fresh one back.
+        const owned = cas;
+        cas = undefined;
+        try {
+          atomics.swap(owned, value);
+          return value;
+        } catch (error) {
+          const payload = error && error.payload;
+          if (payload && payload.tag === "cas-failed") {
+            cas = payload.val;
+            continue;
+          }
+          if (payload && payload.tag === "store-error") {
+            throw StateError.of(payload.val);
+          }
+          throw error;
         }
-        if (payload && payload.tag === "store-error") {
-          throw StateError.of(payload.val);
-        }
-        throw error;
       }
+      throw new StateError(`${JSON.stringify(key)} changed under ${UPDATE_TRIES} tries to update it`);
+    } finally {
+      if (cas !== undefined) cas[dispose]();
     }
-    throw new StateError(`${JSON.stringify(key)} changed under ${UPDATE_TRIES} tries to update it`);
   }
 
   /** The values of `keys`, in order (`undefined`: no value). */

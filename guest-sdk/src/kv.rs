@@ -35,6 +35,9 @@ mod bindings {
 
 use bindings::wasi::keyvalue::{atomics, batch, store};
 
+/// The names a limit's refusal carries, as the host words it: `(kv_keys)`, …
+const LIMITS: [&str; 4] = ["(kv_keys)", "(kv_bytes)", "(kv_value_bytes)", "(kv_ops)"];
+
 /// Times [`Bucket::update`] retries a swap that lost a race.
 pub const UPDATE_TRIES: usize = 16;
 
@@ -57,8 +60,8 @@ impl From<store::Error> for KvError {
         match e {
             store::Error::NoSuchStore => Self::Unavailable("no such store".into()),
             store::Error::AccessDenied => Self::Unavailable("access denied (the tenant was deleted)".into()),
-            // The host names the limit a refusal is for, as `(kv_…)`.
-            store::Error::Other(why) if why.contains("(kv_") => Self::Limit(why),
+            // The host names the limit a refusal is for, as `(kv_keys)` and the like.
+            store::Error::Other(why) if LIMITS.iter().any(|name| why.contains(name)) => Self::Limit(why),
             store::Error::Other(why) => Self::Other(why),
         }
     }
@@ -182,6 +185,8 @@ mod tests {
         let answer = Error::from(limit);
         assert_eq!((answer.status(), answer.code()), (507, "state_limit"));
         assert!(answer.to_string().contains("kv_keys"));
+        let quoted = KvError::from(store::Error::Other("the value of \"a(kv_x\" is not a decimal integer".into()));
+        assert!(matches!(quoted, KvError::Other(_)), "a key that looks like a limit's name is not one");
         let other = Error::from(KvError::from(store::Error::Other("the state store failed; retry".into())));
         assert_eq!((other.status(), other.code()), (500, "state_error"));
         let gone = Error::from(KvError::from(store::Error::AccessDenied));

@@ -98,7 +98,7 @@
     $("mine-log").hidden = !reads;
     $("mine-charts").hidden = !reads;
     say("mine-status", reads ? "Connected." : "Connected. This key has no read scope: no log, usage or error rates.", "ok");
-    if (reads) { pollMineLog(); pollMineUsage(); }
+    if (reads) { pollMineLog(); pollMineUsage(state.mine); }
   });
   async function refreshMine() {
     const response = await tenantApi("handlers");
@@ -158,8 +158,10 @@
       if (!slot) continue;
       slot.ok += r.requests_2xx + r.requests_3xx; slot.client += r.requests_4xx; slot.server += r.requests_5xx;
       slot.device += r.device_us;
+      // Rows from before latency was metered have none: they would pull the mean down.
+      if (!r.latency_us) continue;
       const l = slot.latency[r.handler] || (slot.latency[r.handler] = { requests: 0, us: 0 });
-      l.requests += r.requests_2xx + r.requests_3xx + r.requests_4xx + r.requests_5xx; l.us += r.latency_us || 0;
+      l.requests += r.requests_2xx + r.requests_3xx + r.requests_4xx + r.requests_5xx; l.us += r.latency_us;
     }
     return hours;
   }
@@ -214,7 +216,7 @@
       legend.append(item);
     });
   }
-  async function refreshMineUsage() {
+  async function refreshMineUsage(withState) {
     const from = Math.floor(Date.now() / 1000) - DAYS * 86400;
     const response = await tenantApi(`usage?from=${from}&by=hour`);
     if (!response.ok) return;
@@ -223,6 +225,7 @@
     drawRequests(hours);
     drawDevice(hours);
     drawLatency(hours);
+    if (!withState) return;
     const kv = await tenantApi("kv");
     if (kv.ok) {
       const held = await kv.json();
@@ -231,13 +234,16 @@
       $("mine-state").textContent = `${held.keys} keys, ${held.bytes} bytes` + (buckets ? ` in ${buckets}` : "");
     }
   }
-  // Usage is written by the nodes every flush interval: read again every 5 s.
-  function pollMineUsage() {
-    const mine = state.mine;
+  // Usage is written by the nodes every flush interval: read again every
+  // 10 s (the state's size, which takes one of the tenant's connections,
+  // every minute), for as long as `mine` is the connected key.
+  function pollMineUsage(mine) {
+    let ticks = 0;
     const tick = async () => {
       if (state.mine !== mine) return;
-      try { await refreshMineUsage(); } catch (_) { /* next tick */ }
-      setTimeout(tick, 5000);
+      try { await refreshMineUsage(ticks % 6 === 0); } catch (_) { /* next tick */ }
+      ticks += 1;
+      setTimeout(tick, 10000);
     };
     tick();
   }

@@ -267,7 +267,7 @@ pub struct ServeConfig {
 
     /// Connections to the store's database for handlers' state
     /// (`wasi:keyvalue`), each on a thread of its own; one tenant's calls
-    /// use at most half of them at once.
+    /// use at most a quarter of them (at least one) at once.
     #[arg(long, env = "FACEGATE_STATE_CONNECTIONS", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub state_connections: u16,
 

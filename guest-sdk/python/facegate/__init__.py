@@ -163,6 +163,8 @@ def serve(
         reply = answer(image_request)
     except Refusal as refusal:
         reply = refusal.reply()
+    except StateError as failed:
+        reply = failed.refusal().reply()
     except Exception as e:  # noqa: BLE001 - the client gets a 500, stderr the details
         sys.__excepthook__(*sys.exc_info())  # the traceback, without importing `traceback`
         reply = error_reply(500, "internal", f"the handler failed: {type(e).__name__}")
@@ -311,6 +313,8 @@ def settings() -> Dict[str, str]:
 
 # Times Bucket.update retries a swap that lost a race.
 UPDATE_TRIES = 16
+# The names a limit's refusal carries, as the host words it.
+_LIMITS = ("(kv_keys)", "(kv_bytes)", "(kv_value_bytes)", "(kv_ops)")
 
 
 class StateError(Exception):
@@ -332,8 +336,8 @@ class StateError(Exception):
         if isinstance(error, wasi_keyvalue_store.Error_AccessDenied):
             return cls("the tenant's state cannot be reached: access denied (the tenant was deleted)")
         message = getattr(error, "value", str(error))
-        # The host names the limit a refusal is for, as "(kv_...)".
-        return cls(message, limit="(kv_" in message)
+        # The host names the limit a refusal is for, as "(kv_keys)" and the like.
+        return cls(message, limit=any(name in message for name in _LIMITS))
 
     def refusal(self) -> Refusal:
         """This error as the JSON error a handler answers with."""
@@ -357,6 +361,18 @@ class Bucket:
 
     def __init__(self, name: str):
         self._bucket = _state(wasi_keyvalue_store.open, name)
+
+    def close(self) -> None:
+        """Gives the bucket back to the host now (an instance holding one
+        is not kept warm for the next request); ``with Bucket(...) as b:``
+        does it at the block's end."""
+        self._bucket.__exit__(None, None, None)
+
+    def __enter__(self) -> "Bucket":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
 
     def get(self, key: str) -> Optional[bytes]:
         """The value of ``key``, ``None`` if it has none."""
@@ -396,17 +412,23 @@ class Bucket:
         (compare-and-swap, retried with the fresh value up to
         ``UPDATE_TRIES`` times); the value written."""
         cas = _state(atomics.Cas.new, self._bucket, key)
-        for _ in range(UPDATE_TRIES):
-            value = bytes(change(_state(cas.current)))
-            try:
-                atomics.swap(cas, value)
-                return value
-            except Err as e:
-                if isinstance(e.value, atomics.CasError_CasFailed):
-                    cas = e.value.value
-                    continue
-                raise StateError.of(e.value.value) from None
-        raise StateError(f"{key!r} changed under {UPDATE_TRIES} tries to update it")
+        try:
+            for _ in range(UPDATE_TRIES):
+                value = bytes(change(_state(cas.current)))
+                try:
+                    # `swap` takes the handle: a failure hands a fresh one back.
+                    owned, cas = cas, None
+                    atomics.swap(owned, value)
+                    return value
+                except Err as e:
+                    if isinstance(e.value, atomics.CasError_CasFailed):
+                        cas = e.value.value
+                        continue
+                    raise StateError.of(e.value.value) from None
+            raise StateError(f"{key!r} changed under {UPDATE_TRIES} tries to update it")
+        finally:
+            if cas is not None:
+                cas.__exit__(None, None, None)
 
     def get_many(self, keys: List[str]) -> List[Optional[bytes]]:
         """The values of ``keys``, in order (``None``: no value)."""

@@ -5,7 +5,9 @@
 //!
 //! Takes what `detect` takes (`threshold`, `max_faces`, `size`, the setting
 //! `min_score`) and answers what it answers, byte for byte the first time,
-//! with the header `x-facegate-cache: hit` or `miss`. The cache never
+//! with the header `x-facegate-cache: hit` or `miss` (a hit's `timings_ms`
+//! are the first answer's). Entries stay until deleted and count against
+//! the tenant's `kv_keys` and `kv_bytes`. The cache never
 //! fails a request: an answer that could not be kept (a limit of the
 //! tenant's state, say) still goes out, with `x-facegate-cache-error`
 //! saying why.
@@ -16,6 +18,9 @@ use sha2::{Digest, Sha256};
 
 /// The bucket answers are kept in.
 const BUCKET: &str = "detect-cache";
+/// Names the answer's shape: bumped when this code answers differently
+/// (old entries are then never read; `facegate kv delete … --all` clears them).
+const VERSION: &str = "detect-v1";
 
 /// The handler (POST only, bodies up to 16 MiB).
 struct DetectCached;
@@ -42,7 +47,7 @@ impl Handler for DetectCached {
 fn cache_key(image: &[u8], options: &DetectOptions) -> String {
     let digest = Sha256::digest(image);
     let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{hex}/t{}/n{}/s{}", options.threshold, options.max_faces, options.size)
+    format!("{VERSION}/{hex}/t{}/n{}/s{}", options.threshold, options.max_faces, options.size)
 }
 
 /// Why an answer was not kept, as a header value.

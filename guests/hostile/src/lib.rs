@@ -590,7 +590,7 @@ fn setting(name: Option<&str>) -> Value {
 /// of `bucket` until a write fails; how many were written, and why not more.
 fn kv_fill(bucket: &str, bytes: Option<&str>) -> Value {
     use facegate_guest_sdk::kv::Bucket;
-    let size = bytes.and_then(|b| b.parse().ok()).unwrap_or(1024_usize);
+    let size = bytes.and_then(|b| b.parse().ok()).unwrap_or(1024_usize).min(16 * MIB);
     let bucket = match Bucket::open(bucket) {
         Ok(bucket) => bucket,
         Err(e) => return json!({ "written": 0, "error": e.to_string() }),

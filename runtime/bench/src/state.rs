@@ -103,7 +103,7 @@ async fn kv_loop(pool: &Arc<KvPool>, owner: &Owner, concurrency: usize, duration
                 let items = [(key, value.to_vec())];
                 pool.run(&tenant, deadline, move |conn| facegate::kv::set_many(conn, &owner, QUOTA, "bench", &items)).await.is_ok()
             } else {
-                pool.run(&tenant, deadline, move |conn| conn.entries(&owner, "bench", &[key])).await.is_ok()
+                pool.run(&tenant, deadline, move |conn| conn.entries(&owner, "bench", &[key], QUOTA.value_bytes)).await.is_ok()
             }
         }
     })

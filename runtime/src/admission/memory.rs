@@ -209,6 +209,11 @@ impl Charge {
         self.bytes
     }
 
+    /// A charge of `bytes` of its own for the same tenant (held apart from this one).
+    pub fn another(&self, bytes: usize) -> Result<Charge, Refusal> {
+        self.budget.charge(&self.tenant, bytes)
+    }
+
     /// Charges `bytes` in all instead of what is charged now: growing is
     /// checked against the budget, shrinking always succeeds.
     pub fn resize(&mut self, bytes: usize) -> Result<(), Refusal> {

@@ -28,7 +28,7 @@ use serde_json::json;
 use super::app::App;
 use super::body::read_body;
 use super::response::{self, Body};
-use crate::admission::memory::REQUEST_BASE_BYTES;
+use crate::admission::memory::{Charge, REQUEST_BASE_BYTES};
 use crate::kv::{self, KvError, KvPool, LIST_PAGE, Owner, Quota};
 use crate::sandbox::keyvalue::KvLimits;
 
@@ -61,16 +61,31 @@ impl App {
         let query = req.uri().query().unwrap_or("").to_owned();
         let route = match Route::parse(&method, rest, &query) {
             Ok(route) => route,
-            Err(e) => return refused(StatusCode::BAD_REQUEST, "invalid", e),
+            Err(Unrouted::NoRoute(e)) => return refused(StatusCode::NOT_FOUND, "not_found", e),
+            Err(Unrouted::Invalid(e)) => return refused(StatusCode::BAD_REQUEST, "invalid", e),
+        };
+        // What the call holds (a PUT's body, a GET's value), charged before and until it is answered.
+        let mut memory = match self.sandbox.memory().charge(&owner.tenant, REQUEST_BASE_BYTES) {
+            Ok(charge) => charge,
+            Err(refusal) => return refused(StatusCode::SERVICE_UNAVAILABLE, "overloaded", refusal),
         };
         let value = match route {
-            Route::Put(..) => match self.value_of(&owner, quota, req).await {
+            Route::Put(..) => match self.value_of(quota, req, &mut memory).await {
                 Ok(value) => Some(value),
                 Err(refusal) => return refusal,
             },
+            Route::Get(..) => {
+                let most = usize::try_from(quota.value_bytes).unwrap_or(usize::MAX).saturating_add(REQUEST_BASE_BYTES);
+                if let Err(refusal) = memory.resize(most) {
+                    return refused(StatusCode::SERVICE_UNAVAILABLE, "overloaded", refusal);
+                }
+                None
+            }
             _ => None,
         };
-        match run(&pool, owner, quota, route, value).await {
+        let answered = run(&pool, owner, quota, route, value).await;
+        drop(memory);
+        match answered {
             Ok(Answer::Json(status, body)) => response::json(status, &body),
             Ok(Answer::Value(bytes)) => {
                 let mut answer = Response::new(response::full(bytes));
@@ -81,15 +96,11 @@ impl App {
         }
     }
 
-    /// A `PUT`'s body: at most the tenant's largest value, charged to the
-    /// node's memory budget as it arrives.
-    async fn value_of(&self, owner: &Owner, quota: Quota, req: Request<Incoming>) -> Result<Vec<u8>, Response<Body>> {
+    /// A `PUT`'s body: at most the tenant's largest value, charged to
+    /// `memory` as it arrives.
+    async fn value_of(&self, quota: Quota, req: Request<Incoming>, memory: &mut Charge) -> Result<Vec<u8>, Response<Body>> {
         let max = usize::try_from(quota.value_bytes).unwrap_or(usize::MAX);
-        let mut memory = match self.sandbox.memory().charge(&owner.tenant, REQUEST_BASE_BYTES) {
-            Ok(charge) => charge,
-            Err(refusal) => return Err(refused(StatusCode::SERVICE_UNAVAILABLE, "overloaded", refusal)),
-        };
-        match read_body(req, max, self.config.upload_timeout(), Some(&mut memory)).await {
+        match read_body(req, max, self.config.upload_timeout(), Some(memory)).await {
             Ok(req) => match req.into_body().collect().await {
                 Ok(collected) => Ok(collected.to_bytes().to_vec()),
                 Err(never) => match never {},
@@ -110,26 +121,37 @@ enum Route {
     Clear(String),
 }
 
+/// Why a path is not a state route.
+#[derive(Debug, PartialEq, Eq)]
+enum Unrouted {
+    /// No such route (404).
+    NoRoute(String),
+    /// A route with a bad bucket, key or parameter (400).
+    Invalid(String),
+}
+
 impl Route {
     /// The route of `method` on `rest` (from `kv`) with `query`.
-    fn parse(method: &Method, rest: &[&str], query: &str) -> Result<Self, String> {
-        let bucket = |name: &str| kv::check_bucket(name).map(|()| name.to_owned()).map_err(|e| e.to_string());
-        let key = |segments: &[&str]| -> Result<String, String> {
+    fn parse(method: &Method, rest: &[&str], query: &str) -> Result<Self, Unrouted> {
+        let bucket = |name: &str| kv::check_bucket(name).map(|()| name.to_owned()).map_err(|e| Unrouted::Invalid(e.to_string()));
+        let key = |segments: &[&str]| -> Result<String, Unrouted> {
             let joined = segments.join("/");
-            let decoded = percent_encoding::percent_decode_str(&joined).decode_utf8().map_err(|_| "a key is UTF-8 text".to_owned())?;
-            kv::check_key(&decoded).map(|()| decoded.into_owned()).map_err(|e| e.to_string())
+            let decoded = percent_encoding::percent_decode_str(&joined)
+                .decode_utf8()
+                .map_err(|_| Unrouted::Invalid("a key is UTF-8 text".to_owned()))?;
+            kv::check_key(&decoded).map(|()| decoded.into_owned()).map_err(|e| Unrouted::Invalid(e.to_string()))
         };
         Ok(match (method, rest) {
             (&Method::GET, ["kv"]) => Self::Buckets,
             (&Method::GET, ["kv", b]) => {
-                let (after, limit) = page(query)?;
+                let (after, limit) = page(query).map_err(Unrouted::Invalid)?;
                 Self::Keys { bucket: bucket(b)?, after, limit }
             }
             (&Method::GET, ["kv", b, k @ ..]) => Self::Get(bucket(b)?, key(k)?),
             (&Method::PUT, ["kv", b, k @ ..]) if !k.is_empty() => Self::Put(bucket(b)?, key(k)?),
             (&Method::DELETE, ["kv", b]) => Self::Clear(bucket(b)?),
             (&Method::DELETE, ["kv", b, k @ ..]) => Self::Delete(bucket(b)?, key(k)?),
-            _ => return Err(format!("no state route {method} {}", rest.join("/"))),
+            _ => return Err(Unrouted::NoRoute(format!("no state route {method} {}", rest.join("/")))),
         })
     }
 }
@@ -139,7 +161,10 @@ fn page(query: &str) -> Result<(Option<String>, usize), String> {
     let (mut after, mut limit) = (None, LIST_PAGE);
     for (name, value) in form_urlencoded::parse(query.as_bytes()) {
         match &*name {
-            "after" => after = Some(value.into_owned()),
+            "after" => {
+                kv::check_key(&value).map_err(|e| format!("after is a key: {e}"))?;
+                after = Some(value.into_owned());
+            }
             "limit" => limit = value.parse().ok().filter(|n| (1..=MAX_PAGE).contains(n)).ok_or(format!("limit is 1 to {MAX_PAGE}"))?,
             _ => return Err(format!("unknown parameter {name:?} (after, limit)")),
         }
@@ -166,10 +191,12 @@ async fn run(pool: &KvPool, owner: Owner, quota: Quota, route: Route, value: Opt
                 let next = (keys.len() == limit).then(|| keys.last().cloned()).flatten();
                 Answer::Json(StatusCode::OK, json!({ "bucket": bucket, "keys": keys, "next": next }))
             }
-            Route::Get(bucket, key) => match conn.entries(&owner, &bucket, std::slice::from_ref(&key))?.pop().flatten() {
-                Some(entry) => Answer::Value(entry.value),
-                None => Answer::Json(StatusCode::NOT_FOUND, error_body("not_found", &format!("no key {key:?} in bucket {bucket:?}"))),
-            },
+            Route::Get(bucket, key) => {
+                match conn.entries(&owner, &bucket, std::slice::from_ref(&key), quota.value_bytes)?.pop().flatten() {
+                    Some(entry) => Answer::Value(entry.value),
+                    None => Answer::Json(StatusCode::NOT_FOUND, error_body("not_found", &format!("no key {key:?} in bucket {bucket:?}"))),
+                }
+            }
             Route::Put(bucket, key) => {
                 let totals = kv::set_many(conn, &owner, quota, &bucket, &[(key.clone(), value.unwrap_or_default())])?;
                 Answer::Json(StatusCode::OK, json!({ "bucket": bucket, "key": key, "state": totals }))
@@ -203,7 +230,7 @@ fn kv_error(tenant: &str, e: KvError) -> Response<Body> {
         KvError::Invalid(m) => response::error(StatusCode::BAD_REQUEST, "invalid", m),
         KvError::Gone => response::error(StatusCode::NOT_FOUND, "not_found", format!("no tenant {tenant:?}")),
         KvError::Busy(m) => response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "busy", &m, 1),
-        KvError::Store(why) => {
+        KvError::Store(why) | KvError::Failed(why) => {
             tracing::warn!(tenant, error = %why, "state API call failed");
             response::retry_later(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", "the state store failed; retry", 5)
         }
@@ -228,6 +255,7 @@ mod tests {
         assert!(parse(&Method::GET, "kv/no%20spaces", "").is_err(), "a bucket's name is checked");
         assert!(parse(&Method::GET, "kv/cache", "limit=0").is_err());
         assert!(parse(&Method::GET, "kv/cache/%00", "").is_err(), "no NUL in a key");
-        assert!(parse(&Method::POST, "kv/cache/k", "").is_err());
+        assert!(matches!(parse(&Method::POST, "kv/cache/k", ""), Err(Unrouted::NoRoute(_))), "no such route: 404");
+        assert!(matches!(parse(&Method::GET, "kv/cache", "after=%00"), Err(Unrouted::Invalid(_))), "a cursor is a key");
     }
 }

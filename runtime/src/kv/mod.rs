@@ -18,7 +18,7 @@
 //! - **Freshness.** No cache: a read sees every write committed before it
 //!   (read-your-writes, and more).
 //! - **Isolation.** Calls run on a small pool of database connections
-//!   ([`KvPool`]); one tenant holds at most half of them, so another
+//!   ([`KvPool`]); one tenant holds at most a quarter of them, so another
 //!   tenant's calls always find a connection.
 //!
 //! [`ops`] holds the writes, once for both databases; [`sqlite`] and
@@ -108,9 +108,13 @@ pub enum KvError {
     /// No connection to the database freed up in time (the request's deadline).
     #[error("{0}")]
     Busy(String),
-    /// The database failed or cannot be reached.
+    /// The connection failed or the database cannot be reached (the
+    /// connection is dropped, the next call opens another).
     #[error("the state store failed: {0}")]
     Store(String),
+    /// The database refused one statement (the connection stays).
+    #[error("the state store refused a statement: {0}")]
+    Failed(String),
 }
 
 /// Result of state operations.
@@ -143,6 +147,24 @@ pub fn check_key(key: &str) -> KvResult<()> {
     Err(KvError::Invalid(format!("a key is 1 to {MAX_KEY_BYTES} bytes without NUL, not {:?} ({} bytes)", truncated(key), key.len())))
 }
 
+/// The entries `read` gives for `keys`, in order; a [`KvError::Limit`] as
+/// soon as their values pass `most_bytes` (a key asked for twice counts twice).
+fn read_within(keys: &[String], most_bytes: u64, mut read: impl FnMut(&str) -> KvResult<Option<Entry>>) -> KvResult<Vec<Option<Entry>>> {
+    let mut bytes = 0_u64;
+    let mut found = Vec::with_capacity(keys.len());
+    for key in keys {
+        let entry = read(key)?;
+        bytes += entry.as_ref().map_or(0, |e| e.value.len() as u64);
+        if bytes > most_bytes {
+            return Err(KvError::Limit(format!(
+                "this read would bring back more than the {most_bytes} bytes it was charged for (kv_value_bytes a key)"
+            )));
+        }
+        found.push(entry);
+    }
+    Ok(found)
+}
+
 /// A count from the database (never negative there).
 fn as_u64(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
@@ -163,8 +185,10 @@ fn truncated(text: &str) -> String {
 pub trait Conn: Send {
     /// A write transaction (see [`Tx`]).
     fn begin(&mut self) -> KvResult<Box<dyn Tx + '_>>;
-    /// The entries of `keys` in `owner`'s `bucket`, in order.
-    fn entries(&mut self, owner: &Owner, bucket: &str, keys: &[String]) -> KvResult<Vec<Option<Entry>>>;
+    /// The entries of `keys` in `owner`'s `bucket`, in order; a
+    /// [`KvError::Limit`] as soon as their values pass `most_bytes` (what
+    /// the caller could hold).
+    fn entries(&mut self, owner: &Owner, bucket: &str, keys: &[String], most_bytes: u64) -> KvResult<Vec<Option<Entry>>>;
     /// Whether `key` is in `owner`'s `bucket`.
     fn exists(&mut self, owner: &Owner, bucket: &str, key: &str) -> KvResult<bool>;
     /// Up to `limit` keys of `owner`'s `bucket` after `after`, in order.

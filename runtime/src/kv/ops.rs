@@ -18,7 +18,7 @@ pub struct Cas {
 
 /// Totals after one key went from `old` stored bytes to `new` (`None`: absent).
 fn moved(totals: Totals, (old, new): (Option<u64>, Option<u64>)) -> Totals {
-    let keys = totals.keys + u64::from(new.is_some()) - u64::from(old.is_some());
+    let keys = (totals.keys + u64::from(new.is_some())).saturating_sub(u64::from(old.is_some()));
     let bytes = (totals.bytes + new.unwrap_or(0)).saturating_sub(old.unwrap_or(0));
     Totals { keys, bytes }
 }

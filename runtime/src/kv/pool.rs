@@ -1,9 +1,10 @@
 //! The connections state calls run on: a few worker threads, each with a
 //! connection of its own (opened at its first call, opened again after a
 //! failure), off the async runtime (the database clients block). A call
-//! first takes one of its tenant's places (half the workers, at least
+//! first takes one of its tenant's places (a quarter of the workers, at least
 //! one), then a worker's, both within the request's deadline: one tenant's
-//! handlers can keep at most half the workers busy.
+//! handlers can keep at most a quarter of the workers busy (its writes run
+//! one at a time anyway, see `ops.rs`).
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -19,6 +20,9 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use super::postgres::PgConn;
 use super::sqlite::SqliteConn;
 use super::{Conn, KvError, KvResult};
+
+/// Tenants' places kept before those not in use are forgotten.
+const PRUNE_AT: usize = 1024;
 
 /// Opens a worker's connection.
 type Opener = dyn Fn() -> anyhow::Result<Box<dyn Conn>> + Send + Sync;
@@ -44,7 +48,9 @@ impl std::fmt::Debug for KvPool {
 impl KvPool {
     /// A pool of `workers` connections to the store's SQLite file at `path`.
     pub fn sqlite(path: PathBuf, workers: usize) -> anyhow::Result<Arc<Self>> {
-        Self::with_opener(Box::new(move || Ok(Box::new(SqliteConn::open(&path)?) as Box<dyn Conn>)), workers)
+        // One writer at a time, as SQLite has (see `sqlite.rs`).
+        let writer = Arc::new(Mutex::new(()));
+        Self::with_opener(Box::new(move || Ok(Box::new(SqliteConn::open(&path, Arc::clone(&writer))?) as Box<dyn Conn>)), workers)
     }
 
     /// A pool of `workers` connections to the cluster's PostgreSQL, with
@@ -65,7 +71,7 @@ impl KvPool {
         Ok(Arc::new(Self {
             jobs: Mutex::new(jobs),
             workers: Arc::new(Semaphore::new(workers)),
-            per_tenant: (workers / 2).max(1),
+            per_tenant: (workers / 4).max(1),
             tenants: Mutex::default(),
         }))
     }
@@ -103,6 +109,10 @@ impl KvPool {
     async fn places(&self, tenant: &Arc<str>) -> (OwnedSemaphorePermit, OwnedSemaphorePermit) {
         let own = {
             let mut tenants = self.tenants.lock().unwrap_or_else(PoisonError::into_inner);
+            if tenants.len() >= PRUNE_AT {
+                // Tenants with no call in flight (deleted ones among them) go.
+                tenants.retain(|_, places| Arc::strong_count(places) > 1 || places.available_permits() < self.per_tenant);
+            }
             Arc::clone(tenants.entry(Arc::clone(tenant)).or_insert_with(|| Arc::new(Semaphore::new(self.per_tenant))))
         };
         // Neither semaphore is ever closed.
@@ -118,8 +128,9 @@ impl KvPool {
 }
 
 /// Runs `op` on the worker's connection, opening it first if need be; a
-/// connection that failed is dropped (the next call opens a new one), and
-/// a panic is an error, never a dead worker.
+/// connection that failed is dropped (the next call opens a new one; a
+/// statement the database refused leaves it), and a panic is an error,
+/// never a dead worker.
 fn on_connection<T>(conn: &mut Option<Box<dyn Conn>>, open: &Opener, op: impl FnOnce(&mut dyn Conn) -> KvResult<T>) -> KvResult<T> {
     if conn.is_none() {
         *conn = Some(open().map_err(|e| KvError::Store(format!("cannot connect: {e:#}")))?);

@@ -6,7 +6,7 @@ use postgres::error::SqlState;
 use postgres::{Client, Config, Transaction};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::{BucketRow, Conn, Entry, KvError, KvResult, Owner, Totals, Tx, as_i64, as_u64};
+use super::{BucketRow, Conn, Entry, KvError, KvResult, Owner, Totals, Tx, as_i64, as_u64, read_within};
 
 /// A connection to the cluster's database.
 pub struct PgConn(Client);
@@ -20,14 +20,19 @@ impl PgConn {
 
 /// A database error as a state error: a foreign key refused means the
 /// tenant is not this creation of it; a lock or statement past its
-/// timeout, busy.
+/// timeout, busy; bad data (class 22), the caller's; another error of the
+/// server's, one statement's (the connection stays); a connection gone or
+/// failing, the connection's end.
 fn db_error(e: postgres::Error) -> KvError {
+    let busy = [SqlState::LOCK_NOT_AVAILABLE, SqlState::QUERY_CANCELED, SqlState::T_R_DEADLOCK_DETECTED];
+    let ending = [SqlState::ADMIN_SHUTDOWN, SqlState::CANNOT_CONNECT_NOW];
     match e.code() {
+        _ if e.is_closed() || e.as_db_error().is_none() => KvError::Store(e.to_string()),
         Some(code) if *code == SqlState::FOREIGN_KEY_VIOLATION => KvError::Gone,
-        Some(code) if [SqlState::LOCK_NOT_AVAILABLE, SqlState::QUERY_CANCELED, SqlState::T_R_DEADLOCK_DETECTED].contains(code) => {
-            KvError::Busy(format!("the state store is busy: {e}"))
-        }
-        _ => KvError::Store(e.to_string()),
+        Some(code) if busy.contains(code) => KvError::Busy("the state store is busy; retry".into()),
+        Some(code) if code.code().starts_with("22") => KvError::Invalid("the state store refused the data of this call".into()),
+        Some(code) if ending.contains(code) => KvError::Store(e.to_string()),
+        _ => KvError::Failed(e.to_string()),
     }
 }
 
@@ -38,15 +43,16 @@ impl Conn for PgConn {
         Ok(Box::new(PgTx(self.0.transaction().map_err(db_error)?)))
     }
 
-    fn entries(&mut self, owner: &Owner, bucket: &str, keys: &[String]) -> KvResult<Vec<Option<Entry>>> {
+    fn entries(&mut self, owner: &Owner, bucket: &str, keys: &[String], most_bytes: u64) -> KvResult<Vec<Option<Entry>>> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
         let sql = format!("SELECT kv.value, kv.version FROM kv {OWNED} AND kv.bucket = $3 AND kv.key = $4");
         let stmt = self.0.prepare(&sql).map_err(db_error)?;
-        keys.iter()
-            .map(|key| {
-                let row = self.0.query_opt(&stmt, &[&&*owner.tenant, &&*owner.incarnation, &bucket, key]).map_err(db_error)?;
-                Ok(row.map(|r| Entry { value: r.get(0), version: r.get(1) }))
-            })
-            .collect()
+        read_within(keys, most_bytes, |key| {
+            let row = self.0.query_opt(&stmt, &[&&*owner.tenant, &&*owner.incarnation, &bucket, &key]).map_err(db_error)?;
+            Ok(row.map(|r| Entry { value: r.get(0), version: r.get(1) }))
+        })
     }
 
     fn exists(&mut self, owner: &Owner, bucket: &str, key: &str) -> KvResult<bool> {
@@ -55,9 +61,7 @@ impl Conn for PgConn {
     }
 
     fn keys(&mut self, owner: &Owner, bucket: &str, after: Option<&str>, limit: usize) -> KvResult<Vec<String>> {
-        let sql = format!(
-            "SELECT kv.key FROM kv {OWNED} AND kv.bucket = $3 AND kv.key COLLATE \"C\" > $4 ORDER BY kv.key COLLATE \"C\" LIMIT $5"
-        );
+        let sql = format!("SELECT kv.key FROM kv {OWNED} AND kv.bucket = $3 AND kv.key > $4 ORDER BY kv.key LIMIT $5");
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = self.0.query(&sql, &[&&*owner.tenant, &&*owner.incarnation, &bucket, &after.unwrap_or(""), &limit]).map_err(db_error)?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
@@ -66,7 +70,7 @@ impl Conn for PgConn {
     fn buckets(&mut self, owner: &Owner) -> KvResult<Vec<BucketRow>> {
         let sql = format!(
             "SELECT kv.bucket, COUNT(*), SUM(OCTET_LENGTH(kv.bucket) + OCTET_LENGTH(kv.key) + OCTET_LENGTH(kv.value))::BIGINT FROM kv {OWNED} \
-             GROUP BY kv.bucket ORDER BY kv.bucket COLLATE \"C\""
+             GROUP BY kv.bucket ORDER BY kv.bucket"
         );
         let rows = self.0.query(&sql, &[&&*owner.tenant, &&*owner.incarnation]).map_err(db_error)?;
         Ok(rows.iter().map(|r| BucketRow { name: r.get(0), keys: as_u64(r.get(1)), bytes: as_u64(r.get(2)) }).collect())
@@ -98,11 +102,12 @@ impl Tx for PgTx<'_> {
             .map_err(db_error)?;
         let row = self
             .0
-            .query_one("SELECT incarnation, keys, bytes FROM kv_tenants WHERE tenant = $1 FOR UPDATE", &[&tenant])
+            .query_opt("SELECT incarnation, keys, bytes FROM kv_tenants WHERE tenant = $1 FOR UPDATE", &[&tenant])
             .map_err(db_error)?;
-        if row.get::<_, &str>(0) != incarnation {
+        // None: the tenant's deletion took its row in between.
+        let Some(row) = row.filter(|row| row.get::<_, &str>(0) == incarnation) else {
             return Err(KvError::Gone);
-        }
+        };
         Ok(Totals { keys: as_u64(row.get(1)), bytes: as_u64(row.get(2)) })
     }
 

@@ -16,6 +16,8 @@ struct Backend {
     store: Box<dyn Store>,
     url: Option<String>,
     dir: std::path::PathBuf,
+    /// SQLite connections' turn at writing, as a pool shares it.
+    writer: Arc<std::sync::Mutex<()>>,
 }
 
 impl Backend {
@@ -24,19 +26,19 @@ impl Backend {
         let url = fresh_database(&format!("kv_{name}"));
         let pg = crate::control::store::open(Some(&url), &sqlite.dir).unwrap();
         let dir = sqlite.dir.clone();
-        vec![sqlite, Backend { store: pg, url: Some(url), dir }]
+        vec![sqlite, Backend { store: pg, url: Some(url), dir, writer: Arc::default() }]
     }
 
     fn sqlite(name: &str) -> Backend {
         let dir = std::env::temp_dir().join(format!("facegate-kv-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        Backend { store: crate::control::store::open(None, &dir).unwrap(), url: None, dir }
+        Backend { store: crate::control::store::open(None, &dir).unwrap(), url: None, dir, writer: Arc::default() }
     }
 
     fn conn(&self) -> Box<dyn Conn> {
         match &self.url {
             Some(url) => Box::new(postgres::PgConn::connect(&crate::control::store::postgres::client_config(url).unwrap()).unwrap()),
-            None => Box::new(sqlite::SqliteConn::open(&self.dir.join(crate::control::store::DB_FILE)).unwrap()),
+            None => Box::new(sqlite::SqliteConn::open(&self.dir.join(crate::control::store::DB_FILE), Arc::clone(&self.writer)).unwrap()),
         }
     }
 
@@ -58,7 +60,7 @@ fn items(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
 }
 
 fn value(conn: &mut dyn Conn, owner: &Owner, bucket: &str, key: &str) -> Option<Vec<u8>> {
-    conn.entries(owner, bucket, &[key.to_owned()]).unwrap().pop().flatten().map(|e| e.value)
+    conn.entries(owner, bucket, &[key.to_owned()], u64::MAX).unwrap().pop().flatten().map(|e| e.value)
 }
 
 #[test]
@@ -99,6 +101,10 @@ fn writes_past_the_tenants_bounds_are_refused_and_a_tenant_over_them_may_still_s
             set_many(conn.as_mut(), &owner, tight, "b", &items(&[("one", &"v".repeat(40)), ("two", &"w".repeat(40))])).unwrap_err();
         assert!(matches!(&refused, KvError::Limit(m) if m.contains("kv_bytes")), "{refused}");
         assert_eq!(value(conn.as_mut(), &owner, "b", "one").as_deref(), Some(&b"x"[..]), "a refused batch writes nothing");
+        // A read stops once it passes what its caller could hold, a key asked for twice counting twice.
+        let twice = conn.entries(&owner, "b", &["one".into(), "one".into()], 1);
+        assert!(matches!(twice, Err(KvError::Limit(_))), "{twice:?}");
+        assert!(conn.entries(&owner, "b", &["one".into()], 1).is_ok(), "what was charged may be read");
         // Bounds lowered under what it holds: overwriting smaller and deleting still work.
         let lowered = Quota { keys: 1, bytes: 5, value_bytes: 40 };
         set_many(conn.as_mut(), &owner, lowered, "b", &items(&[("one", "")])).unwrap();
@@ -145,7 +151,7 @@ fn a_swap_on_a_stale_read_fails_with_the_fresh_value_and_succeeds_on_it() {
         let read = |conn: &mut dyn Conn| Cas {
             bucket: "b".into(),
             key: "k".into(),
-            current: conn.entries(&owner, "b", &["k".into()]).unwrap().pop().flatten(),
+            current: conn.entries(&owner, "b", &["k".into()], u64::MAX).unwrap().pop().flatten(),
         };
         let absent = read(conn.as_mut());
         assert!(compare_and_swap(conn.as_mut(), &owner, QUOTA, &absent, b"first").unwrap().is_ok(), "absent, as read");
@@ -188,7 +194,7 @@ async fn one_tenant_holding_its_share_of_the_pool_leaves_the_rest_to_others() {
     let b = &mut Backend::sqlite("pool");
     let (a, z) = (b.tenant("a"), b.tenant("z"));
     let pool = b.pool(2);
-    assert_eq!(pool.per_tenant(), 1);
+    assert_eq!(pool.per_tenant(), 1, "a quarter of the workers, at least one");
     let deadline = Instant::now() + Duration::from_secs(10);
     let (hold, held) = std::sync::mpsc::channel::<()>();
     let slow = {

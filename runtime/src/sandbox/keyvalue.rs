@@ -40,8 +40,9 @@ use self::wit::wasi::keyvalue::{atomics, batch, store};
 /// An open bucket: its name (the tenant is the request's).
 pub struct Bucket(String);
 
-/// A compare-and-swap in progress: the key as it was read.
-pub struct CasHandle(Cas);
+/// A compare-and-swap in progress: the key as it was read, its value
+/// charged to the node's memory budget while the handle lives.
+pub struct CasHandle(Cas, Option<Charge>);
 
 /// What a request may do with its tenant's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,9 +105,10 @@ impl KvCtx {
         }
     }
 
-    /// Spends `n` of the request's operations.
+    /// Spends `n` of the request's operations (at least one: every call
+    /// costs the database something).
     fn spend(&mut self, n: usize) -> Result<(), Error> {
-        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        let n = u32::try_from(n.max(1)).unwrap_or(u32::MAX);
         if n > self.ops_left {
             return Err(Error::Other(format!(
                 "this request may read or write {} keys (kv_ops); it has {} left and asked for {n}",
@@ -128,7 +130,7 @@ impl KvCtx {
         self.spend(keys)?;
         let (quota, tenant) = (self.limits.quota, Arc::clone(&owner.tenant));
         let result = pool.run(&tenant, self.deadline, move |conn| op(conn, &owner, quota)).await;
-        let counted = keys as u64;
+        let counted = keys.max(1) as u64;
         if writes {
             self.used.kv_writes += counted
         } else {
@@ -143,14 +145,23 @@ impl KvCtx {
     }
 
     /// Charges the node's memory budget for `keys` values at their
-    /// largest (never more than the tenant may keep in all), before they are read.
-    fn charge_reads(&mut self, keys: usize) -> Result<(), Error> {
+    /// largest (never more than the tenant may keep in all), before they
+    /// are read; the bytes charged, which the read may not pass (the
+    /// worker stops there: a key asked for twice counts twice).
+    fn charge_reads(&mut self, keys: usize) -> Result<u64, Error> {
         let quota = self.limits.quota;
         let most = quota.value_bytes.saturating_mul(keys as u64).min(quota.bytes);
-        let Some(memory) = &mut self.memory else { return Ok(()) };
+        let Some(memory) = &mut self.memory else { return Ok(most) };
         memory
             .resize(usize::try_from(most).unwrap_or(usize::MAX))
-            .map_err(|refusal| Error::Other(format!("the node cannot hold what this read may bring now ({refusal}); retry")))
+            .map_err(|refusal| Error::Other(format!("the node cannot hold what this read may bring now ({refusal}); retry")))?;
+        Ok(most)
+    }
+
+    /// A charge of its own for `bytes` a resource keeps (a compare-and-swap's value).
+    fn hold(&self, bytes: usize) -> Result<Option<Charge>, Error> {
+        let Some(memory) = &self.memory else { return Ok(None) };
+        memory.another(bytes).map(Some).map_err(|refusal| Error::Other(format!("the node cannot hold this value now ({refusal}); retry")))
     }
 
     /// Charges what a read brought back (no more than charged before it).
@@ -181,6 +192,11 @@ fn guest_error(at: &Option<(Arc<KvPool>, Owner)>, e: KvError) -> Error {
                 let tenant = at.as_ref().map(|(_, owner)| &*owner.tenant).unwrap_or_default();
                 tracing::warn!(tenant, error = %why, "a handler's state call failed (at most one such line a second)");
             }
+            Error::Other("the state store failed; retry".into())
+        }
+        KvError::Failed(why) => {
+            let tenant = at.as_ref().map(|(_, owner)| &*owner.tenant).unwrap_or_default();
+            tracing::debug!(tenant, error = %why, "the database refused a handler's state call");
             Error::Other("the state store failed; retry".into())
         }
         KvError::Limit(why) | KvError::Invalid(why) | KvError::Busy(why) => Error::Other(why),
@@ -239,6 +255,9 @@ impl store::HostBucket for KvView<'_> {
 
     async fn list_keys(&mut self, bucket: Resource<Bucket>, cursor: Option<String>) -> wasmtime::Result<Result<KeyResponse, Error>> {
         let bucket = self.bucket(&bucket)?;
+        if let Some(Err(e)) = cursor.as_deref().map(kv::check_key) {
+            return Ok(Err(Error::Other(format!("the cursor is a key: {e}"))));
+        }
         let listed = self.ctx.call((1, false), move |conn, owner, _| conn.keys(owner, &bucket, cursor.as_deref(), LIST_PAGE)).await;
         Ok(listed.map(|keys| {
             let cursor = (keys.len() == LIST_PAGE).then(|| keys.last().cloned()).flatten();
@@ -257,10 +276,10 @@ async fn get_many(ctx: &mut KvCtx, bucket: String, keys: Vec<String>) -> Result<
     if let Some(e) = keys.iter().find_map(|key| kv::check_key(key).err()) {
         return Err(Error::Other(e.to_string()));
     }
-    ctx.charge_reads(keys.len())?;
+    let most = ctx.charge_reads(keys.len())?;
     let found = ctx
         .call((keys.len(), false), move |conn, owner, _| {
-            let entries = conn.entries(owner, &bucket, &keys)?;
+            let entries = conn.entries(owner, &bucket, &keys, most)?;
             Ok(keys.into_iter().zip(entries).map(|(key, entry)| entry.map(|e| (key, e.value))).collect::<Vec<_>>())
         })
         .await?;
@@ -270,6 +289,9 @@ async fn get_many(ctx: &mut KvCtx, bucket: String, keys: Vec<String>) -> Result<
 
 /// Sets each of `items` in `bucket`, all or none.
 async fn set_many(ctx: &mut KvCtx, bucket: String, items: Vec<(String, Vec<u8>)>) -> Result<(), Error> {
+    if items.is_empty() {
+        return ctx.spend(1);
+    }
     let totals = ctx.call((items.len(), true), move |conn, owner, quota| kv::set_many(conn, owner, quota, &bucket, &items)).await?;
     ctx.stored(totals);
     Ok(())
@@ -277,6 +299,9 @@ async fn set_many(ctx: &mut KvCtx, bucket: String, items: Vec<(String, Vec<u8>)>
 
 /// Deletes each of `keys` from `bucket`.
 async fn delete_many(ctx: &mut KvCtx, bucket: String, keys: Vec<String>) -> Result<(), Error> {
+    if keys.is_empty() {
+        return ctx.spend(1);
+    }
     let totals = ctx.call((keys.len(), true), move |conn, owner, _| kv::delete_many(conn, owner, &bucket, &keys)).await?;
     ctx.stored(totals);
     Ok(())
@@ -293,14 +318,26 @@ impl atomics::Host for KvView<'_> {
     }
 
     async fn swap(&mut self, cas: Resource<CasHandle>, value: Vec<u8>) -> wasmtime::Result<Result<(), atomics::CasError>> {
-        let CasHandle(cas) = self.table.delete(cas)?;
+        let CasHandle(cas, held) = self.table.delete(cas)?;
+        drop(held);
+        // A failed swap reads the key's fresh value: charged before, as a read.
+        if let Err(e) = self.ctx.charge_reads(1) {
+            return Ok(Err(atomics::CasError::StoreError(e)));
+        }
         let done = self.ctx.call((1, true), move |conn, owner, quota| kv::compare_and_swap(conn, owner, quota, &cas, &value)).await;
+        self.ctx.charge_read(std::iter::empty());
         match done {
             Ok(Ok(totals)) => {
                 self.ctx.stored(totals);
                 Ok(Ok(()))
             }
-            Ok(Err(fresh)) => Ok(Err(atomics::CasError::CasFailed(self.table.push(CasHandle(fresh))?))),
+            Ok(Err(fresh)) => {
+                let size = fresh.current.as_ref().map_or(0, |e| e.value.len());
+                match self.ctx.hold(size) {
+                    Ok(held) => Ok(Err(atomics::CasError::CasFailed(self.table.push(CasHandle(fresh, held))?))),
+                    Err(e) => Ok(Err(atomics::CasError::StoreError(e))),
+                }
+            }
             Err(e) => Ok(Err(atomics::CasError::StoreError(e))),
         }
     }
@@ -310,8 +347,14 @@ impl atomics::HostCas for KvView<'_> {
     async fn new(&mut self, bucket: Resource<Bucket>, key: String) -> wasmtime::Result<Result<Resource<CasHandle>, Error>> {
         let name = self.bucket(&bucket)?;
         let read = get_entry(self.ctx, name.clone(), key.clone()).await;
-        Ok(match read {
-            Ok(current) => Ok(self.table.push(CasHandle(Cas { bucket: name, key, current }))?),
+        let held = read.and_then(|current| {
+            let held = self.ctx.hold(current.as_ref().map_or(0, |e| e.value.len()))?;
+            Ok((current, held))
+        });
+        // The read's own charge is the handle's now.
+        self.ctx.charge_read(std::iter::empty());
+        Ok(match held {
+            Ok((current, held)) => Ok(self.table.push(CasHandle(Cas { bucket: name, key, current }, held))?),
             Err(e) => Err(e),
         })
     }
@@ -331,8 +374,8 @@ async fn get_entry(ctx: &mut KvCtx, bucket: String, key: String) -> Result<Optio
     if let Err(e) = kv::check_key(&key) {
         return Err(Error::Other(e.to_string()));
     }
-    ctx.charge_reads(1)?;
-    let entry = ctx.call((1, false), move |conn, owner, _| Ok(conn.entries(owner, &bucket, &[key])?.pop().flatten())).await?;
+    let most = ctx.charge_reads(1)?;
+    let entry = ctx.call((1, false), move |conn, owner, _| Ok(conn.entries(owner, &bucket, &[key], most)?.pop().flatten())).await?;
     ctx.charge_read(entry.iter().map(|e| e.value.as_slice()));
     Ok(entry)
 }

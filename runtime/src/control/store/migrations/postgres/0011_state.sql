@@ -13,8 +13,9 @@ CREATE TABLE kv_tenants (
 );
 CREATE TABLE kv (
     tenant TEXT NOT NULL REFERENCES kv_tenants (tenant) ON DELETE CASCADE,
-    bucket TEXT NOT NULL,
-    key TEXT NOT NULL,
+    -- Byte order, as SQLite's: the primary key serves listings by cursor.
+    bucket TEXT COLLATE "C" NOT NULL,
+    key TEXT COLLATE "C" NOT NULL,
     value BYTEA NOT NULL,
     version BIGINT NOT NULL,
     updated_at BIGINT NOT NULL,
