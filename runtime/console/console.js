@@ -212,7 +212,9 @@
         plot.append(dot);
       }
       const item = el("li", null, { "data-handler": name });
-      item.append(el("span", "", { class: "swatch", style: `background:${color}` }), ` ${name}`);
+      const swatch = el("span", "", { class: "swatch" });
+      swatch.style.background = color; // CSSOM: the policy allows no style attribute
+      item.append(swatch, ` ${name}`);
       legend.append(item);
     });
   }
