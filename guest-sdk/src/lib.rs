@@ -53,7 +53,8 @@ pub mod pipeline;
 pub use error::{Error, InferError};
 pub use http::{Handler, Request, Response};
 pub use pipeline::{
-    DetectOptions, Detection, FaceReport, Timings, detect, detect_faces, detect_image, faces_from_outputs, infer_centerface,
+    DetectOptions, Detection, FaceReport, ModelName, Timings, detect, detect_faces, detect_image, faces_from_outputs, infer,
+    infer_centerface,
 };
 
 /// The `wasi` crate this SDK is built on (the `wasi:http` types and the

@@ -21,9 +21,62 @@ pub const MIN_SIZE: u32 = 128;
 /// Largest letterbox side a request may ask for.
 pub const MAX_SIZE: u32 = 1536;
 
-/// How to detect: thresholds, how many faces, input size, image limits.
+/// Longest model name a request may give.
+pub const MAX_MODEL_NAME: usize = 64;
+
+/// The name of a model on the host (`?model=`, the `model` setting): 1 to
+/// [`MAX_MODEL_NAME`] bytes of `a-z`, `0-9`, `.`, `_`, `-`. Default
+/// [`MODEL`] (CenterFace FP32). Kept inline, so options stay `Copy`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct ModelName {
+    len: u8,
+    bytes: [u8; MAX_MODEL_NAME],
+}
+
+impl ModelName {
+    /// `name`, if it is a valid model name.
+    pub fn new(name: &str) -> Option<Self> {
+        let valid = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-');
+        if name.is_empty() || name.len() > MAX_MODEL_NAME || !name.bytes().all(valid) {
+            return None;
+        }
+        let mut bytes = [0; MAX_MODEL_NAME];
+        bytes[..name.len()].copy_from_slice(name.as_bytes());
+        Some(Self { len: name.len() as u8, bytes })
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        // Only ASCII is ever stored (see `new`).
+        std::str::from_utf8(&self.bytes[..usize::from(self.len)]).unwrap_or(MODEL)
+    }
+}
+
+impl Default for ModelName {
+    fn default() -> Self {
+        Self::new(MODEL).expect("a valid name")
+    }
+}
+
+impl std::fmt::Debug for ModelName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.as_str())
+    }
+}
+
+impl std::str::FromStr for ModelName {
+    type Err = ();
+
+    fn from_str(name: &str) -> Result<Self, ()> {
+        Self::new(name).ok_or(())
+    }
+}
+
+/// How to detect: the model, thresholds, how many faces, input size, image limits.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DetectOptions {
+    /// The model to run (default [`MODEL`]); the answer's `model` names it.
+    pub model: ModelName,
     /// Heatmap threshold, `0 < threshold ≤ 1` (default 0.5).
     pub threshold: f32,
     /// NMS IoU threshold (default 0.3).
@@ -39,6 +92,7 @@ pub struct DetectOptions {
 impl Default for DetectOptions {
     fn default() -> Self {
         Self {
+            model: ModelName::default(),
             threshold: DEFAULT_THRESHOLD,
             nms_iou: DEFAULT_NMS_IOU,
             max_faces: DEFAULT_MAX_FACES,
@@ -58,21 +112,24 @@ impl DetectOptions {
 
     /// [`Self::from_query`] over the handler's settings: the setting
     /// `min_score` (0 < s ≤ 1, see [`crate::config`]) is the default
-    /// `threshold`, which the query's still overrides. A `min_score` that
-    /// is not such a number is a 500 `bad_setting` naming it.
+    /// `threshold`, and the setting `model` the default model, which the
+    /// query's still override. A setting that is not such a value is a 500
+    /// `bad_setting` naming it.
     pub fn configured(query: &Query) -> Result<Self, crate::Error> {
         let threshold = crate::config::parse_or("min_score", DEFAULT_THRESHOLD)?;
         if !(threshold > 0.0 && threshold <= 1.0) {
             let message = "the setting \"min_score\" is not a number with 0 < min_score ≤ 1";
             return Err(crate::Error::custom(500, "bad_setting", message));
         }
-        Ok(Self::from_query_over(query, Self { threshold, ..Self::default() })?)
+        let model = crate::config::parse_or("model", ModelName::default())?;
+        Ok(Self::from_query_over(query, Self { model, threshold, ..Self::default() })?)
     }
 
     /// [`Self::from_query`] over `defaults` (a handler's own, from its
     /// settings, say): the query's values win.
     pub fn from_query_over(query: &Query, defaults: Self) -> Result<Self, HttpError> {
         Ok(Self {
+            model: query.parse_or("model", defaults.model, "a model name (a-z, 0-9, '.', '_', '-'; at most 64 bytes)", |_| true)?,
             threshold: query
                 .parse_or("threshold", defaults.threshold, "a number with 0 < threshold ≤ 1", |t: f32| t > 0.0 && t <= 1.0)?,
             max_faces: query
@@ -125,6 +182,8 @@ impl Timings {
 /// blur or crop.
 #[derive(Debug, Clone)]
 pub struct Detection {
+    /// The model that ran.
+    pub model: ModelName,
     /// The decoded image (EXIF orientation applied).
     pub image: RgbImage,
     /// Faces in image pixels, best first, at most `max_faces`.
@@ -138,7 +197,7 @@ impl Detection {
     /// "score","landmarks"}],"timings_ms"}`; pixels rounded to 0.1, scores
     /// to 1e-4, milliseconds to 0.01.
     pub fn to_json(&self) -> serde_json::Value {
-        faces_json(self.image.dimensions(), &self.faces, &self.timings)
+        faces_json(self.model, self.image.dimensions(), &self.faces, &self.timings)
     }
 
     /// 200 with [`to_json`](Self::to_json) and a `Server-Timing` header.
@@ -151,6 +210,8 @@ impl Detection {
 /// the pixels (which it may have decoded at a reduced scale).
 #[derive(Debug, Clone, PartialEq)]
 pub struct FaceReport {
+    /// The model that ran.
+    pub model: ModelName,
     /// The image's width (EXIF orientation applied).
     pub width: u32,
     /// The image's height (EXIF orientation applied).
@@ -164,7 +225,7 @@ pub struct FaceReport {
 impl FaceReport {
     /// The same JSON as [`Detection::to_json`].
     pub fn to_json(&self) -> serde_json::Value {
-        faces_json((self.width, self.height), &self.faces, &self.timings)
+        faces_json(self.model, (self.width, self.height), &self.faces, &self.timings)
     }
 
     /// 200 with [`to_json`](Self::to_json) and a `Server-Timing` header.
@@ -173,10 +234,10 @@ impl FaceReport {
     }
 }
 
-fn faces_json((width, height): (u32, u32), faces: &[Face], timings: &Timings) -> serde_json::Value {
+fn faces_json(model: ModelName, (width, height): (u32, u32), faces: &[Face], timings: &Timings) -> serde_json::Value {
     let faces: Vec<FaceJson> = faces.iter().map(FaceJson::from).collect();
     serde_json::json!({
-        "model": MODEL,
+        "model": model.as_str(),
         "image": { "width": width, "height": height },
         "faces": faces,
         "timings_ms": timings.rounded(),
@@ -221,7 +282,7 @@ pub fn detect(bytes: &[u8], options: &DetectOptions) -> Result<Detection, Error>
     let image = image::decode(bytes, &options.limits)?;
     let decode_ms = elapsed_ms(start);
     let (faces, timings) = detect_image(&image, options)?;
-    Ok(Detection { image, faces, timings: Timings { decode_ms, ..timings } })
+    Ok(Detection { model: options.model, image, faces, timings: Timings { decode_ms, ..timings } })
 }
 
 /// Finds the faces in the image in `bytes`, decoding only what the
@@ -237,10 +298,11 @@ pub fn detect_faces(bytes: &[u8], options: &DetectOptions) -> Result<FaceReport,
         let (fx, fy) = scaled.factors();
         faces = faces.iter().map(|face| face.scaled(fx, fy)).collect();
     }
-    Ok(FaceReport { width: scaled.width, height: scaled.height, faces, timings: Timings { decode_ms, ..timings } })
+    Ok(FaceReport { model: options.model, width: scaled.width, height: scaled.height, faces, timings: Timings { decode_ms, ..timings } })
 }
 
-/// Letterboxes `image`, runs CenterFace on the host and decodes its
+/// Letterboxes `image`, runs the options' model (a CenterFace: its
+/// outputs are decoded as CenterFace's) on the host and decodes its
 /// outputs: faces in image pixels, best first, at most `max_faces`.
 /// `decode_ms` of the timings is left at 0.
 pub fn detect_image(image: &RgbImage, options: &DetectOptions) -> Result<(Vec<Face>, Timings), Error> {
@@ -251,7 +313,7 @@ pub fn detect_image(image: &RgbImage, options: &DetectOptions) -> Result<(Vec<Fa
     timings.preprocess_ms = elapsed_ms(start);
 
     let start = Instant::now();
-    let outputs = infer_centerface(&letterbox.into_tensor())?;
+    let outputs = infer(options.model.as_str(), &letterbox.into_tensor())?;
     timings.infer_ms = elapsed_ms(start);
 
     let start = Instant::now();
@@ -278,7 +340,12 @@ pub fn faces_from_outputs(
 
 /// Calls the host's `infer` for [`MODEL`] with one `[H, W, 3]` `u8` tensor.
 pub fn infer_centerface(input: &Tensor) -> Result<Vec<Tensor>, InferError> {
-    face_detect::infer(MODEL, input).map_err(InferError::from)
+    infer(MODEL, input)
+}
+
+/// Calls the host's `infer` for `model` with one `[H, W, 3]` `u8` tensor.
+pub fn infer(model: &str, input: &Tensor) -> Result<Vec<Tensor>, InferError> {
+    face_detect::infer(model, input).map_err(InferError::from)
 }
 
 #[cfg(test)]
@@ -292,6 +359,12 @@ mod tests {
         assert_eq!((options.threshold, options.max_faces, options.size), (0.5, 100, 640));
         let options = DetectOptions::from_query(&Query::parse("threshold=1&max_faces=1000&size=128")).expect("ok");
         assert_eq!((options.threshold, options.max_faces, options.size), (1.0, 1000, 128));
+        assert_eq!(options.model.as_str(), "centerface");
+        let options = DetectOptions::from_query(&Query::parse("model=centerface-int8")).expect("ok");
+        assert_eq!(options.model.as_str(), "centerface-int8");
+        let longest = "m".repeat(MAX_MODEL_NAME);
+        assert_eq!(ModelName::new(&longest).map(|m| m.as_str().len()), Some(MAX_MODEL_NAME));
+        assert!(ModelName::new(&format!("{longest}m")).is_none());
     }
 
     #[test]
@@ -307,6 +380,10 @@ mod tests {
             ("size=100", "size"),
             ("size=1568", "size"),
             ("size=96", "size"),
+            ("model=", "model"),
+            ("model=CenterFace", "model"),
+            ("model=../x", "model"),
+            ("model=centerface%00", "model"),
         ] {
             let error = DetectOptions::from_query(&Query::parse(query)).expect_err("must fail");
             assert_eq!(error.code(), "invalid_parameter", "{query}");
@@ -317,6 +394,7 @@ mod tests {
     #[test]
     fn detection_json_has_the_contracted_shape() {
         let detection = Detection {
+            model: ModelName::new("centerface-int8").expect("valid"),
             image: RgbImage::new(512, 600),
             faces: vec![Face { bbox: [173.34, 122.81, 355.56, 338.44], score: 0.869_74, landmarks: [[200.04, 201.96]; 5] }],
             timings: Timings { decode_ms: 1.234, preprocess_ms: 2.0, infer_ms: 80.5, postprocess_ms: 0.011 },
@@ -326,7 +404,7 @@ mod tests {
         assert_eq!(response.header("server-timing"), Some("decode;dur=1.23, preprocess;dur=2.00, infer;dur=80.50, postprocess;dur=0.01"));
         let json: serde_json::Value = serde_json::from_slice(&response.body).expect("json");
         let expected = serde_json::json!({
-            "model": "centerface",
+            "model": "centerface-int8",
             "image": {"width": 512, "height": 600},
             "faces": [{"box": [173.3, 122.8, 355.6, 338.4], "score": 0.8697, "landmarks": [[200.0, 202.0], [200.0, 202.0], [200.0, 202.0], [200.0, 202.0], [200.0, 202.0]]}],
             "timings_ms": {"decode": 1.23, "preprocess": 2.0, "infer": 80.5, "postprocess": 0.01},

@@ -619,7 +619,7 @@
       if (input.type === "checkbox") {
         if (String(input.checked) !== input.dataset.was) patch[input.name] = input.checked;
       } else if (input.value !== "" && input.value !== input.dataset.was) {
-        patch[input.name] = Number(input.value);
+        patch[input.name] = input.type === "text" ? input.value : Number(input.value);
       }
     }
     if (await attempt("op-status", () => admin("PATCH", "tenants/" + seg(state.detail), json(patch), "application/json"))) {

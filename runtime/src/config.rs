@@ -387,9 +387,18 @@ pub struct ServeConfig {
 /// Where the model and ONNX Runtime are, and how they are spread over devices.
 #[derive(Debug, Clone, Args)]
 pub struct EngineConfig {
-    /// The prepared CenterFace model (deploy/setup.sh installs it).
+    /// The prepared CenterFace model, served as `centerface` (deploy/setup.sh installs it).
     #[arg(long, env = "FACEGATE_MODEL", default_value = ".facegate/models/centerface.onnx")]
     pub model: PathBuf,
+
+    /// More models of CenterFace's contract (the same input and outputs),
+    /// `NAME=PATH`, comma-separated, each served under its name beside
+    /// `centerface` with a batcher of its own. The default is the INT8
+    /// CenterFace deploy/setup.sh makes; skipped with a warning when that
+    /// file is absent (a model named here otherwise must load).
+    #[arg(long = "extra-model", env = "FACEGATE_EXTRA_MODELS", value_delimiter = ',', value_parser = parse_named_model,
+        default_value = DEFAULT_EXTRA_MODEL)]
+    pub extra_models: Vec<(String, PathBuf)>,
 
     /// The ONNX Runtime shared library (deploy/setup.sh installs it).
     #[arg(long, env = "ORT_DYLIB_PATH", default_value = ".facegate/lib/libonnxruntime.so")]
@@ -458,6 +467,18 @@ pub struct EngineConfig {
     /// time to one).
     #[arg(long = "tenant-weight", env = "FACEGATE_TENANT_WEIGHTS", value_delimiter = ',', value_parser = parse_weight)]
     pub tenant_weights: Vec<(String, u32)>,
+}
+
+/// The INT8 CenterFace deploy/setup.sh makes (deploy/scripts/quantize_model.py).
+pub const DEFAULT_EXTRA_MODEL: &str = "centerface-int8=.facegate/models/centerface-int8.onnx";
+
+fn parse_named_model(s: &str) -> Result<(String, PathBuf), String> {
+    let (name, path) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected NAME=PATH"))?;
+    let name = name.trim();
+    if !crate::admission::models::valid_model_name(name) || name == "centerface" {
+        return Err(format!("{name:?}: a model name is a-z, 0-9, '.', '_', '-' (at most 64 bytes), and not centerface"));
+    }
+    Ok((name.to_owned(), PathBuf::from(path.trim())))
 }
 
 fn parse_sizing(s: &str) -> Result<Sizing, String> {
@@ -684,12 +705,16 @@ fn devices_help() -> String {
 }
 
 impl EngineConfig {
-    /// One CPU session on the model at `model`, with ONNX Runtime from
-    /// `onnxruntime`: batches of up to 4, sized adaptively, never held to
-    /// fill; what the tests and benches start from.
+    /// One CPU session on the model at `model` (and on the INT8 model
+    /// beside it, `centerface-int8.onnx`, when there is one), with ONNX
+    /// Runtime from `onnxruntime`: batches of up to 4, sized adaptively,
+    /// never held to fill; what the tests and benches start from.
     pub fn single_cpu(model: PathBuf, onnxruntime: PathBuf) -> Self {
+        let int8 = model.with_file_name("centerface-int8.onnx");
+        let extra_models = if int8.is_file() { vec![("centerface-int8".to_owned(), int8)] } else { Vec::new() };
         Self {
             model,
+            extra_models,
             onnxruntime,
             devices: vec![DeviceKind::Cpu.into()],
             cpu_workers: 1,

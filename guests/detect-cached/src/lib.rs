@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 const BUCKET: &str = "detect-cache";
 /// Names the answer's shape: bumped when this code answers differently
 /// (old entries are then never read; `facegate kv delete … --all` clears them).
-const VERSION: &str = "detect-v1";
+const VERSION: &str = "detect-v2";
 
 /// The handler (POST only, bodies up to 16 MiB).
 struct DetectCached;
@@ -43,11 +43,11 @@ impl Handler for DetectCached {
     }
 }
 
-/// The image's SHA-256 and the options that shape the answer.
+/// The image's SHA-256 and the options that shape the answer (the model too).
 fn cache_key(image: &[u8], options: &DetectOptions) -> String {
     let digest = Sha256::digest(image);
     let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{VERSION}/{hex}/t{}/n{}/s{}", options.threshold, options.max_faces, options.size)
+    format!("{VERSION}/{hex}/{}/t{}/n{}/s{}", options.model.as_str(), options.threshold, options.max_faces, options.size)
 }
 
 /// Why an answer was not kept, as a header value.

@@ -45,7 +45,9 @@ pub struct BenchConfig {
     /// `overhead` (the smallest handler through the gateway against a bare
     /// hyper server; not part of `all`), `state` (key-value set and get on
     /// SQLite and PostgreSQL, and a repeated image through `detect-cached`
-    /// against `detect`; not part of `all`), or `all`.
+    /// against `detect`; not part of `all`), `models` (`centerface`
+    /// against `centerface-int8` through the gateway at sides 160 and 640,
+    /// and each one's accuracy on the test photos; not part of `all`), or `all`.
     #[arg(long, default_value = "all")]
     pub suite: String,
 

@@ -12,6 +12,7 @@ mod guest;
 mod harness;
 mod isolation;
 mod languages;
+mod models;
 mod native;
 mod overhead;
 mod overload;
@@ -83,6 +84,9 @@ async fn run(config: BenchConfig) -> anyhow::Result<()> {
     }
     if suite == "state" {
         state::run(&config, &images, duration).await?;
+    }
+    if suite == "models" {
+        models::run(&config, &images, duration).await?;
     }
     harness::remove_bench_dirs();
     Ok(())

@@ -93,7 +93,7 @@ async fn detect(models: &Models, bytes: &[u8], side: u32) -> Result<String, (Sta
         faces = faces.iter().map(|face| face.scaled(fx, fy)).collect();
     }
     let timings = Timings { decode_ms, preprocess_ms, infer_ms, postprocess_ms: ms_since(start) };
-    Ok(FaceReport { width: scaled.width, height: scaled.height, faces, timings }.to_json().to_string())
+    Ok(FaceReport { model: options.model, width: scaled.width, height: scaled.height, faces, timings }.to_json().to_string())
 }
 
 fn to_sdk_tensor(tensor: Tensor) -> sdk::Tensor {

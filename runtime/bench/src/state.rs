@@ -148,7 +148,7 @@ async fn cached_vs_plain(config: &BenchConfig, image: Bytes, duration: Duration)
 }
 
 /// `POST body` to `url` from `concurrency` closed loops for `duration`.
-async fn post_loop((url, key): &(String, String), body: &Bytes, concurrency: usize, duration: Duration) -> LoopStats {
+pub(crate) async fn post_loop((url, key): &(String, String), body: &Bytes, concurrency: usize, duration: Duration) -> LoopStats {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(256).build(connector);
@@ -172,7 +172,7 @@ fn print_row(label: &str, concurrency: usize, m: &Measurement) {
     print_ratio_row(label, concurrency, m, None);
 }
 
-fn print_ratio_row(label: &str, concurrency: usize, m: &Measurement, ratio: Option<f64>) {
+pub(crate) fn print_ratio_row(label: &str, concurrency: usize, m: &Measurement, ratio: Option<f64>) {
     let ratio = ratio.map_or_else(String::new, |r| format!("{r:.2}"));
     println!(
         "{label:<34} {concurrency:>5} {:>10.0} {:>9.0} {:>9.0} {ratio:>8}",

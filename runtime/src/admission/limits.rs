@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::admission::models::ModelAllow;
+
 /// Slowest sustained rate a tenant may be given (one request in 1000 s).
 pub const MIN_RPS: f64 = 0.001;
 /// Most requests one instance may serve: past it a fresh one starts, so a
@@ -238,6 +240,11 @@ tenant_limits! {
         /// Whether handlers may import `wasi:http/outgoing-handler` and
         /// send requests: true or false.
         outgoing_http: bool = false, rule any;
+        /// Models the tenant's handlers may call: `*` (every model the node
+        /// serves) or names, comma-separated. Another model is, to the
+        /// handler, a model the host does not serve (`unknown-model`), and
+        /// `models()` lists only these.
+        models: ModelAllow = ModelAllow::ALL, rule any;
     }
 }
 
@@ -266,6 +273,8 @@ pub enum LimitKind {
     Number,
     /// On or off.
     Flag,
+    /// Words (a list of names).
+    Text,
 }
 
 /// A limit as a form shows it (see [`TenantLimits::FIELDS`]).
@@ -302,6 +311,10 @@ impl LimitValue for f64 {
 
 impl LimitValue for bool {
     const KIND: LimitKind = LimitKind::Flag;
+}
+
+impl LimitValue for ModelAllow {
+    const KIND: LimitKind = LimitKind::Text;
 }
 
 fn check<T>(name: &str, rule: impl Fn(T, T) -> Result<(), String>, value: T, default: T) -> Result<(), String> {

@@ -38,6 +38,7 @@ fn limit_inputs() -> String {
             LimitKind::Integer => r#"type="number" min="0" step="1""#,
             LimitKind::Number => r#"type="number" min="0" step="any""#,
             LimitKind::Flag => r#"type="checkbox""#,
+            LimitKind::Text => r#"type="text""#,
         };
         let help = field.help.trim().replace('&', "&amp;").replace('"', "&quot;").replace('<', "&lt;");
         html.push_str(&format!("        <label title=\"{help}\">{} <input name=\"{}\" {input}></label>\n", field.name, field.name));

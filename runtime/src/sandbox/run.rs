@@ -473,7 +473,7 @@ impl Sandbox {
     fn face_detect(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> FaceDetectCtx {
         let memory = self.memory.empty(&handler.tenant);
         let who = (Arc::clone(&handler.tenant), Arc::clone(&handler.profile));
-        FaceDetectCtx::new(self.models.clone(), who, (deadline, limits.tenant.max_infer_calls), memory)
+        FaceDetectCtx::new(self.models.clone(), who, (deadline, limits.tenant.max_infer_calls, limits.tenant.models), memory)
     }
 
     fn new_store(&self, handler: &Handler, deadline: Instant, limits: SandboxLimits) -> Store<RequestState> {

@@ -27,20 +27,35 @@ use crate::sandbox::{Sandbox, engine, outgoing};
 use crate::telemetry::trace::Tracing;
 use crate::{control, http, telemetry};
 
-/// Loads ONNX Runtime and the model, and starts one batcher with one
-/// device worker per GPU and per configured CPU worker.
+/// Loads ONNX Runtime and the models (`centerface` and the extra ones),
+/// and starts one batcher per model with one device worker per GPU and per
+/// configured CPU worker.
 pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
     if config.inference_cores > 0 && config.inference_cpus.is_empty() {
         anyhow::bail!("--inference-cores: the cores are not set apart yet (cores::reserve, before the async runtime starts)");
     }
     init_onnx_runtime(&config.onnxruntime)?;
+    let mut models = Models::new();
+    models.insert(load_model(config, ImageModelConfig::centerface(&config.model, config.max_batch))?);
+    for (name, path) in &config.extra_models {
+        if !path.exists() && format!("{name}={}", path.display()) == crate::config::DEFAULT_EXTRA_MODEL {
+            tracing::warn!(model = %name, path = %path.display(), "model file absent (deploy/setup.sh makes it); not served");
+            continue;
+        }
+        let model = ImageModelConfig { name: name.clone(), ..ImageModelConfig::centerface(path, config.max_batch) };
+        models.insert(load_model(config, model).with_context(|| format!("model {name} ({})", path.display()))?);
+    }
+    Ok(models)
+}
+
+/// One model's batcher over every configured device.
+fn load_model(config: &EngineConfig, model: ImageModelConfig) -> anyhow::Result<Batcher> {
     let threads = config.threads_per_worker();
-    let model = ImageModelConfig::centerface(&config.model, config.max_batch);
     let options = OpenOptions {
         cpu_workers: config.workers(),
         cpu_threads: threads,
         cpu_cores: config.inference_cpus.clone(),
-        cache_dir: config.model.parent().map(|dir| dir.join("tensorrt-cache")),
+        cache_dir: model.path.parent().map(|dir| dir.join("tensorrt-cache")),
     };
     let mut backends = Vec::new();
     for spec in &config.devices {
@@ -51,9 +66,7 @@ pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
         batcher.set_tenant_weight(tenant, *weight);
     }
     tracing::info!(model = %batcher.spec().name, devices = ?config.devices, cpu_workers = config.workers(), threads, inference_cores = ?config.inference_cpus, max_batch = batcher.spec().max_batch, "model loaded");
-    let mut models = Models::new();
-    models.insert(batcher);
-    Ok(models)
+    Ok(batcher)
 }
 
 /// The batcher settings an engine config asks for.

@@ -16,9 +16,9 @@ const SCORE_TOLERANCE: f64 = 0.02;
 const MIN_IOU: f64 = 0.9;
 
 /// One reference face: its box [x1, y1, x2, y2] in original pixels and its score.
-struct Reference {
-    bounds: [f64; 4],
-    score: f64,
+pub(crate) struct Reference {
+    pub(crate) bounds: [f64; 4],
+    pub(crate) score: f64,
 }
 
 /// The reference detections of the test photos, by file name.
@@ -32,7 +32,7 @@ fn references() -> &'static Value {
 }
 
 /// The reference faces of `name`, and its width and height.
-fn reference(name: &str) -> (Vec<Reference>, u64, u64) {
+pub(crate) fn reference(name: &str) -> (Vec<Reference>, u64, u64) {
     let found = &references()["images"][name];
     let faces = found["faces"].as_array().unwrap_or_else(|| panic!("no reference for {name}"));
     let faces = faces.iter().map(|f| Reference { bounds: four(&f["box"]), score: f["score"].as_f64().unwrap() }).collect();
@@ -44,7 +44,7 @@ fn four(value: &Value) -> [f64; 4] {
     [v[0], v[1], v[2], v[3]]
 }
 
-fn iou(a: &[f64; 4], b: &[f64; 4]) -> f64 {
+pub(crate) fn iou(a: &[f64; 4], b: &[f64; 4]) -> f64 {
     let w = (a[2].min(b[2]) - a[0].max(b[0])).max(0.0);
     let h = (a[3].min(b[3]) - a[1].max(b[1])).max(0.0);
     let inter = w * h;
@@ -52,7 +52,7 @@ fn iou(a: &[f64; 4], b: &[f64; 4]) -> f64 {
     inter / (area(a) + area(b) - inter)
 }
 
-fn boxes(body: &Value) -> Vec<[f64; 4]> {
+pub(crate) fn boxes(body: &Value) -> Vec<[f64; 4]> {
     body["faces"].as_array().expect("faces array").iter().map(|f| four(&f["box"])).collect()
 }
 

@@ -18,6 +18,7 @@ mod hostile;
 mod isolation;
 mod keys;
 mod logs;
+mod models;
 mod process;
 mod queue;
 mod registry;

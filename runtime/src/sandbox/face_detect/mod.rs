@@ -20,6 +20,7 @@ use wasmtime::component::{HasData, Linker};
 
 use self::bindings::facegate::face_detect::face_detect as wit;
 use crate::admission::memory::Charge;
+use crate::admission::models::ModelAllow;
 use crate::telemetry::trace::RequestTrace;
 use crate::telemetry::usage::{Meter, Usage, UsageKey};
 
@@ -43,6 +44,8 @@ pub struct FaceDetectCtx {
     meter: Option<(Arc<Meter>, UsageKey)>,
     deadline: Instant,
     calls_left: u32,
+    /// The models the tenant may call (its limit `models`).
+    allowed: ModelAllow,
     /// Time this request spent inside `infer` (queueing + device).
     pub infer_time: Duration,
     /// `infer` calls refused for the per-request call budget.
@@ -63,13 +66,13 @@ pub struct FaceDetectCtx {
 
 impl FaceDetectCtx {
     /// A context for one request of `tenant`'s handler, allowed `max_calls`
-    /// inferences before `deadline`; each call's input is charged to
+    /// inferences of the `allowed` models before `deadline`; each call's input is charged to
     /// `memory` (a charge of the tenant's) while it is in flight, and each
     /// call is noted in the handler's `profile`.
     pub fn new(
         models: Models,
         (tenant, profile): (Arc<str>, Arc<CallProfile>),
-        (deadline, max_calls): (Instant, u32),
+        (deadline, max_calls, allowed): (Instant, u32, ModelAllow),
         memory: Charge,
     ) -> Self {
         Self {
@@ -84,6 +87,7 @@ impl FaceDetectCtx {
             meter: None,
             deadline,
             calls_left: max_calls,
+            allowed,
             infer_time: Duration::ZERO,
             quota_refusals: 0,
             overloaded_refusals: 0,
@@ -159,7 +163,8 @@ pub fn add_to_linker<T: Send + 'static>(linker: &mut Linker<T>, get: fn(&mut T) 
 
 impl wit::Host for FaceDetectView<'_> {
     async fn models(&mut self) -> wasmtime::Result<Vec<wit::ModelInfo>> {
-        Ok(self.ctx.models.iter().map(|b| model_info(b.spec())).collect())
+        let allowed = self.ctx.allowed;
+        Ok(self.ctx.models.iter().filter(|b| allowed.allows(&b.spec().name)).map(|b| model_info(b.spec())).collect())
     }
 
     async fn infer(&mut self, model: String, input: wit::Tensor) -> wasmtime::Result<Result<Vec<wit::Tensor>, wit::Error>> {
@@ -170,6 +175,11 @@ impl wit::Host for FaceDetectView<'_> {
             return Ok(Err(wit::Error::QuotaExceeded("this request has used all its face-detect calls".into())));
         }
         self.ctx.calls_left -= 1;
+        if !self.ctx.allowed.allows(&model) {
+            let now = Instant::now();
+            self.ctx.trace.failed("infer", (now, now), "models");
+            return Ok(Err(not_allowed(&model)));
+        }
         let input = match to_host_tensor(input) {
             Ok(t) => t,
             Err(e) => return Ok(Err(e)),
@@ -205,6 +215,13 @@ impl wit::Host for FaceDetectView<'_> {
         self.ctx.backlog_refusals += u32::from(matches!(result, Err(InferError::Backlog { .. })));
         Ok(result.map(|outputs| outputs.into_iter().map(to_wit_tensor).collect()).map_err(to_wit_error))
     }
+}
+
+/// A model outside the tenant's limit `models`: to the handler, one the
+/// host does not serve, named with the limit that hides it.
+fn not_allowed(model: &str) -> wit::Error {
+    let shown: String = model.chars().take(crate::admission::models::MAX_MODEL_NAME).collect();
+    wit::Error::UnknownModel(format!("{shown} (not among the models this tenant may call: its limit `models`)"))
 }
 
 /// What an `infer` span records of its call (when traced).
@@ -301,7 +318,7 @@ mod tests {
 
     fn ctx_in(max_calls: u32, budget: &Arc<crate::admission::memory::MemoryBudget>) -> FaceDetectCtx {
         let deadline = Instant::now() + Duration::from_secs(5);
-        FaceDetectCtx::new(models(), ("t".into(), Arc::default()), (deadline, max_calls), budget.empty(&"t".into()))
+        FaceDetectCtx::new(models(), ("t".into(), Arc::default()), (deadline, max_calls, ModelAllow::ALL), budget.empty(&"t".into()))
     }
 
     fn tensor(data: Vec<u8>) -> wit::Tensor {
@@ -352,6 +369,19 @@ mod tests {
         assert!(view.infer("fake".into(), tensor(vec![1; 4096])).await.unwrap().is_ok());
         assert_eq!(budget.used(), 0, "the input's charge ends with its call");
         assert_eq!(ctx.memory_refusals, 1);
+    }
+
+    #[tokio::test]
+    async fn a_model_outside_the_tenants_list_is_unknown_to_it_and_unlisted() {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let budget = crate::admission::memory::MemoryBudget::new(usize::MAX);
+        let only_other: ModelAllow = "other".parse().unwrap();
+        let mut ctx = FaceDetectCtx::new(models(), ("t".into(), Arc::default()), (deadline, 4, only_other), budget.empty(&"t".into()));
+        let mut view = FaceDetectView::new(&mut ctx);
+        let err = view.infer("fake".into(), tensor(vec![1])).await.unwrap().unwrap_err();
+        assert!(matches!(&err, wit::Error::UnknownModel(m) if m.starts_with("fake (") && m.contains("`models`")), "{err:?}");
+        assert!(view.models().await.unwrap().is_empty());
+        assert_eq!(ctx.calls_served, 0);
     }
 
     #[tokio::test]
