@@ -151,8 +151,9 @@ pub struct ServeConfig {
     #[arg(long, env = "FACEGATE_MAX_COMPONENT_BYTES", default_value_t = DEFAULT_MAX_COMPONENT_BYTES)]
     pub max_component_bytes: usize,
 
-    /// Bytes of each linear memory kept mapped when its instance ends (KiB),
-    /// reset with `memset` instead of being handed back to the kernel: the
+    /// Bytes of each linear memory kept mapped when its instance ends (KiB):
+    /// the pages the guest wrote (Linux 6.7+'s PAGEMAP_SCAN finds them; the
+    /// whole region on older kernels), reset in place instead of being handed back to the kernel: the
     /// next request in that slot takes no page faults for them. Costs up to
     /// this much resident memory per instance slot in use; 0 hands it all back.
     #[arg(long, env = "FACEGATE_MEMORY_KEEP_RESIDENT_KIB", default_value_t = DEFAULT_MEMORY_KEEP_RESIDENT_KIB)]

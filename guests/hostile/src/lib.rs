@@ -31,6 +31,7 @@
 //! | `leak`        | counts, and leaves a header `fields` in the host's table   | 200, `{"served": n}`; the instance is not reused |
 //! | `nap`         | sleeps `ms` (default 100, at most 10000), then counts      | 200, `{"served": n}`             |
 //! | `hold`        | fills `mib` MiB (default 240) of memory, holds it `ms` (default 2000, at most 10000) | 200, `{"held_mib": n}`; 503 `overloaded` past the node's memory budget |
+//! | `inspect`     | grows its memory by `mib` (default 16, at most 64) MiB and counts the bytes of the new pages that are not zero | 200, `{"nonzero": 0}`: nothing of an earlier instance's memory (`hold` writes 0xA5) |
 //! | `error-code`  | answers with a wasi:http `internal-error` whose message is `mib` (default 8) MiB of control bytes | 500 `handler_failed`, the message cut |
 //! | `fetch`       | an outgoing `GET` of `url` (`http://host:port/path`)       | 200, JSON: `ok: STATUS` or the error code |
 //! | `fetch-many`  | `n` (default 8, at most 64) outgoing `GET`s of `url`, each sent once the one before has its head, all kept open, then each body read | 200, JSON: how many ended each way (`ok: STATUS` or the error code) |
@@ -67,7 +68,7 @@ use facegate_guest_sdk::{Error, Handler, Request, Response};
 
 /// The attacks, as `attack` accepts them (for the 400 message).
 const ATTACKS: &str = "loop, memory, recursion, panic, snoop, headers, bad-tensor, many-calls, \
-                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap, hold, \
+                       fields, bodies, pollables, random, random-loop, stderr, sleep, big-tensor, sockets, count, leak, nap, hold, inspect, \
                        error-code, lift, fetch, fetch-many, echo, config, kv-fill, kv-get, kv-put, kv-incr, kv-list";
 /// The model every facegate host serves.
 const MODEL: &str = "centerface";
@@ -111,6 +112,7 @@ impl Handler for Hostile {
             "leak" => Ok(Response::json(200, &json!({ "served": leak() }))),
             "nap" => nap(query.get("ms")?),
             "hold" => hold(query.get("mib")?, query.get("ms")?),
+            "inspect" => inspect(query.get("mib")?),
             "lift" => lift(query.get("mib")?),
             "fetch" => Ok(Response::json(200, &json!({ "outcome": fetch(query.get("url")?.unwrap_or("")) }))),
             "fetch-many" => fetch_many(query.get("url")?.unwrap_or(""), query.get("n")?),
@@ -446,6 +448,33 @@ fn nap(ms: Option<&str>) -> Result<Response, Error> {
 /// and keeps it for `ms` (default 2000, at most 10000) before answering:
 /// many of these at once press on the node's memory budget, not on one
 /// request's limit.
+/// Grows the linear memory by `mib` MiB behind the allocator's back and
+/// reads every byte of the new pages: WebAssembly says they are zero, so a
+/// byte that is not was left by an earlier instance in the host's slot.
+fn inspect(mib: Option<&str>) -> Result<Response, Error> {
+    let mib: usize = mib.map_or(Ok(16), str::parse).map_err(|_| HttpError::invalid_parameter("mib", "must be a number"))?;
+    if mib > 64 {
+        return Err(HttpError::invalid_parameter("mib", "must be at most 64").into());
+    }
+    const PAGE: usize = 64 * 1024;
+    let pages = mib * MIB / PAGE;
+    let before = core::arch::wasm32::memory_grow(0, pages);
+    if before == usize::MAX {
+        return Ok(Response::json(500, &json!({ "error": "memory.grow refused" })));
+    }
+    let (start, end) = (before * PAGE, (before + pages) * PAGE);
+    let nonzero = (start..end).step_by(8).filter(|&at| read_grown(at) != 0).count();
+    Ok(Response::json(200, &json!({ "grown_mib": mib, "nonzero": nonzero })))
+}
+
+/// The 8 bytes at `at`, in memory `inspect` just grew.
+#[allow(unsafe_code, reason = "reads memory no Rust object owns: the pages memory.grow just added")]
+fn read_grown(at: usize) -> u64 {
+    // SAFETY: `inspect` passes 8-aligned addresses inside the pages it grew:
+    // in bounds, and the allocator never handed them out.
+    unsafe { core::ptr::read_volatile(at as *const u64) }
+}
+
 fn hold(mib: Option<&str>, ms: Option<&str>) -> Result<Response, Error> {
     use facegate_guest_sdk::wasi::clocks::monotonic_clock::subscribe_duration;
     let mib: usize = mib.map_or(Ok(240), str::parse).map_err(|_| HttpError::invalid_parameter("mib", "must be a number"))?;

@@ -107,18 +107,23 @@ fn pooling(limits: EngineLimits) -> PoolingAllocationConfig {
         .max_tables_per_component(TABLES_PER_COMPONENT)
         .max_memory_size(limits.memory_limit)
         // Each request instantiates afresh: keeping the first pages of a slot
-        // mapped (zeroed by memset) spares the next instance the page faults
+        // mapped (reset in place) spares the next instance the page faults
         // and the madvise/TLB flush of handing them back and taking them
-        // again. Not with PAGEMAP_SCAN: wasmtime 48's scan resets only pages
-        // resident in RAM, so a dirty page swapped out would reach the next
-        // instance (another tenant's) with its contents.
+        // again.
         .linear_memory_keep_resident(limits.keep_resident)
         // Tables too: otherwise each of an instance's tables (a page or two
         // each) is reset with its own madvise, and every madvise of a page
         // that was mapped sends a TLB-shootdown interrupt to the other
         // cores (a VM exit each on a virtual machine). strace of one `detect`
         // request: 2 madvise calls before, none after.
-        .table_keep_resident(TABLE_KEEP_RESIDENT);
+        .table_keep_resident(TABLE_KEEP_RESIDENT)
+        // Reset only the pages the guest wrote (the kernel's PAGEMAP_SCAN,
+        // Linux 6.7+; older kernels memset the whole kept region): the
+        // smallest handler writes a few pages of its 1.1 MiB, and the memset
+        // of the rest was a fifth of a request's CPU. The vendored wasmtime
+        // also resets written pages that are swapped out or migrating,
+        // which upstream's scan skips (runtime/vendor/wasmtime/PATCHED.md).
+        .pagemap_scan(wasmtime::Enabled::Auto);
     pool
 }
 

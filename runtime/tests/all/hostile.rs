@@ -40,6 +40,20 @@ fn infinite_loop_is_stopped_at_the_deadline() {
     assert!(elapsed >= deadline && elapsed < deadline + Duration::from_secs(2), "stopped after {elapsed:?}, the deadline is {deadline:?}");
 }
 
+/// An instance's memory is reset before the next request in its slot (the
+/// vendored wasmtime resets the pages the guest wrote): the 8 MiB one
+/// request filled with 0xA5 read as zeroes when the next one grows into them.
+#[test]
+fn a_fresh_instance_sees_nothing_of_the_memory_an_earlier_one_wrote() {
+    let gateway = Attacked::start("hostile-residue");
+    for round in 0..5 {
+        let (status, body, _) = attack(&gateway, "attack=hold&mib=8&ms=0");
+        assert_eq!((status, &body["held_mib"]), (200, &json!(8)), "{body}");
+        let (status, body, _) = attack(&gateway, "attack=inspect&mib=16");
+        assert_eq!((status, &body["grown_mib"], &body["nonzero"]), (200, &json!(16), &json!(0)), "round {round}: {body}");
+    }
+}
+
 /// The peak RSS during the attack is bounded, and what the instance held
 /// is given back after it: the gateway keeps little of the tenant's 256 MiB.
 #[test]
