@@ -25,7 +25,8 @@ pub const MAX_SIZE: u32 = 1536;
 pub const MAX_MODEL_NAME: usize = 64;
 
 /// The name of a model on the host (`?model=`, the `model` setting): 1 to
-/// [`MAX_MODEL_NAME`] bytes of `a-z`, `0-9`, `.`, `_`, `-`. Default
+/// [`MAX_MODEL_NAME`] bytes of `a-z`, `0-9`, `.`, `_`, `-`, the first a
+/// letter or digit (the host's rule). Default
 /// [`MODEL`] (CenterFace FP32). Kept inline, so options stay `Copy`.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct ModelName {
@@ -37,7 +38,7 @@ impl ModelName {
     /// `name`, if it is a valid model name.
     pub fn new(name: &str) -> Option<Self> {
         let valid = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-');
-        if name.is_empty() || name.len() > MAX_MODEL_NAME || !name.bytes().all(valid) {
+        if name.is_empty() || name.len() > MAX_MODEL_NAME || !name.bytes().all(valid) || !name.as_bytes()[0].is_ascii_alphanumeric() {
             return None;
         }
         let mut bytes = [0; MAX_MODEL_NAME];
@@ -383,6 +384,7 @@ mod tests {
             ("model=", "model"),
             ("model=CenterFace", "model"),
             ("model=../x", "model"),
+            ("model=-x", "model"),
             ("model=centerface%00", "model"),
         ] {
             let error = DetectOptions::from_query(&Query::parse(query)).expect_err("must fail");

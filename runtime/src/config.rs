@@ -396,7 +396,8 @@ pub struct EngineConfig {
     /// `NAME=PATH`, comma-separated, each served under its name beside
     /// `centerface` with a batcher of its own. The default is the INT8
     /// CenterFace deploy/setup.sh makes; skipped with a warning when that
-    /// file is absent (a model named here otherwise must load).
+    /// file is absent (a model named here otherwise must load); `none`
+    /// serves `centerface` alone. Two models of one name are refused.
     #[arg(long = "extra-model", env = "FACEGATE_EXTRA_MODELS", value_delimiter = ',', value_parser = parse_named_model,
         default_value = DEFAULT_EXTRA_MODEL)]
     pub extra_models: Vec<(String, PathBuf)>,
@@ -474,6 +475,10 @@ pub struct EngineConfig {
 pub const DEFAULT_EXTRA_MODEL: &str = "centerface-int8=.facegate/models/centerface-int8.onnx";
 
 fn parse_named_model(s: &str) -> Result<(String, PathBuf), String> {
+    if s.trim() == "none" {
+        // No extra model: an entry `load_models` skips.
+        return Ok((String::new(), PathBuf::new()));
+    }
     let (name, path) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected NAME=PATH"))?;
     let name = name.trim();
     if !crate::admission::models::valid_model_name(name) || name == "centerface" {

@@ -444,10 +444,6 @@ fn nap(ms: Option<&str>) -> Result<Response, Error> {
     Ok(Response::json(200, &json!({ "served": count() })))
 }
 
-/// Fills `mib` MiB (default 240) of linear memory, every page written,
-/// and keeps it for `ms` (default 2000, at most 10000) before answering:
-/// many of these at once press on the node's memory budget, not on one
-/// request's limit.
 /// Grows the linear memory by `mib` MiB behind the allocator's back and
 /// reads every byte of the new pages: WebAssembly says they are zero, so a
 /// byte that is not was left by an earlier instance in the host's slot.
@@ -475,6 +471,10 @@ fn read_grown(at: usize) -> u64 {
     unsafe { core::ptr::read_volatile(at as *const u64) }
 }
 
+/// Fills `mib` MiB (default 240) of linear memory, every page written,
+/// and keeps it for `ms` (default 2000, at most 10000) before answering:
+/// many of these at once press on the node's memory budget, not on one
+/// request's limit.
 fn hold(mib: Option<&str>, ms: Option<&str>) -> Result<Response, Error> {
     use facegate_guest_sdk::wasi::clocks::monotonic_clock::subscribe_duration;
     let mib: usize = mib.map_or(Ok(240), str::parse).map_err(|_| HttpError::invalid_parameter("mib", "must be a number"))?;

@@ -5,8 +5,8 @@
  * (no device time, none billed).
  *
  * The key is what shapes the answer: the SHA-256 of the body, its content
- * type, the query and the setting `min_score`, under a prefix that names
- * this code's version of the answer (`detect-v1`): a change that changes
+ * type, the query and the settings `min_score` and `model`, under a prefix that names
+ * this code's version of the answer (`detect-v2`): a change that changes
  * answers bumps it. A hit answers the JSON body kept from the first answer
  * (its `timings_ms` those of the first), with `x-facegate-cache: hit`; a
  * first image `miss`. Only a `POST` is looked up: anything else gets the
@@ -24,7 +24,7 @@ import { Bucket, StateError, pipeline, queryOf, serve, setting, sha256Hex } from
 
 const BUCKET = "detect-cache";
 /** Names the answer's shape: bumped when this code answers differently. */
-const VERSION = "detect-v1";
+const VERSION = "detect-v2";
 const encoder = new TextEncoder();
 
 function header(request, name) {
@@ -34,7 +34,7 @@ function header(request, name) {
 
 /** What shapes the answer: the body, its type, the query and the default threshold. */
 function cacheKey(request) {
-  const shape = JSON.stringify([header(request, "content-type"), queryOf(request), setting("min_score", "")]);
+  const shape = JSON.stringify([header(request, "content-type"), queryOf(request), setting("min_score", ""), setting("model", "")]);
   return `${VERSION}/${sha256Hex(request.body)}/${sha256Hex(encoder.encode(shape))}`;
 }
 

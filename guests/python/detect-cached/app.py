@@ -4,8 +4,8 @@ repeated image is answered without calling `infer` (no device time, none
 billed).
 
 The key is what shapes the answer: the SHA-256 of the body, its content
-type, the query and the setting `min_score`, under a prefix that names
-this code's version of the answer (`detect-v1`): a change that changes
+type, the query and the settings `min_score` and `model`, under a prefix that names
+this code's version of the answer (`detect-v2`): a change that changes
 answers bumps it. A hit answers the JSON body kept from the first answer
 (its `timings_ms` those of the first), with `x-facegate-cache: hit`; a
 first image `miss`. Only a `POST` is looked up: anything else gets the
@@ -26,7 +26,7 @@ from wit_world import exports
 
 BUCKET = "detect-cache"
 # Names the answer's shape: bumped when this code answers differently.
-VERSION = "detect-v1"
+VERSION = "detect-v2"
 
 
 def header(request: pipeline.ImageRequest, name: str) -> bytes:
@@ -39,7 +39,7 @@ def header(request: pipeline.ImageRequest, name: str) -> bytes:
 def cache_key(request: pipeline.ImageRequest) -> str:
     """What shapes the answer: the body, its type, the query and the default threshold."""
     shape = hashlib.sha256()
-    for part in (header(request, "content-type"), facegate.query_of(request).encode(), facegate.setting("min_score", "").encode()):
+    for part in (header(request, "content-type"), facegate.query_of(request).encode(), facegate.setting("min_score", "").encode(), facegate.setting("model", "").encode()):
         shape.update(len(part).to_bytes(8, "big") + part)
     return f"{VERSION}/{hashlib.sha256(request.body).hexdigest()}/{shape.hexdigest()}"
 

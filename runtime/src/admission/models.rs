@@ -3,7 +3,8 @@
 //! A [`ModelAllow`] is `*` (every model the node serves, the default) or a
 //! list of model names. Limits are `Copy` (a request carries them by value),
 //! so a list is kept once, interned, and the limit is a reference to it:
-//! the lists an operator ever sets, each once, for the life of the process.
+//! the lists an operator ever sets, each once, for the life of the process
+//! (at most [`MAX_LISTS`]: a new list past it is refused).
 
 use std::collections::HashSet;
 use std::fmt;
@@ -16,6 +17,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub const MAX_ALLOWED_MODELS: usize = 32;
 /// Longest model name (the SDKs' bound too).
 pub const MAX_MODEL_NAME: usize = 64;
+/// Most distinct lists the process keeps; a new one past it is refused.
+const MAX_LISTS: usize = 4096;
 
 /// `*` (every model) or the models a tenant may call, comma-separated.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -63,26 +66,33 @@ impl FromStr for ModelAllow {
         let mut names: Vec<&str> = text.split(',').map(str::trim).filter(|name| !name.is_empty()).collect();
         names.sort_unstable();
         names.dedup();
+        if names.is_empty() {
+            return Err("* or at least one model name".to_owned());
+        }
         if names.len() > MAX_ALLOWED_MODELS {
             return Err(format!("at most {MAX_ALLOWED_MODELS} model names, or *"));
         }
         if let Some(bad) = names.iter().find(|name| !valid_model_name(name)) {
             return Err(format!("{bad:?} is not a model name (a-z, 0-9, '.', '_', '-'; at most {MAX_MODEL_NAME} bytes)"));
         }
-        Ok(Self(intern(names.join(","))))
+        intern(names.join(",")).map(Self)
     }
 }
 
-/// The one copy of `list`, kept for the life of the process.
-fn intern(list: String) -> &'static str {
+/// The one copy of `list`, kept for the life of the process; refused once
+/// [`MAX_LISTS`] others are kept.
+fn intern(list: String) -> Result<&'static str, String> {
     static LISTS: LazyLock<Mutex<HashSet<&'static str>>> = LazyLock::new(Mutex::default);
     let mut lists = LISTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some(kept) = lists.get(list.as_str()) {
-        return kept;
+        return Ok(kept);
+    }
+    if lists.len() >= MAX_LISTS {
+        return Err(format!("this node keeps at most {MAX_LISTS} distinct model lists; reuse one"));
     }
     let kept: &'static str = Box::leak(list.into_boxed_str());
     lists.insert(kept);
-    kept
+    Ok(kept)
 }
 
 impl fmt::Display for ModelAllow {
@@ -121,13 +131,14 @@ mod tests {
         assert!(list.allows("centerface") && list.allows("centerface-int8"));
         assert!(!list.allows("centerface-int") && !list.allows("") && !list.allows("centerface,centerface-int8"));
         assert!(ModelAllow::ALL.allows("anything"));
-        let none: ModelAllow = "".parse().unwrap();
-        assert!(!none.allows("centerface") && none.names().next().is_none());
+        let one: ModelAllow = "centerface".parse().unwrap();
+        assert!(one.allows("centerface") && !one.allows("centerface-int8"));
+        assert_eq!(one.names().collect::<Vec<_>>(), ["centerface"]);
     }
 
     #[test]
     fn bad_names_and_long_lists_are_refused() {
-        for bad in ["Centerface", "a b", "../m", "-m", &"m".repeat(MAX_MODEL_NAME + 1), "m,*"] {
+        for bad in ["", " , ", "Centerface", "a b", "../m", "-m", &"m".repeat(MAX_MODEL_NAME + 1), "m,*"] {
             assert!(bad.parse::<ModelAllow>().is_err(), "{bad}");
         }
         let many: Vec<String> = (0..=MAX_ALLOWED_MODELS).map(|i| format!("m{i}")).collect();

@@ -4,7 +4,7 @@
 //! a fresh instance.
 //!
 //! Why: instantiating from the pre-instance is cheap, but every fresh
-//! instance's memory is reset when it ends (a `memset` of all it touched)
+//! instance's memory is reset when it ends (every page it wrote)
 //! and its growth is re-done with `mprotect` calls, each of which
 //! interrupts the other cores to flush their TLBs, the inference threads'
 //! included. A warm instance skips all of it.

@@ -37,7 +37,10 @@ pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
     init_onnx_runtime(&config.onnxruntime)?;
     let mut models = Models::new();
     models.insert(load_model(config, ImageModelConfig::centerface(&config.model, config.max_batch))?);
-    for (name, path) in &config.extra_models {
+    for (name, path) in config.extra_models.iter().filter(|(name, _)| !name.is_empty()) {
+        if models.get(name).is_some() {
+            anyhow::bail!("--extra-model: two models named {name}");
+        }
         if !path.exists() && format!("{name}={}", path.display()) == crate::config::DEFAULT_EXTRA_MODEL {
             tracing::warn!(model = %name, path = %path.display(), "model file absent (deploy/setup.sh makes it); not served");
             continue;

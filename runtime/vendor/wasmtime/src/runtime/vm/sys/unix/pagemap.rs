@@ -115,7 +115,47 @@ impl PageMap {
         unsafe {
             ioctl(&file, pm_scan).ok()?;
         }
-        Some(PageMap(file))
+        let pagemap = PageMap(file);
+        // facegate's change (PATCHED.md): the reset is only as sound as the
+        // kernel's categories. Check them once: of two fresh pages, the one
+        // written must be reported dirty and the untouched one not; else
+        // the whole region is reset by memset, as without the scan.
+        if !pagemap.reports_exactly_the_written_page() {
+            log::warn!("PAGEMAP_SCAN does not report dirty pages as expected; resetting memory without it");
+            return None;
+        }
+        Some(pagemap)
+    }
+
+    /// Whether [`dirty_pages_scan`] of two fresh anonymous pages, the first
+    /// written, reports the first page and only it.
+    #[cfg(feature = "pooling-allocator")]
+    fn reports_exactly_the_written_page(&self) -> bool {
+        use rustix::mm::{MapFlags, ProtFlags, mmap_anonymous, munmap};
+        let page = host_page_size();
+        // SAFETY: a new private anonymous mapping of our own, unmapped below.
+        let Ok(base) = (unsafe { mmap_anonymous(ptr::null_mut(), 2 * page, ProtFlags::READ | ProtFlags::WRITE, MapFlags::PRIVATE) }) else {
+            return false;
+        };
+        let base = base.cast::<u8>();
+        // SAFETY: `base` is the start of the mapping, readable and writable.
+        unsafe { base.write_volatile(1) };
+        let mut storage = [MaybeUninit::uninit(); 2];
+        let scan = dirty_pages_scan(base, 2 * page, 2).build(&mut storage);
+        // SAFETY: as in `reset_with_pagemap`: our fd, our argument.
+        let found = match unsafe { ioctl(&self.0, scan) } {
+            Ok(result) => {
+                result.regions().len() == 1
+                    && result.regions()[0].start() == base.cast_const()
+                    && result.regions()[0].len() == page
+            }
+            Err(_) => false,
+        };
+        // SAFETY: the mapping made above, no longer used.
+        unsafe {
+            let _ = munmap(base.cast(), 2 * page);
+        }
+        found
     }
 }
 
@@ -282,35 +322,7 @@ pub unsafe fn reset_with_pagemap(
     const MAX_REGIONS: usize = 32;
     let mut storage = [MaybeUninit::uninit(); MAX_REGIONS];
 
-    let scan_arg = PageMapScanBuilder::new(ptr::slice_from_raw_parts(ptr, len.byte_count()))
-        .max_pages(keep_resident.byte_count() / host_page_size)
-        // We specifically want pages that are NOT backed by the zero page or
-        // backed by files. Such pages mean that they haven't changed from their
-        // original contents, so they're inverted.
-        .category_inverted(Categories::PFNZERO | Categories::FILE)
-        // Search for pages that are written, present or swapped, as those
-        // are the dirty pages. Additionally search for the zero page/file
-        // page as those are inverted above meaning we're searching for pages
-        // that specifically don't have those flags.
-        //
-        // facegate's change (runtime/vendor/wasmtime/PATCHED.md): upstream
-        // requires PRESENT, which skips a dirty page that is swapped out or
-        // under migration at this instant (the kernel reports such a page,
-        // any non-present page-table entry, as SWAPPED). A skipped page is
-        // neither reset nor decommitted, so the next instance in this slot
-        // (another tenant's) would read its contents. PRESENT or SWAPPED
-        // reports it, and `reset_manually` writes it (faulting it back in
-        // first). A page never touched has no entry, neither PRESENT nor
-        // SWAPPED (the kernel counts it WRITTEN in a VMA without
-        // userfaultfd write-protection, so WRITTEN alone would memset every
-        // untouched page), and an unmodified image page is FILE: both stay
-        // excluded.
-        .category_mask(Categories::WRITTEN | Categories::PFNZERO | Categories::FILE)
-        .category_anyof_mask(Categories::PRESENT | Categories::SWAPPED)
-        // Don't return any categories back. This helps group regions together
-        // since the reported set of categories is always empty and we otherwise
-        // aren't looking for anything in particular.
-        .return_mask(Categories::empty())
+    let scan_arg = dirty_pages_scan(ptr, len.byte_count(), keep_resident.byte_count() / host_page_size)
         .build(&mut storage);
 
     // SAFETY: this should be a safe ioctl as we control the fd we're operating
@@ -357,6 +369,43 @@ pub unsafe fn reset_with_pagemap(
     decommit(result.walk_end().cast_mut(), len.byte_count() - scan_size);
 
     bytes_resident
+}
+
+/// The scan `reset_with_pagemap` makes: the dirty pages of `len` bytes at
+/// `ptr`, at most `max_pages` of them. (facegate's change: one builder for
+/// the reset and for the check in [`PageMap::new`].)
+fn dirty_pages_scan(ptr: *mut u8, len: usize, max_pages: usize) -> PageMapScanBuilder {
+    let mut builder = PageMapScanBuilder::new(ptr::slice_from_raw_parts(ptr, len));
+    builder
+        .max_pages(max_pages)
+        // We specifically want pages that are NOT backed by the zero page or
+        // backed by files. Such pages mean that they haven't changed from their
+        // original contents, so they're inverted.
+        .category_inverted(Categories::PFNZERO | Categories::FILE)
+        // Search for pages that are written, present or swapped, as those
+        // are the dirty pages. Additionally search for the zero page/file
+        // page as those are inverted above meaning we're searching for pages
+        // that specifically don't have those flags.
+        //
+        // facegate's change (runtime/vendor/wasmtime/PATCHED.md): upstream
+        // requires PRESENT, which skips a dirty page that is swapped out or
+        // under migration at this instant (the kernel reports such a page,
+        // any non-present page-table entry, as SWAPPED). A skipped page is
+        // neither reset nor decommitted, so the next instance in this slot
+        // (another tenant's) would read its contents. PRESENT or SWAPPED
+        // reports it, and `reset_manually` writes it (faulting it back in
+        // first). A page never touched has no entry, neither PRESENT nor
+        // SWAPPED (the kernel counts it WRITTEN in a VMA without
+        // userfaultfd write-protection, so WRITTEN alone would memset every
+        // untouched page), and an unmodified image page is FILE: both stay
+        // excluded.
+        .category_mask(Categories::WRITTEN | Categories::PFNZERO | Categories::FILE)
+        .category_anyof_mask(Categories::PRESENT | Categories::SWAPPED)
+        // Don't return any categories back. This helps group regions together
+        // since the reported set of categories is always empty and we otherwise
+        // aren't looking for anything in particular.
+        .return_mask(Categories::empty());
+    builder
 }
 
 mod ioctl {
@@ -477,7 +526,6 @@ mod ioctl {
         ///
         /// For more detail see the `pagemap_scan_is_interesting_page` function
         /// in the Linux kernel source.
-        #[expect(dead_code, reason = "bindings for the future if we need them")]
         pub fn category_anyof_mask(&mut self, flags: Categories) -> &mut PageMapScanBuilder {
             self.pm_scan_arg.category_anyof_mask = flags;
             self
