@@ -26,6 +26,10 @@ pub enum InferError {
     /// The engine failed on the batch this call was part of.
     #[error("backend error: {0}")]
     Backend(String),
+    /// The model is not loaded and cannot be: the models that cannot be
+    /// unloaded leave it no room under the model-memory bound.
+    #[error("model not loadable: {0}")]
+    ModelMemory(String),
     /// The batcher is shutting down, or stopped serving the caller's tenant
     /// ([`crate::Batcher::remove_tenant`]).
     #[error("inference engine is shutting down")]
@@ -42,6 +46,7 @@ impl InferError {
             Self::Backlog { .. } => "backlog",
             Self::DeadlineExceeded => "deadline_exceeded",
             Self::Backend(_) => "backend",
+            Self::ModelMemory(_) => "model_memory",
             Self::ShuttingDown => "shutting_down",
         }
     }

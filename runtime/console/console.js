@@ -7,7 +7,7 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const state = { key: null, tenant: null, token: null, faces: [], runs: 0, lastError: null,
-                  tenants: [], detail: null, versions: {}, stats: null, rates: {}, history: [], mine: null };
+                  tenants: [], detail: null, versions: {}, stats: null, rates: {}, history: [], mine: null, models: [] };
   window.facegateConsole = state;
   let image = null; // the chosen Blob
   let camera = null; // the webcam stream, when started
@@ -495,9 +495,53 @@
     say("op-status", "Connected.", "ok");
     state.lastError = null;
     renderTenants(list.tenants);
+    refreshModels();
     poll();
   }
   $("admin-form").addEventListener("submit", connect);
+
+  // ---- models (GET/PUT/DELETE /admin/v1/models) ----
+  async function refreshModels() {
+    const list = await attempt("model-status", () => admin("GET", "models"));
+    if (list) renderModels(list);
+  }
+  function renderModels(list) {
+    const active = {};
+    for (const row of list.repository) if (row.active) active[row.name] = row;
+    state.models = list.models.map((m) => m.name);
+    $("models").tBodies[0].replaceChildren(...list.models.map((m) => {
+      const row = active[m.name];
+      const accuracy = row && row.accuracy && row.accuracy.accuracy;
+      const version = row ? `v${row.version}, found ${accuracy.matched} of ${accuracy.reference}${row.accuracy.forced ? " (forced)" : ""}` : "–";
+      const actions = el("td");
+      if (m.source === "repository") {
+        const remove = el("button", "Remove", { type: "button", "aria-label": `Remove model ${m.name}` });
+        remove.addEventListener("click", async () => {
+          if (!window.confirm(`Remove model ${m.name}? Handlers calling it get unknown_model.`)) return;
+          if (await attempt("model-status", () => admin("DELETE", "models/" + seg(m.name)))) {
+            say("model-status", `Model ${m.name} removed.`, "ok");
+            refreshModels();
+          }
+        });
+        actions.append(remove);
+      }
+      const mib = Math.ceil(m.memory_bytes / 1048576);
+      return rowOf([m.name, m.source, m.loaded ? (m.pinned ? "yes, pinned" : "yes") : "no", String(mib), `${m.loads} / ${m.evictions}`, version], actions);
+    }));
+  }
+  $("add-model").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const name = $("model-name").value.trim();
+    const file = $("model-file").files[0];
+    if (!file) return;
+    say("model-status", `Adding ${name}: the accuracy gate runs the test photos…`);
+    const force = $("model-force").checked ? "?force=true" : "";
+    const added = await attempt("model-status", () => admin("PUT", `models/${seg(name)}${force}`, file, "application/octet-stream"));
+    if (added) {
+      say("model-status", `Model ${name} version ${added.version} added: found ${added.accuracy.matched} of ${added.accuracy.reference} faces.`, "ok");
+      refreshModels();
+    }
+  });
 
   async function refreshTenants() {
     const list = await attempt("op-status", () => admin("GET", "tenants"));

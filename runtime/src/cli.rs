@@ -359,6 +359,55 @@ pub struct ActivateArgs {
     pub target: HandlerArgs,
 }
 
+/// `facegate model ...`
+#[derive(Debug, Subcommand)]
+pub enum ModelCommand {
+    /// Add an ONNX model of CenterFace's contract to the repository as
+    /// NAME's next version, served at once by every node sharing the
+    /// store. Refused when it finds fewer than 65 % of the reference
+    /// model's faces on the test photos (the accuracy gate), unless --force.
+    Add {
+        /// The model's name, as handlers call it (`?model=NAME`).
+        name: String,
+        /// The `.onnx` file.
+        file: PathBuf,
+        /// Add it though it fails the accuracy gate.
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// List the models the node `--url` reaches serves (where each comes
+    /// from, whether it is loaded or pinned, what it counts against the
+    /// model-memory bound, its loads on demand and evictions, its input)
+    /// and the repository's versions with their accuracy.
+    List {
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// Serve another version of a repository model.
+    Activate {
+        /// The model's name.
+        name: String,
+        /// The version to serve.
+        version: i64,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+    /// Remove a model from the repository, every version: handlers that
+    /// call it get `unknown_model` (404) from then on.
+    Remove {
+        /// The model's name.
+        name: String,
+        #[command(flatten)]
+        #[allow(missing_docs, reason = "flattened")]
+        client: ClientArgs,
+    },
+}
+
 /// `facegate route ...`
 #[derive(Debug, Subcommand)]
 pub enum RouteCommand {
@@ -580,6 +629,9 @@ pub enum Command {
     /// Route tenants' own hostnames to their handlers (admin API).
     #[command(subcommand)]
     Route(RouteCommand),
+    /// The models a node serves (admin API).
+    #[command(subcommand)]
+    Model(ModelCommand),
     /// List the gateway nodes sharing the store, with their last heartbeat (admin API).
     Nodes {
         #[command(flatten)]
@@ -600,6 +652,47 @@ pub fn init_logging() {
         .init();
 }
 
+/// `facegate model list`'s tables: the node's models, then the repository's versions.
+fn print_models(v: &Value) {
+    println!("MODEL\tSOURCE\tLOADED\tPINNED\tMIB\tLOADS\tEVICTIONS\tLAST LOAD\tINPUT");
+    for model in v["models"].as_array().into_iter().flatten() {
+        let yes = |field: &str| if model[field] == true { "yes" } else { "no" };
+        let last_load = model["last_load_ms"].as_u64().map_or_else(|| "-".to_owned(), |ms| format!("{ms} ms"));
+        println!(
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{last_load}\t{} {}",
+            model["name"].as_str().unwrap_or("?"),
+            model["source"].as_str().unwrap_or("?"),
+            yes("loaded"),
+            yes("pinned"),
+            model["memory_bytes"].as_u64().unwrap_or(0).div_ceil(1 << 20),
+            model["loads"],
+            model["evictions"],
+            model["input"]["element"].as_str().unwrap_or("?"),
+            model["input"]["shape"],
+        );
+    }
+    let bound = v["memory"]["bound_bytes"].as_u64().map_or_else(|| "no bound".to_owned(), |b| format!("{} MiB", b >> 20));
+    println!("loaded: {} MiB of {bound}", v["memory"]["loaded_bytes"].as_u64().unwrap_or(0).div_ceil(1 << 20));
+    let versions = v["repository"].as_array().into_iter().flatten();
+    for (i, row) in versions.enumerate() {
+        if i == 0 {
+            println!("\nREPOSITORY\tVERSION\tACTIVE\tBYTES\tFOUND\tSHA256");
+        }
+        let accuracy = &row["accuracy"]["accuracy"];
+        let forced = if row["accuracy"]["forced"] == true { " (forced)" } else { "" };
+        println!(
+            "{}\t{}\t{}\t{}\t{}/{}{forced}\t{}",
+            row["name"].as_str().unwrap_or("?"),
+            row["version"],
+            if row["active"] == true { "yes" } else { "no" },
+            row["size"],
+            accuracy["matched"],
+            accuracy["reference"],
+            row["sha256"].as_str().unwrap_or("?"),
+        );
+    }
+}
+
 /// Runs one client command; returns the process exit code.
 pub async fn run(command: Command) -> anyhow::Result<i32> {
     use Command as C;
@@ -614,6 +707,18 @@ pub async fn run(command: Command) -> anyhow::Result<i32> {
         }
         C::Tenant(TenantCommand::List { client }) => (client, Method::GET, "tenants".to_owned(), Bytes::new(), "application/json"),
         C::Nodes { client } => (client, Method::GET, "nodes".to_owned(), Bytes::new(), "application/json"),
+        C::Model(ModelCommand::List { client }) => (client, Method::GET, "models".to_owned(), Bytes::new(), "application/json"),
+        C::Model(ModelCommand::Add { name, file, force, client }) => {
+            let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+            let path = if *force { format!("models/{name}?force=true") } else { format!("models/{name}") };
+            (client, Method::PUT, path, bytes.into(), "application/octet-stream")
+        }
+        C::Model(ModelCommand::Activate { name, version, client }) => {
+            (client, Method::POST, format!("models/{name}/activate"), json!({ "version": version }).to_string().into(), "application/json")
+        }
+        C::Model(ModelCommand::Remove { name, client }) => {
+            (client, Method::DELETE, format!("models/{name}"), Bytes::new(), "application/json")
+        }
         C::Route(RouteCommand::Add { hostname, tenant, handler, client }) => {
             let body = json!({ "tenant": tenant, "handler": handler }).to_string();
             (client, Method::PUT, format!("routes/{hostname}"), body.into(), "application/json")
@@ -928,6 +1033,19 @@ fn print_summary(command: &Command, v: &Value) {
         }
         C::Registry(RegistryCommand::Login { registry, .. }) => println!("credentials for {registry} kept"),
         C::Registry(RegistryCommand::Logout { registry, .. }) => println!("credentials for {registry} forgotten"),
+        C::Model(ModelCommand::List { .. }) => print_models(v),
+        C::Model(ModelCommand::Add { .. }) => println!(
+            "model {} version {} ({} bytes, sha256 {}): found {} of the reference's {} faces{}; active",
+            v["name"].as_str().unwrap_or("?"),
+            v["version"],
+            v["size"],
+            v["sha256"].as_str().unwrap_or("?"),
+            v["accuracy"]["matched"],
+            v["accuracy"]["reference"],
+            if v["forced"] == true { " (below the gate, forced)" } else { "" },
+        ),
+        C::Model(ModelCommand::Activate { name, version, .. }) => println!("model {name}: version {version} active"),
+        C::Model(ModelCommand::Remove { name, .. }) => println!("removed model {name}"),
         C::Route(RouteCommand::List { .. }) => {
             for route in v["routes"].as_array().into_iter().flatten() {
                 let field = |name: &str| route[name].as_str().unwrap_or("?").to_owned();

@@ -402,6 +402,15 @@ pub struct EngineConfig {
         default_value = DEFAULT_EXTRA_MODEL)]
     pub extra_models: Vec<(String, PathBuf)>,
 
+    /// Most memory (MiB) the models may hold loaded at once, as estimated
+    /// per model (its weights three times over and 32 MiB per session);
+    /// 0: no bound. `centerface` stays loaded; past the bound the least
+    /// recently used of the others is unloaded, and loaded again at its
+    /// next call, which waits for the load. Set aside from the node's
+    /// memory budget.
+    #[arg(long, env = "FACEGATE_MODEL_MEMORY_MIB", default_value_t = 1024)]
+    pub model_memory_mib: u64,
+
     /// The ONNX Runtime shared library (deploy/setup.sh installs it).
     #[arg(long, env = "ORT_DYLIB_PATH", default_value = ".facegate/lib/libonnxruntime.so")]
     pub onnxruntime: PathBuf,
@@ -721,6 +730,7 @@ impl EngineConfig {
         Self {
             model,
             extra_models,
+            model_memory_mib: 1024,
             onnxruntime,
             devices: vec![DeviceKind::Cpu.into()],
             cpu_workers: 1,

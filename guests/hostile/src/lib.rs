@@ -26,7 +26,7 @@
 //! | `random-loop` | asks `wasi:random` for 1 MiB (the cap) over and over       | request deadline (timeout)  |
 //! | `stderr`      | writes 64 MiB of forged log lines to stderr, then answers  | 200 (output dropped)        |
 //! | `sleep`       | blocks on a clock past any deadline                        | request deadline (timeout)  |
-//! | `big-tensor`  | `n` (default 1) `infer` calls with a `side`² zero image    | 200, JSON of each outcome   |
+//! | `big-tensor`  | `n` (default 1) `infer` calls of `model` with a `side`² zero image | 200, JSON of each outcome   |
 //! | `count`       | counts its requests in a global                            | 200, `{"served": n}`: 1 in a fresh instance |
 //! | `leak`        | counts, and leaves a header `fields` in the host's table   | 200, `{"served": n}`; the instance is not reused |
 //! | `nap`         | sleeps `ms` (default 100, at most 10000), then counts      | 200, `{"served": n}`             |
@@ -104,7 +104,7 @@ impl Handler for Hostile {
             "random-loop" => random_loop(),
             "stderr" => Ok(Response::json(200, &json!({ "written": flood_stderr() }))),
             "sleep" => sleep(),
-            "big-tensor" => big_tensors(query.get("side")?, query.get("n")?),
+            "big-tensor" => big_tensors(query.get("side")?, query.get("n")?, query.get("model")?),
             "count" => Ok(Response::json(200, &json!({ "served": count() }))),
             "config" => Ok(Response::json(200, &setting(query.get("name")?))),
             "kv-fill" => Ok(Response::json(200, &kv_fill(query.get("bucket")?.unwrap_or("fill"), query.get("bytes")?))),
@@ -584,7 +584,7 @@ fn lift(mib: Option<&str>) -> Result<Response, Error> {
 }
 
 /// `n` `infer` calls with a `side`×`side` zero image; each outcome reported.
-fn big_tensors(side: Option<&str>, n: Option<&str>) -> Result<Response, Error> {
+fn big_tensors(side: Option<&str>, n: Option<&str>, model: Option<&str>) -> Result<Response, Error> {
     let parse = |name: &str, value: Option<&str>, default: u32| -> Result<u32, Error> {
         value.map_or(Ok(default), |v| v.parse().map_err(|_| HttpError::invalid_parameter(name, "must be a number").into()))
     };
@@ -592,7 +592,7 @@ fn big_tensors(side: Option<&str>, n: Option<&str>) -> Result<Response, Error> {
     let len = side as usize * side as usize * 3;
     let input = u8_tensor(&[side, side, 3], len);
     let outcomes: Vec<Value> = (0..n)
-        .map(|_| match face_detect::infer(MODEL, &input) {
+        .map(|_| match face_detect::infer(model.unwrap_or(MODEL), &input) {
             Ok(_) => json!("ok"),
             Err(e) => json!(describe(&e)),
         })

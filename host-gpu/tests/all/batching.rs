@@ -476,7 +476,7 @@ async fn a_removed_tenant_is_answered_and_forgotten() {
 /// `Models` passes tenant weights and removals on to every model.
 #[tokio::test]
 async fn models_forward_tenant_settings_to_every_model() {
-    let mut models = Models::new();
+    let models = Models::new();
     for name in ["m1", "m2"] {
         let backend = FakeBackend::new(name, 4, Duration::ZERO, Duration::ZERO);
         models.insert(Batcher::start(vec![Box::new(backend)], &BatcherConfig::default()).expect("batcher starts"));

@@ -71,7 +71,7 @@ async fn measure_fake(
 ) -> Option<Measurement> {
     let backend: Box<dyn Backend> = Box::new(FakeBackend::new("fake", config.max_batch, a, b));
     let batcher = Batcher::start(vec![backend], config).ok()?;
-    let mut models = Models::new();
+    let models = Models::new();
     models.insert(batcher);
     let input = Tensor::new(vec![4], facegate_host_gpu::ElementType::U8, vec![1; 4]).ok()?;
     let driver = models.clone();

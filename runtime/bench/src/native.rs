@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use facegate::serve::gate::to_sdk_tensor;
 use facegate_guest_sdk::face_detect as sdk;
 use facegate_guest_sdk::image::{ImageLimits, decode_for_letterbox, letterbox};
 use facegate_guest_sdk::{DetectOptions, FaceReport, Timings, faces_from_outputs};
@@ -94,15 +95,6 @@ async fn detect(models: &Models, bytes: &[u8], side: u32) -> Result<String, (Sta
     }
     let timings = Timings { decode_ms, preprocess_ms, infer_ms, postprocess_ms: ms_since(start) };
     Ok(FaceReport { model: options.model, width: scaled.width, height: scaled.height, faces, timings }.to_json().to_string())
-}
-
-fn to_sdk_tensor(tensor: Tensor) -> sdk::Tensor {
-    let (shape, element, data) = tensor.into_parts();
-    let element = match element {
-        ElementType::U8 => sdk::ElementType::U8,
-        ElementType::F32 => sdk::ElementType::F32,
-    };
-    sdk::Tensor { shape: shape.into_iter().map(|d| u32::try_from(d).unwrap_or(u32::MAX)).collect(), element, data }
 }
 
 fn ms_since(start: Instant) -> f64 {

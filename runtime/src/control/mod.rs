@@ -26,6 +26,7 @@ mod cluster;
 pub mod compose;
 pub mod keys;
 mod live;
+pub mod models;
 mod rebuild;
 mod registries;
 mod releases;
@@ -102,6 +103,9 @@ pub struct ControlSettings {
     /// tenant's read or a compile's store calls (nor they behind a rebuild);
     /// `None` shares the main one.
     pub serving_store: Option<Box<dyn Store>>,
+    /// Opens the repository's model files on this node's devices; `None`:
+    /// the node serves no repository models (nor takes any).
+    pub model_opener: Option<Arc<dyn models::ModelOpener>>,
 }
 
 /// The control plane: its parts (see the module docs).
@@ -124,10 +128,17 @@ pub struct ControlPlane {
     pub settings: Settings,
     /// Usage for bills.
     pub usage: UsageRecords,
+    /// The model repository.
+    pub repository: models::ModelRepository,
     shared: Arc<Shared>,
 }
 
 impl ControlPlane {
+    /// The models this node serves.
+    pub fn models(&self) -> &Models {
+        &self.shared.models
+    }
+
     /// Takes the opened `store` (see [`store::open`]), with `data_dir` for
     /// this node's files (artifact cache, key files), and loads every active handler.
     pub fn open(
@@ -154,6 +165,8 @@ impl ControlPlane {
         if leftovers > 0 {
             tracing::warn!(files = leftovers, "removed files of interrupted uploads");
         }
+        // What the node serves now is its flags'.
+        let fixed = models.states().into_iter().map(|m| m.name).collect();
         let shared = Arc::new(Shared {
             data_dir: data_dir.to_owned(),
             described: store.describe(),
@@ -172,6 +185,7 @@ impl ControlPlane {
             pipeline: settings.pipeline,
             artifact_key: settings.artifact_key,
             secrets_key: settings.secrets_key,
+            repository: models::RepositoryServing { opener: settings.model_opener, fixed, served: Default::default() },
         });
         let artifacts = Arc::new(Artifacts::new(Arc::clone(&shared)));
         let cluster = Arc::new(Cluster::new(Arc::clone(&shared)));
@@ -184,6 +198,7 @@ impl ControlPlane {
             settings: Settings::new(Arc::clone(&shared), Arc::clone(&serving)),
             // A restarted node writes under a new name: its numbers start again.
             usage: UsageRecords::new(Arc::clone(&shared), store::new_incarnation()?),
+            repository: models::ModelRepository::new(Arc::clone(&shared)),
             artifacts,
             serving,
             cluster,
@@ -225,8 +240,8 @@ fn validate_defaults(defaults: &TenantLimits, max_instances: u32) -> Result<(), 
 }
 
 /// Checks a store without running it: the database's integrity and
-/// references, and that every stored version's component is there and
-/// hashes to its name. `url` as `--store`; SQLite in `data_dir` without one.
+/// references, and that every stored version's component, and every
+/// model version's file, is there and hashes to its name. `url` as `--store`; SQLite in `data_dir` without one.
 pub fn check_store(url: Option<&str>, data_dir: &Path) -> anyhow::Result<CheckReport> {
     if url.is_none() {
         let db_path = data_dir.join(store::DB_FILE);
@@ -238,6 +253,11 @@ pub fn check_store(url: Option<&str>, data_dir: &Path) -> anyhow::Result<CheckRe
     for (label, sha) in &versions {
         if let Err(e) = db.component(sha) {
             problems.push(format!("{label}: {e:#}"));
+        }
+    }
+    for model in db.models().map_err(|e| anyhow::anyhow!("{e}"))? {
+        if let Err(e) = db.model_bytes(&model.sha256) {
+            problems.push(format!("model {}@{}: {e:#}", model.name, model.version));
         }
     }
     let temp_files = if url.is_none() { Blobs::open(data_dir)?.tmp_files()?.len() } else { 0 };

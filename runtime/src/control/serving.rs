@@ -190,6 +190,7 @@ impl Serving {
         }
         live.routes = Arc::new(host_routes(db.routes()?));
         live.settings = Arc::new(live_settings(db.settings(None)?, self.shared.secrets_key.as_ref()));
+        super::models::reconcile(&self.shared, db)?;
         build.drop_recreated_meanwhile(db, &mut live)?;
         *self.live.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(live);
         self.generation.store(generation, Ordering::Release);

@@ -66,6 +66,8 @@ pub(super) struct Shared {
     pub cache: ArtifactCache,
     /// Where compiles run, under their budget.
     pub compile: CompilePool,
+    /// What this node serves of the model repository.
+    pub repository: super::models::RepositoryServing,
 }
 
 impl Shared {

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use facegate_host_gpu::{ModelSpec, ModelState};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
@@ -23,7 +24,9 @@ use crate::admission::limits::LimitOverrides;
 use crate::admission::memory::{self, Charge, REQUEST_BASE_BYTES};
 use crate::control::ALIVE_WITHIN;
 use crate::control::keys::{self, Scopes};
+use crate::control::models::spec_json;
 use crate::control::store::AbortRule;
+use crate::control::store::ModelRow;
 use crate::control::store::UPLOADED;
 use crate::control::store::{StoreError, now_ms};
 use crate::control::{Change, ChangePlace, ControlPlane, Release, Releasing, UploadHold};
@@ -36,6 +39,13 @@ use crate::sandbox::handler::GuestPath;
 struct AddRoute {
     tenant: String,
     handler: String,
+}
+
+/// `POST /admin/v1/models/{name}/activate`'s body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ActivateModel {
+    version: i64,
 }
 
 #[derive(Deserialize)]
@@ -307,6 +317,23 @@ fn admin_op(control: &ControlPlane, (method, path, query): (&Method, &[String], 
     match (method.clone(), p.as_slice()) {
         (Method::GET, ["tenants"]) => ok(json!({ "tenants": control.tenants.list()? })),
         (Method::GET, ["nodes"]) => ok(json!({ "nodes": nodes(control)? })),
+        (Method::GET, ["models"]) => ok(models(control)?),
+        (Method::PUT, ["models", name]) => {
+            let added = control.repository.add(name, body, forced(query))?;
+            let mut value = model_row(&added.row);
+            value["accuracy"] = json!(added.accuracy);
+            value["forced"] = json!(added.forced);
+            created(value)
+        }
+        (Method::POST, ["models", name, "activate"]) => {
+            let req: ActivateModel = parse(body)?;
+            control.repository.activate(name, req.version)?;
+            ok(json!({ "model": name, "active_version": req.version }))
+        }
+        (Method::DELETE, ["models", name]) => {
+            control.repository.remove(name)?;
+            ok(json!({ "removed": name }))
+        }
         (Method::GET, ["routes"]) => ok(json!({ "routes": control.routes.list()? })),
         (Method::PUT, ["routes", hostname]) => {
             let req: AddRoute = parse(body)?;
@@ -394,6 +421,57 @@ pub(super) fn release_of(query: &str) -> Result<(Release, GuestPath), StoreError
         None => Release::Store,
     };
     Ok((release, guest_path))
+}
+
+/// The models this node serves, each with its state (see [`ModelState`]),
+/// where it comes from and its input/output spec; the bytes loaded against
+/// the bound; and every version in the repository.
+fn models(control: &ControlPlane) -> Result<Value, StoreError> {
+    let models = control.models();
+    let specs: std::collections::BTreeMap<String, ModelSpec> = models.specs().into_iter().map(|s| (s.name.clone(), s)).collect();
+    let list: Vec<Value> = models
+        .states()
+        .into_iter()
+        .map(|state: ModelState| {
+            let mut value = json!({
+                "name": state.name,
+                "source": if control.repository.from_flags(&state.name) { "flags" } else { "repository" },
+                "loaded": state.loaded,
+                "pinned": state.pinned,
+                "memory_bytes": state.bytes,
+                "loads": state.loads,
+                "evictions": state.evictions,
+                "last_load_ms": state.last_load.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            });
+            if let (Some(spec), Value::Object(fields)) = (specs.get(&state.name), &mut value) {
+                fields.extend(spec_json(spec).as_object().cloned().unwrap_or_default());
+            }
+            value
+        })
+        .collect();
+    let repository: Vec<Value> = control.repository.list()?.into_iter().map(|row| model_row(&row)).collect();
+    let (loaded, bound) = models.memory();
+    Ok(json!({ "models": list, "repository": repository, "memory": { "loaded_bytes": loaded, "bound_bytes": bound } }))
+}
+
+/// A repository row as the API shows it: its spec and accuracy as JSON.
+fn model_row(row: &ModelRow) -> Value {
+    let parsed = |text: &str| serde_json::from_str::<Value>(text).unwrap_or(Value::Null);
+    json!({
+        "name": row.name,
+        "version": row.version,
+        "active": row.active,
+        "sha256": row.sha256,
+        "size": row.size,
+        "created_at": row.created_at,
+        "spec": parsed(&row.spec),
+        "accuracy": parsed(&row.accuracy),
+    })
+}
+
+/// Whether an add asks to skip the accuracy gate: `?force=true`.
+fn forced(query: &str) -> bool {
+    form_urlencoded::parse(query.as_bytes()).any(|(k, v)| k == "force" && (v == "true" || v == "1"))
 }
 
 /// Every node with whether it is alive (a heartbeat within [`ALIVE_WITHIN`]).

@@ -90,7 +90,14 @@ impl App {
     pub(super) fn stats(&self) -> Response<Body> {
         let requests = self.metrics.by_tenant();
         // One snapshot per model, read for every tenant.
-        let snapshots: Vec<_> = self.models.iter().map(|m| (m, m.metrics())).collect();
+        let snapshots: Vec<_> = self
+            .models
+            .iter()
+            .map(|m| {
+                let metrics = m.metrics();
+                (m, metrics)
+            })
+            .collect();
         let live = self.control.serving.live();
         let mut tenants = serde_json::Map::new();
         for name in live.tenants.keys() {

@@ -35,7 +35,7 @@ use crate::sandbox::warm::{WARM_MAX_MEMORY, Warm, WarmBudget};
 use crate::telemetry::LimitHits;
 use crate::telemetry::logs::{LogOwner, LogRecord, TenantLogs};
 use crate::telemetry::trace::RequestTrace;
-use facegate_host_gpu::Models;
+use facegate_host_gpu::{ModelSpec, Models};
 use opentelemetry::KeyValue;
 
 /// Per-request limits of the sandbox: the tenant's, and the node's own.
@@ -655,7 +655,7 @@ const HOSTCALL_FLOOR: usize = 4 << 20;
 /// copies a call's arguments into host memory before the host function
 /// runs, outside the tenant's memory limit; a call over this traps instead.
 fn hostcall_fuel(models: &Models) -> usize {
-    let largest = models.iter().map(|b| b.spec().max_input_bytes()).max().unwrap_or(0);
+    let largest = models.specs().iter().map(ModelSpec::max_input_bytes).max().unwrap_or(0);
     largest.saturating_add(HOSTCALL_SLACK).max(HOSTCALL_FLOOR)
 }
 

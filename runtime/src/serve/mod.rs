@@ -4,19 +4,21 @@
 //! node's memory budget.
 
 pub mod cores;
+pub mod gate;
+mod models;
 pub mod sizing;
+
+pub use models::{OnnxOpener, batcher_config, load_models};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use facegate_host_gpu::backend::onnx::{ImageModelConfig, init_onnx_runtime};
-use facegate_host_gpu::device::{self, OpenOptions};
-use facegate_host_gpu::{Batcher, BatcherConfig, Models};
+use facegate_host_gpu::Models;
 use tokio::net::TcpListener;
 
 use crate::admission::memory::MemoryBudget;
-use crate::config::{EngineConfig, ServeConfig};
+use crate::config::ServeConfig;
 use crate::control::store::NodeLoad;
 use crate::control::sync::{NodeIdentity, SyncHandle};
 use crate::control::{ControlPlane, ControlSettings};
@@ -26,62 +28,6 @@ use crate::sandbox::engine::{EngineLimits, EpochTicker};
 use crate::sandbox::{Sandbox, engine, outgoing};
 use crate::telemetry::trace::Tracing;
 use crate::{control, http, telemetry};
-
-/// Loads ONNX Runtime and the models (`centerface` and the extra ones),
-/// and starts one batcher per model with one device worker per GPU and per
-/// configured CPU worker.
-pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
-    if config.inference_cores > 0 && config.inference_cpus.is_empty() {
-        anyhow::bail!("--inference-cores: the cores are not set apart yet (cores::reserve, before the async runtime starts)");
-    }
-    init_onnx_runtime(&config.onnxruntime)?;
-    let mut models = Models::new();
-    models.insert(load_model(config, ImageModelConfig::centerface(&config.model, config.max_batch))?);
-    for (name, path) in config.extra_models.iter().filter(|(name, _)| !name.is_empty()) {
-        if models.get(name).is_some() {
-            anyhow::bail!("--extra-model: two models named {name}");
-        }
-        if !path.exists() && format!("{name}={}", path.display()) == crate::config::DEFAULT_EXTRA_MODEL {
-            tracing::warn!(model = %name, path = %path.display(), "model file absent (deploy/setup.sh makes it); not served");
-            continue;
-        }
-        let model = ImageModelConfig { name: name.clone(), ..ImageModelConfig::centerface(path, config.max_batch) };
-        models.insert(load_model(config, model).with_context(|| format!("model {name} ({})", path.display()))?);
-    }
-    Ok(models)
-}
-
-/// One model's batcher over every configured device.
-fn load_model(config: &EngineConfig, model: ImageModelConfig) -> anyhow::Result<Batcher> {
-    let threads = config.threads_per_worker();
-    let options = OpenOptions {
-        cpu_workers: config.workers(),
-        cpu_threads: threads,
-        cpu_cores: config.inference_cpus.clone(),
-        cache_dir: model.path.parent().map(|dir| dir.join("tensorrt-cache")),
-    };
-    let mut backends = Vec::new();
-    for spec in &config.devices {
-        backends.extend(device::open(*spec, &model, &options)?);
-    }
-    let batcher = Batcher::start(backends, &batcher_config(config))?;
-    for (tenant, weight) in &config.tenant_weights {
-        batcher.set_tenant_weight(tenant, *weight);
-    }
-    tracing::info!(model = %batcher.spec().name, devices = ?config.devices, cpu_workers = config.workers(), threads, inference_cores = ?config.inference_cpus, max_batch = batcher.spec().max_batch, "model loaded");
-    Ok(batcher)
-}
-
-/// The batcher settings an engine config asks for.
-pub fn batcher_config(config: &EngineConfig) -> BatcherConfig {
-    BatcherConfig {
-        max_batch: config.max_batch,
-        queue_capacity: config.queue_capacity,
-        tenant_capacity: config.tenant_queue_capacity,
-        max_delay: std::time::Duration::from_micros(config.batch_delay_us),
-        sizing: config.batch_sizing,
-    }
-}
 
 /// A gateway ready to serve: the app plus the epoch thread its deadlines need.
 pub struct Gateway {
@@ -103,6 +49,7 @@ impl Gateway {
         let memory_limit = config.limits.memory_mib << 20;
         let (memory, engine_limits) = node_memory(
             config,
+            &models,
             EngineLimits {
                 // Warm instances hold slots of their own (see warm.rs).
                 max_instances: config.max_instances.saturating_add(config.warm_instances),
@@ -140,6 +87,7 @@ impl Gateway {
             },
             // The snapshot's rebuilds never wait for a change or a tenant's read, nor they for it.
             serving_store: Some(control::store::open(config.store.as_deref(), &config.data_dir)?),
+            model_opener: Some(Arc::new(OnnxOpener::new(&config.engine))),
         };
         let store = control::store::open(config.store.as_deref(), &config.data_dir)?;
         let control = ControlPlane::open(store, &config.data_dir, Arc::clone(&sandbox), models.clone(), settings)?;
@@ -269,9 +217,13 @@ impl Gateway {
 /// The node's memory budget (see [`sizing`]), with the engine's
 /// limits fitted to it; logged and printed, since everything the node
 /// admits depends on it.
-fn node_memory(config: &ServeConfig, engine: EngineLimits) -> (Arc<MemoryBudget>, EngineLimits) {
+fn node_memory(config: &ServeConfig, models: &Models, engine: EngineLimits) -> (Arc<MemoryBudget>, EngineLimits) {
     let available = sizing::available(config.memory_total_mib.map(|mib| mib as usize));
-    let baseline = sizing::resident_set().unwrap_or(0);
+    // The models loaded later take their room from what is not loaded now
+    // (the ones loaded are in the resident set already).
+    let (models_loaded, models_bound) = models.memory();
+    let models_later = models_bound.map_or(0, |bound| bound.saturating_sub(models_loaded));
+    let baseline = sizing::resident_set().unwrap_or(0).saturating_add(usize::try_from(models_later).unwrap_or(usize::MAX));
     let budget = match (config.memory_budget_mib, available) {
         (Some(mib), _) => (mib as usize) << 20,
         (None, Some(available)) => sizing::default_budget(available.bytes, baseline),
@@ -306,7 +258,7 @@ fn node_memory(config: &ServeConfig, engine: EngineLimits) -> (Arc<MemoryBudget>
         );
     }
     let of = available.map_or_else(|| "unknown".to_owned(), |a| format!("{} MiB ({})", a.bytes >> 20, a.source));
-    tracing::info!(budget_mib = split.chargeable >> 20, available = %of, held_at_start_mib = baseline >> 20, pool_resident_mib = split.resident >> 20, "node memory budget (requests and warm instances)");
+    tracing::info!(budget_mib = split.chargeable >> 20, available = %of, held_at_start_mib = baseline >> 20, models_later_mib = models_later >> 20, pool_resident_mib = split.resident >> 20, "node memory budget (requests and warm instances)");
     (MemoryBudget::new(split.chargeable), split.engine)
 }
 

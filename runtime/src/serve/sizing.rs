@@ -2,7 +2,8 @@
 //!
 //! By default the budget is three quarters of what the process may use
 //! (the cgroup's `memory.max`, or `--memory-total-mib`, else physical
-//! memory) less what it holds once the models are loaded; the last quarter
+//! memory) less what it holds once the models are loaded and the part of
+//! the model-memory bound the models loaded on demand may still take; the last quarter
 //! is headroom the budget does not see (ONNX Runtime's working memory grows
 //! with batches, compilation, connections). Out of the budget comes what the
 //! instance pool keeps resident between instances, which nobody's request

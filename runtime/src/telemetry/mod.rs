@@ -325,6 +325,36 @@ pub fn render_node(out: &mut String, node: NodeGauges) {
     }
 }
 
+/// Which models are loaded, what they count against the model-memory
+/// bound, and their loads on demand and evictions (a model's batch series
+/// below start again from zero when it is loaded again).
+fn render_model_states(out: &mut String, models: &Models) {
+    /// A family's name, type, help and value of a model.
+    type Family = (&'static str, &'static str, &'static str, fn(&facegate_host_gpu::ModelState) -> u64);
+    let states = models.states();
+    let families: [Family; 4] = [
+        ("facegate_model_loaded", "gauge", "1 while the model's engines are loaded.", |m| u64::from(m.loaded)),
+        ("facegate_model_memory_bytes", "gauge", "What the model counts against the model-memory bound while loaded.", |m| m.bytes),
+        ("facegate_model_loads_total", "counter", "Loads of the model on demand (a call found it unloaded).", |m| m.loads),
+        ("facegate_model_evictions_total", "counter", "Times the model was unloaded to make room for another.", |m| m.evictions),
+    ];
+    for (name, kind, help, value) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for state in &states {
+            let _ = writeln!(out, "{name}{{model=\"{}\"}} {}", state.name, value(state));
+        }
+    }
+    let (loaded, bound) = models.memory();
+    out.push_str(
+        "# HELP facegate_models_loaded_bytes What the loaded models count against the bound.\n# TYPE facegate_models_loaded_bytes gauge\n",
+    );
+    let _ = writeln!(out, "facegate_models_loaded_bytes {loaded}");
+    if let Some(bound) = bound {
+        out.push_str("# HELP facegate_model_memory_bound_bytes --model-memory-mib.\n# TYPE facegate_model_memory_bound_bytes gauge\n");
+        let _ = writeln!(out, "facegate_model_memory_bound_bytes {bound}");
+    }
+}
+
 /// Renders everything in Prometheus text format.
 pub fn render(http: &HttpMetrics, hits: &LimitHits, models: &Models, instances: InstanceCounts) -> String {
     let mut out = String::new();
@@ -338,6 +368,7 @@ pub fn render(http: &HttpMetrics, hits: &LimitHits, models: &Models, instances: 
         "# HELP facegate_instances_reused_total Requests served by a warm (reused) instance.\n# TYPE facegate_instances_reused_total counter\n",
     );
     let _ = writeln!(out, "facegate_instances_reused_total {}", instances.reused);
+    render_model_states(&mut out, models);
     let snapshots: Vec<(String, MetricsSnapshot)> = models.iter().map(|b| (b.spec().name.clone(), b.metrics())).collect();
     // One family at a time, every model inside it: a family must not be split.
     family(&mut out, "facegate_batch_size", "histogram", "Samples per device batch.", &snapshots, batch_sizes);

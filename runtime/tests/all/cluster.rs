@@ -727,3 +727,44 @@ fn a_thousand_increments_spread_over_two_nodes_end_at_exactly_a_thousand() {
     assert_eq!(call(&b, "attack=kv-get&bucket=c&key=n"), Some(json!({ "value": "1000" })));
     assert_eq!(call(&a, "attack=kv-get&bucket=c&key=n"), Some(json!({ "value": "1000" })));
 }
+
+/// What `model` does for a hostile handler on `server`: `"ok"` when served,
+/// else the handler's description of its error.
+fn infer_outcome(server: &Server, key: &str, tenant: &str, model: &str) -> String {
+    let url = format!("http://{}/v1/{tenant}/attack?attack=big-tensor&side=160&model={model}", server.addr);
+    let body: Value = crate::harness::client_with_key(key).get(url).send().unwrap().json().unwrap();
+    body["outcomes"][0].as_str().map_or_else(|| body["outcomes"][0].to_string(), str::to_owned)
+}
+
+/// A model added to the repository through one node is served by another
+/// without a restart (fetched from the store, loaded at its first call),
+/// and once removed through the first it is unknown on the second.
+#[test]
+fn a_model_added_through_one_node_is_served_by_another() {
+    let pg = ThrowawayPostgres::start().unwrap();
+    let url = pg.url();
+    let (a, _) = node(&url, "node-a");
+    let (b, _) = node(&url, "node-b");
+    let key = warm_hostile_tenant(&a, "modelled");
+    within(Duration::from_secs(10), "B serves the tenant's handler", || served(&b, &key, "modelled").is_some());
+    let before = infer_outcome(&b, &key, "modelled", "int8-shared");
+    assert!(before.contains("unknown"), "not in the repository yet: {before}");
+
+    let int8 = std::fs::read(crate::harness::facegate_home().join("models/centerface-int8.onnx")).unwrap();
+    let added = a.json(a.admin(Method::PUT, "models/int8-shared").body(int8));
+    assert_eq!((added["version"].clone(), added["accuracy"]["passes"].clone()), (json!(1), json!(true)), "{added}");
+    // The change reaches B within a second; its first call also fetches and loads the file.
+    let took = within(Duration::from_secs(10), "B serves the model", || infer_outcome(&b, &key, "modelled", "int8-shared") == "ok");
+    eprintln!("a model added through A was served by B after {took:?}");
+    let listed = b.json(b.admin(Method::GET, "models"));
+    let on_b = listed["models"].as_array().unwrap().iter().find(|m| m["name"] == "int8-shared").unwrap().clone();
+    assert_eq!(
+        (on_b["source"].clone(), on_b["loaded"].clone(), on_b["loads"].clone()),
+        (json!("repository"), json!(true), json!(1)),
+        "{on_b}"
+    );
+
+    assert_eq!(status(&a, Method::DELETE, "models/int8-shared").0, 200);
+    within(PROPAGATION, "B forgets the model", || infer_outcome(&b, &key, "modelled", "int8-shared").contains("unknown"));
+    assert_eq!(infer_outcome(&b, &key, "modelled", "centerface"), "ok", "B goes on serving");
+}

@@ -333,6 +333,41 @@ fn operate_creates_a_tenant_deploys_and_rolls_back() {
     browser.screenshot("console-operate");
 }
 
+/// The operate view lists the node's models (`centerface` pinned), adds
+/// one to the repository through its form (the accuracy gate runs; a file
+/// that is no model is refused with the gate's words) and removes it.
+#[test]
+fn operate_lists_adds_and_removes_models() {
+    gateway();
+    let browser = Browser::start(1280, 1400);
+    browser.open("/");
+    browser.click("#tab-operate");
+    browser.type_into("#admin-token", ADMIN_TOKEN);
+    browser.click("#admin-form button");
+    browser.wait_for("window.facegateConsole.models.includes('centerface')");
+    let pinned = browser.script("return [...document.querySelectorAll('#models tbody tr')].find(r => r.cells[0].textContent === 'centerface').cells[2].textContent;");
+    assert_eq!(pinned, "yes, pinned");
+
+    browser.type_into("#model-name", "junk-web");
+    browser.attach("#model-file", &fixture("grace_hopper.jpg"));
+    browser.click("#add-model button");
+    browser.wait_for("document.getElementById('model-status').className === 'error'");
+    let refusal = browser.script("return document.getElementById('model-status').textContent;");
+    assert!(refusal.as_str().unwrap().contains("does not load as an ONNX model"), "{refusal}");
+
+    browser.type_into("#model-name", "int8-web");
+    browser.attach("#model-file", &crate::harness::facegate_home().join("models/centerface-int8.onnx"));
+    browser.click("#add-model button");
+    browser.wait_for("window.facegateConsole.models.includes('int8-web')");
+    let version = browser.script(
+        "return [...document.querySelectorAll('#models tbody tr')].find(r => r.cells[0].textContent === 'int8-web').cells[5].textContent;",
+    );
+    let version = version.as_str().unwrap();
+    assert!(version.starts_with("v1, found ") && version.ends_with(" of 16"), "{version}");
+    browser.script("window.confirm = () => true; document.querySelector('#models button[aria-label=\"Remove model int8-web\"]').click();");
+    browser.wait_for("!window.facegateConsole.models.includes('int8-web')");
+}
+
 /// At a phone's 375 px nothing needs horizontal scrolling, and every
 /// control has a label.
 #[test]

@@ -44,6 +44,29 @@ pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
 /// Artifact key of the `facegate serve` nodes the tests start (see `process::Server`).
 pub const ARTIFACT_KEY: &str = "test-artifact-key-0123456789abcdef0123456789";
 
+/// This test run's scratch directory `<CARGO_TARGET_TMPDIR>/<name>-<pid>`.
+/// The first call removes what earlier runs left there (their process is
+/// gone): a run writes about 2 GiB (stores, built components), which would
+/// otherwise pile up run after run until the disk is full.
+pub fn scratch_dir(name: &str) -> PathBuf {
+    static SWEPT: OnceLock<()> = OnceLock::new();
+    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    SWEPT.get_or_init(|| sweep_earlier_runs(&root));
+    root.join(format!("{name}-{}", std::process::id()))
+}
+
+/// Removes the entries of `root` named `…-<pid>` whose process has ended.
+fn sweep_earlier_runs(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|name| name.rsplit('-').next()).and_then(|pid| pid.parse::<u32>().ok()) else { continue };
+        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 /// Copies a component to `<dir>/<tenant>/<handler>.wasm` (a seed directory).
 pub fn install(dir: &Path, tenant: &str, handler: &str, component: &Path) {
     let dir = dir.join(tenant);
@@ -56,7 +79,7 @@ pub fn install(dir: &Path, tenant: &str, handler: &str, component: &Path) {
 pub fn seed_dir() -> PathBuf {
     static SEED: OnceLock<PathBuf> = OnceLock::new();
     SEED.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("seed-{}", std::process::id()));
+        let dir = scratch_dir("seed");
         install(&dir, "demo", "detect", &guest("detect"));
         install(&dir, "demo", "blur", &guest("blur"));
         install(&dir, "demo", "crop", &guest("crop"));
@@ -68,7 +91,7 @@ pub fn seed_dir() -> PathBuf {
 
 /// A fresh, empty data directory named `name`.
 pub fn fresh_dir(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let dir = scratch_dir(name);
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }
@@ -243,6 +266,11 @@ pub fn url(path: &str) -> String {
 /// An admin API request (`/admin/v1/<path>`) with the admin token.
 pub fn admin(method: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
     anonymous().request(method, url(&format!("/admin/v1/{path}"))).bearer_auth(ADMIN_TOKEN)
+}
+
+/// An admin API request to the gateway at `addr`.
+pub fn admin_at(addr: SocketAddr, method: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
+    anonymous().request(method, format!("http://{addr}/admin/v1/{path}")).bearer_auth(ADMIN_TOKEN)
 }
 
 /// Sends an admin request; returns the status and the JSON answer.

@@ -486,6 +486,64 @@ fn busy_tenants_share_device_time_whatever_their_image_sizes() {
     assert!((0.7..1.4).contains(&ratio), "device time 640²/320² tenant: {ratio:.2} ({large:.2} s vs {modest:.2} s)");
 }
 
+/// Two busy tenants of equal weight calling two different models (one
+/// `centerface`, FP32, the other `centerface-int8`, about 1.6× faster) get
+/// about equal device time, summed over the models: the faster model's
+/// tenant gets more calls through, not more of the device. Each model has
+/// its own batcher and device workers, and on a CPU the two workers share
+/// the cores the kernel gives them; device time is their measured CPU time.
+#[test]
+fn busy_tenants_calling_different_models_share_device_time() {
+    let seed = harness::fresh_dir("fair-models-seed");
+    for tenant in ["fp32", "int8"] {
+        harness::install(&seed, tenant, "attack", &harness::guest("hostile"));
+    }
+    let data = harness::fresh_dir("fair-models-data");
+    let mut config = harness::config(data.clone(), Some(seed));
+    config.limits.timeout_ms = 30_000;
+    config.limits.max_concurrency = 16;
+    assert!(config.engine.extra_models.iter().any(|(name, _)| name == "centerface-int8"), "deploy/setup.sh makes centerface-int8");
+    let addr = harness::start(config);
+    let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
+    let stop = AtomicBool::new(false);
+    let device_seconds = || {
+        let text = anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
+        let of = |tenant: &str| -> f64 {
+            ["centerface", "centerface-int8"]
+                .iter()
+                .filter_map(|model| {
+                    harness::metric(&text, &format!("facegate_tenant_device_seconds_total{{model=\"{model}\",tenant=\"{tenant}\"}}"))
+                })
+                .sum()
+        };
+        (of("fp32"), of("int8"))
+    };
+    let (before, after) = std::thread::scope(|s| {
+        for (tenant, model) in [("fp32", "centerface"), ("int8", "centerface-int8")] {
+            for _ in 0..8 {
+                let (client, stop) = (client_with_key(&key(tenant)), &stop);
+                s.spawn(move || {
+                    let url = format!("http://{addr}/v1/{tenant}/attack?attack=big-tensor&side=640&model={model}");
+                    while !stop.load(Ordering::SeqCst) {
+                        let body: Value = client.get(&url).send().unwrap().json().unwrap();
+                        assert_eq!(body["outcomes"], serde_json::json!(["ok"]), "{tenant}: {body}");
+                    }
+                });
+            }
+        }
+        let _stop = StopOnDrop(&stop);
+        std::thread::sleep(Duration::from_secs(3));
+        let before = device_seconds();
+        std::thread::sleep(Duration::from_secs(8));
+        (before, device_seconds())
+    });
+    let (fp32, int8) = (after.0 - before.0, after.1 - before.1);
+    assert!(fp32 > 0.5 && int8 > 0.5, "both tenants ran: {fp32:.2} s and {int8:.2} s of device time");
+    let ratio = fp32 / int8;
+    eprintln!("device time over 8 s, centerface tenant / centerface-int8 tenant: {ratio:.2} ({fp32:.2} s vs {int8:.2} s)");
+    assert!((0.7..1.4).contains(&ratio), "device time centerface/centerface-int8 tenant: {ratio:.2} ({fp32:.2} s vs {int8:.2} s)");
+}
+
 /// Large tensors (4× a 640² image's pixels, two calls a request) are served
 /// and charged, and cost the neighbour only its share of the device.
 #[test]

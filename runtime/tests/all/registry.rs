@@ -77,7 +77,7 @@ fn free_port() -> SocketAddr {
 }
 
 pub(crate) fn scratch(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("oci-{name}-{}", std::process::id()))
+    harness::scratch_dir(&format!("oci-{name}"))
 }
 
 /// A seeded gateway pulling from `registries` over plain HTTP, private

@@ -30,7 +30,7 @@ pub(crate) fn built(language: &str, example: &str) -> PathBuf {
     if let Some(path) = built.get(&key) {
         return path.clone();
     }
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("scripts-{}/{key}.wasm", std::process::id()));
+    let out = crate::harness::scratch_dir("scripts").join(format!("{key}.wasm"));
     std::fs::create_dir_all(out.parent().unwrap()).unwrap();
     let script = root().join(format!("deploy/scripts/build-{language}.sh"));
     let started = Instant::now();

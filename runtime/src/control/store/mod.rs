@@ -286,7 +286,7 @@ pub type ListenerSource = Box<dyn FnOnce() -> anyhow::Result<Box<dyn Listener>> 
 /// Methods take `&mut self`: each part of the control plane holds its
 /// connection behind a lock of its own.
 pub trait Store:
-    TenantStore + ReleaseStore + ArtifactStore + NodeStore + UsageStore + RouteStore + RegistryLoginStore + SettingStore + Send
+    TenantStore + ReleaseStore + ArtifactStore + NodeStore + UsageStore + RouteStore + RegistryLoginStore + SettingStore + ModelStore + Send
 {
     /// What this store is, for logs: `sqlite:<path>` or `postgres://host/db` (no password).
     fn describe(&self) -> String;
@@ -443,6 +443,80 @@ pub trait RouteStore {
 
     /// Removes a hostname's route.
     fn remove_route(&mut self, hostname: &str) -> StoreResult<()>;
+}
+
+/// One version of a model in the repository (see `control::models`).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ModelRow {
+    /// The model's name, as handlers call it.
+    pub name: String,
+    /// Numbered from 1 per name.
+    pub version: i64,
+    /// SHA-256 of the ONNX file, hex.
+    pub sha256: String,
+    /// Bytes of the ONNX file.
+    pub size: i64,
+    /// Its input and outputs as its engine read them (JSON).
+    pub spec: String,
+    /// Its accuracy against the reference when it was added (JSON).
+    pub accuracy: String,
+    /// Whether this is the version served.
+    pub active: bool,
+    /// Unix seconds.
+    pub created_at: i64,
+}
+
+/// A model version to store (see [`ModelStore::add_model`]).
+pub struct NewModel<'a> {
+    /// The model's name.
+    pub name: &'a str,
+    /// SHA-256 of `bytes`, hex.
+    pub sha256: &'a str,
+    /// The ONNX file.
+    pub bytes: &'a [u8],
+    /// Its input and outputs (JSON).
+    pub spec: &'a str,
+    /// Its accuracy against the reference (JSON).
+    pub accuracy: &'a str,
+}
+
+/// The store's part for the model repository.
+pub trait ModelStore {
+    /// Stores the file and adds the next version of a model (creating the
+    /// model), active at once. Returns the version.
+    fn add_model(&mut self, new: NewModel<'_>) -> StoreResult<i64>;
+
+    /// Every version of every model, by name and version.
+    fn models(&mut self) -> StoreResult<Vec<ModelRow>>;
+
+    /// Makes `version` of `name` the one served.
+    fn activate_model(&mut self, name: &str, version: i64) -> StoreResult<()>;
+
+    /// Removes a model, every version, and the files no version uses.
+    fn remove_model(&mut self, name: &str) -> StoreResult<()>;
+
+    /// A model file's bytes, checked against their hash.
+    fn model_bytes(&mut self, sha256: &str) -> StoreResult<Vec<u8>>;
+}
+
+/// The refusal of a model name the repository does not hold.
+pub(super) fn no_model(name: &str) -> StoreError {
+    StoreError::NotFound(format!("no model {name:?} in the repository"))
+}
+
+/// The refusal of a version a model does not have.
+pub(super) fn no_model_version(name: &str, version: i64) -> StoreError {
+    StoreError::NotFound(format!("model {name:?} has no version {version}"))
+}
+
+/// A model file's bytes if they match `sha256`.
+pub(super) fn checked_model(sha256: &str, bytes: Option<Vec<u8>>) -> StoreResult<Vec<u8>> {
+    let bytes = bytes.ok_or_else(|| StoreError::Internal(anyhow::anyhow!("model file {sha256} is missing from the store")))?;
+    let actual = crate::control::keys::sha256_hex(&bytes);
+    if actual != sha256 {
+        return Err(StoreError::Internal(anyhow::anyhow!("model file {sha256} is corrupt: sha256 {actual}")));
+    }
+    Ok(bytes)
 }
 
 /// A tenant's credentials for one registry, as listed (never the password).

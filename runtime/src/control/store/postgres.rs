@@ -28,6 +28,7 @@ use super::{
     TenantStore, UsageStore, hostname_taken, no_registry_login, no_setting,
 };
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
+use super::{ModelRow, ModelStore, NewModel, checked_model, no_model, no_model_version};
 use super::{SettingQuota, StoredSetting, settings_quota};
 use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
@@ -43,7 +44,7 @@ const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order (the files in `migrations/postgres/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings", "0011_state");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings", "0011_state", "0012_models");
 
 /// The PostgreSQL store (see the module docs).
 pub struct PgStore {
@@ -640,6 +641,89 @@ impl RouteStore for PgStore {
             return Err(StoreError::NotFound(format!("no route for hostname {hostname:?}")));
         }
         Ok(())
+    }
+}
+
+impl ModelStore for PgStore {
+    fn add_model(&mut self, new: NewModel<'_>) -> StoreResult<i64> {
+        let NewModel { name, sha256, bytes, spec, accuracy } = new;
+        let size = i64::try_from(bytes.len()).map_err(anyhow::Error::from)?;
+        self.write(|tx| {
+            tx.execute(
+                "INSERT INTO model_blobs (sha256, bytes, created_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+                &[&sha256, &bytes, &now()],
+            )
+            .map_err(db_error)?;
+            tx.execute("INSERT INTO models (name) VALUES ($1) ON CONFLICT DO NOTHING", &[&name]).map_err(db_error)?;
+            // FOR UPDATE: adds of one model through several nodes number their versions in turn.
+            tx.execute("SELECT 1 FROM models WHERE name = $1 FOR UPDATE", &[&name]).map_err(db_error)?;
+            let version: i64 = tx
+                .query_one("SELECT COALESCE(MAX(version), 0) + 1 FROM model_versions WHERE name = $1", &[&name])
+                .map_err(db_error)?
+                .get(0);
+            tx.execute(
+                "INSERT INTO model_versions (name, version, sha256, size, spec, accuracy, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                &[&name, &version, &sha256, &size, &spec, &accuracy, &now()],
+            )
+            .map_err(db_error)?;
+            tx.execute("UPDATE models SET active_version = $2 WHERE name = $1", &[&name, &version]).map_err(db_error)?;
+            Ok(version)
+        })
+    }
+
+    fn models(&mut self) -> StoreResult<Vec<ModelRow>> {
+        self.with(|c| {
+            let rows = c
+                .query(
+                    "SELECT v.name, v.version, v.sha256, v.size, v.spec, v.accuracy, m.active_version = v.version, v.created_at
+                     FROM model_versions v JOIN models m ON m.name = v.name ORDER BY v.name, v.version",
+                    &[],
+                )
+                .map_err(db_error)?;
+            Ok(rows
+                .iter()
+                .map(|r| ModelRow {
+                    name: r.get(0),
+                    version: r.get(1),
+                    sha256: r.get(2),
+                    size: r.get(3),
+                    spec: r.get(4),
+                    accuracy: r.get(5),
+                    active: r.get::<_, Option<bool>>(6).unwrap_or(false),
+                    created_at: r.get(7),
+                })
+                .collect())
+        })
+    }
+
+    fn activate_model(&mut self, name: &str, version: i64) -> StoreResult<()> {
+        self.write(|tx| {
+            let exists =
+                tx.query_opt("SELECT 1 FROM model_versions WHERE name = $1 AND version = $2", &[&name, &version]).map_err(db_error)?;
+            if exists.is_none() {
+                let model = tx.query_opt("SELECT 1 FROM models WHERE name = $1", &[&name]).map_err(db_error)?;
+                return Err(if model.is_some() { no_model_version(name, version) } else { no_model(name) });
+            }
+            tx.execute("UPDATE models SET active_version = $2 WHERE name = $1", &[&name, &version]).map_err(db_error)?;
+            Ok(())
+        })
+    }
+
+    fn remove_model(&mut self, name: &str) -> StoreResult<()> {
+        self.write(|tx| {
+            if tx.execute("DELETE FROM models WHERE name = $1", &[&name]).map_err(db_error)? == 0 {
+                return Err(no_model(name));
+            }
+            tx.execute("DELETE FROM model_blobs WHERE sha256 NOT IN (SELECT sha256 FROM model_versions)", &[]).map_err(db_error)?;
+            Ok(())
+        })
+    }
+
+    fn model_bytes(&mut self, sha256: &str) -> StoreResult<Vec<u8>> {
+        let bytes = self.with(|c| {
+            Ok(c.query_opt("SELECT bytes FROM model_blobs WHERE sha256 = $1", &[&sha256]).map_err(db_error)?.map(|r| r.get(0)))
+        })?;
+        checked_model(sha256, bytes)
     }
 }
 

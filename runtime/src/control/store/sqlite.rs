@@ -16,6 +16,7 @@ use super::{
     TenantStore, UsageStore, hostname_taken, no_registry_login, no_setting,
 };
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
+use super::{ModelRow, ModelStore, NewModel, checked_model, no_model, no_model_version};
 use super::{SettingQuota, StoredSetting, settings_quota};
 use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
@@ -26,7 +27,7 @@ use crate::telemetry::usage::{Delta, Usage, UsageKey};
 
 /// Migrations, in order (the files in `migrations/sqlite/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings", "0011_state");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings", "0011_state", "0012_models");
 
 /// Tables whose changes bump the generation.
 const WATCHED: [&str; 4] = ["tenants", "api_keys", "handlers", "versions"];
@@ -459,6 +460,79 @@ impl RouteStore for SqliteStore {
             return Err(StoreError::NotFound(format!("no route for hostname {hostname:?}")));
         }
         Ok(())
+    }
+}
+
+impl ModelStore for SqliteStore {
+    fn add_model(&mut self, new: NewModel<'_>) -> StoreResult<i64> {
+        let NewModel { name, sha256, bytes, spec, accuracy } = new;
+        let tx = self.conn.transaction()?;
+        tx.execute(
+            "INSERT INTO model_blobs (sha256, bytes, created_at) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
+            params![sha256, bytes, now()],
+        )?;
+        tx.execute("INSERT INTO models (name) VALUES (?1) ON CONFLICT DO NOTHING", [name])?;
+        let version: i64 =
+            tx.query_row("SELECT COALESCE(MAX(version), 0) + 1 FROM model_versions WHERE name = ?1", [name], |r| r.get(0))?;
+        tx.execute(
+            "INSERT INTO model_versions (name, version, sha256, size, spec, accuracy, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            params![name, version, sha256, bytes.len() as i64, spec, accuracy, now()],
+        )?;
+        tx.execute("UPDATE models SET active_version = ?2 WHERE name = ?1", params![name, version])?;
+        tx.commit()?;
+        Ok(version)
+    }
+
+    fn models(&mut self) -> StoreResult<Vec<ModelRow>> {
+        let mut stmt = self.conn.prepare(
+            "SELECT v.name, v.version, v.sha256, v.size, v.spec, v.accuracy, m.active_version = v.version, v.created_at
+             FROM model_versions v JOIN models m ON m.name = v.name ORDER BY v.name, v.version",
+        )?;
+        let rows = stmt.query_map([], |r| {
+            Ok(ModelRow {
+                name: r.get(0)?,
+                version: r.get(1)?,
+                sha256: r.get(2)?,
+                size: r.get(3)?,
+                spec: r.get(4)?,
+                accuracy: r.get(5)?,
+                active: r.get::<_, Option<bool>>(6)?.unwrap_or(false),
+                created_at: r.get(7)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    fn activate_model(&mut self, name: &str, version: i64) -> StoreResult<()> {
+        let tx = self.conn.transaction()?;
+        let exists: Option<i64> = tx
+            .query_row("SELECT version FROM model_versions WHERE name = ?1 AND version = ?2", params![name, version], |r| r.get(0))
+            .optional()?;
+        if exists.is_none() {
+            return Err(if tx.query_row("SELECT 1 FROM models WHERE name = ?1", [name], |_| Ok(())).optional()?.is_some() {
+                no_model_version(name, version)
+            } else {
+                no_model(name)
+            });
+        }
+        tx.execute("UPDATE models SET active_version = ?2 WHERE name = ?1", params![name, version])?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn remove_model(&mut self, name: &str) -> StoreResult<()> {
+        let tx = self.conn.transaction()?;
+        if tx.execute("DELETE FROM models WHERE name = ?1", [name])? == 0 {
+            return Err(no_model(name));
+        }
+        tx.execute("DELETE FROM model_blobs WHERE sha256 NOT IN (SELECT sha256 FROM model_versions)", [])?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn model_bytes(&mut self, sha256: &str) -> StoreResult<Vec<u8>> {
+        let bytes = self.conn.query_row("SELECT bytes FROM model_blobs WHERE sha256 = ?1", [sha256], |r| r.get(0)).optional()?;
+        checked_model(sha256, bytes)
     }
 }
 

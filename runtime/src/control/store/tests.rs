@@ -587,3 +587,33 @@ fn settings_are_kept_per_tenant_and_handler_within_the_quota_and_go_with_the_ten
         assert_eq!(s.settings(None).unwrap().len(), 1, "{kind}: deleted with the tenant");
     }
 }
+
+#[test]
+fn models_keep_versions_one_active_and_their_files_until_removed() {
+    for mut store in stores("models") {
+        let s = &mut *store;
+        let kind = s.describe();
+        let (a, b) = (b"onnx a".as_slice(), b"onnx b".as_slice());
+        let (sa, sb) = (sha256_hex(a), sha256_hex(b));
+        let g0 = s.generation().unwrap();
+        assert_eq!(s.add_model(small_model(&sa, a)).unwrap(), 1, "{kind}");
+        assert_eq!(s.add_model(small_model(&sb, b)).unwrap(), 2, "{kind}");
+        assert!(s.generation().unwrap() > g0, "{kind}: a model added is a change every node sees");
+        let active: Vec<(i64, bool)> = s.models().unwrap().iter().map(|m| (m.version, m.active)).collect();
+        assert_eq!(active, [(1, false), (2, true)], "{kind}: the newest is served");
+        s.activate_model("small", 1).unwrap();
+        let active: Vec<(i64, bool)> = s.models().unwrap().iter().map(|m| (m.version, m.active)).collect();
+        assert_eq!(active, [(1, true), (2, false)], "{kind}");
+        assert_eq!(s.model_bytes(&sb).unwrap(), b, "{kind}");
+        assert!(matches!(s.activate_model("small", 3), Err(StoreError::NotFound(m)) if m.contains("no version 3")), "{kind}");
+        assert!(matches!(s.activate_model("large", 1), Err(StoreError::NotFound(_))), "{kind}");
+        s.remove_model("small").unwrap();
+        assert!(s.models().unwrap().is_empty(), "{kind}");
+        assert!(matches!(s.model_bytes(&sa), Err(StoreError::Internal(_))), "{kind}: the file goes with its last version");
+        assert!(matches!(s.remove_model("small"), Err(StoreError::NotFound(_))), "{kind}");
+    }
+}
+
+fn small_model<'a>(sha256: &'a str, bytes: &'a [u8]) -> NewModel<'a> {
+    NewModel { name: "small", sha256, bytes, spec: "{}", accuracy: "{}" }
+}

@@ -164,7 +164,7 @@ pub fn add_to_linker<T: Send + 'static>(linker: &mut Linker<T>, get: fn(&mut T) 
 impl wit::Host for FaceDetectView<'_> {
     async fn models(&mut self) -> wasmtime::Result<Vec<wit::ModelInfo>> {
         let allowed = self.ctx.allowed;
-        Ok(self.ctx.models.iter().filter(|b| allowed.allows(&b.spec().name)).map(|b| model_info(b.spec())).collect())
+        Ok(self.ctx.models.specs().iter().filter(|spec| allowed.allows(&spec.name)).map(model_info).collect())
     }
 
     async fn infer(&mut self, model: String, input: wit::Tensor) -> wasmtime::Result<Result<Vec<wit::Tensor>, wit::Error>> {
@@ -266,6 +266,11 @@ fn to_wit_error(e: InferError) -> wit::Error {
         InferError::InvalidInput(m) => wit::Error::InvalidInput(m),
         InferError::UnknownModel(m) => wit::Error::UnknownModel(m),
         InferError::Overloaded | InferError::Backlog { .. } | InferError::ShuttingDown => wit::Error::Overloaded,
+        InferError::ModelMemory(m) => {
+            // The operator's bound, not the tenant's doing: retry later.
+            tracing::warn!(error = %m, "model not loadable under the model-memory bound");
+            wit::Error::Overloaded
+        }
         InferError::DeadlineExceeded => wit::Error::DeadlineExceeded,
         InferError::Backend(m) => {
             // The engine's own message (paths, library internals) stays in the log.
@@ -307,7 +312,7 @@ mod tests {
 
     fn models() -> Models {
         let backend = FakeBackend::new("fake", 4, Duration::ZERO, Duration::ZERO);
-        let mut models = Models::new();
+        let models = Models::new();
         models.insert(Batcher::start(vec![Box::new(backend)], &BatcherConfig::default()).unwrap());
         models
     }
