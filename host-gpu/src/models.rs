@@ -2,9 +2,11 @@
 //! its own. Some are loaded for good (pinned: the reference model a node
 //! starts with); the others are loaded on demand by a [`ModelLoader`] and
 //! unloaded, least recently used first, when the loaded ones would pass the
-//! model-memory bound. A call to a model that is not loaded waits for its
-//! load (one load however many calls wait); a model unloaded while calls
-//! are queued on it finishes them first (they hold its batcher).
+//! model-memory bound (a load reserves its bytes before it starts). A call
+//! to a model that is not loaded waits for its load (one load however many
+//! calls wait, on a thread of its own that ends whether or not they still
+//! wait); a model unloaded while calls are queued on it finishes them
+//! first (they hold its batcher), and its memory is freed when they end.
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -12,7 +14,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::{Batcher, CallOptions, InferError, InferRequest, ModelSpec, Tensor};
+use tokio::sync::watch;
+
+use crate::{BatchObserver, Batcher, CallOptions, InferError, InferRequest, ModelSpec, Tensor};
 
 /// Opens a model's engines and starts its batcher, for [`Models`] to load
 /// on demand. The host implements it (files, devices, sessions, budgets).
@@ -67,8 +71,12 @@ struct Inner {
     registry: RwLock<Registry>,
     /// Tenants' fairness weights, for models loaded later too.
     weights: Mutex<BTreeMap<String, u32>>,
+    /// Traces' observer of batches, for models loaded later too.
+    observer: Mutex<Option<Arc<dyn BatchObserver>>>,
     /// The clock of `last_used` stamps.
     epoch: EpochClock,
+    /// Numbers entries: a model replaced under its name is another entry.
+    next_id: AtomicU64,
 }
 
 struct EpochClock(Instant);
@@ -85,14 +93,23 @@ impl EpochClock {
     }
 }
 
+/// How long a model whose load failed answers that failure at once
+/// instead of loading again.
+const LOAD_RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// What a load's waiters are told when it ends: look again, or why not.
+type LoadOutcome = Option<Result<(), InferError>>;
+
 #[derive(Default)]
 struct Registry {
     entries: BTreeMap<String, Entry>,
-    /// At most this many bytes of models loaded at once (`None`: no bound).
+    /// At most this many bytes of models loaded (or loading) at once
+    /// (`None`: no bound).
     bound: Option<u64>,
 }
 
 struct Entry {
+    id: u64,
     spec: ModelSpec,
     bytes: u64,
     pinned: bool,
@@ -100,59 +117,62 @@ struct Entry {
     loaded: Option<Loaded>,
     /// Microseconds on the registry's clock of the last call.
     last_used: AtomicU64,
-    /// Held by the one call that loads the model; the others wait on it.
-    loading: Arc<tokio::sync::Mutex<()>>,
+    /// The load running now (its bytes are reserved): its waiters watch this.
+    loading: Option<watch::Receiver<LoadOutcome>>,
+    /// The last load's failure, and when.
+    failed: Option<(Instant, InferError)>,
     loads: u64,
     evictions: u64,
     last_load: Option<Duration>,
 }
 
 impl Entry {
-    fn new(spec: ModelSpec, bytes: u64, loader: Option<Arc<dyn ModelLoader>>, loaded: Option<Loaded>) -> Self {
-        Self {
-            spec,
-            bytes,
-            pinned: loader.is_none(),
-            loader,
-            loaded,
-            last_used: AtomicU64::new(0),
-            loading: Arc::default(),
-            loads: 0,
-            evictions: 0,
-            last_load: None,
-        }
+    fn holds(&self) -> bool {
+        self.loaded.is_some() || self.loading.is_some()
     }
 }
 
+/// Where a call to a model stands.
+enum Lookup {
+    Loaded(Batcher),
+    Loading(watch::Receiver<LoadOutcome>),
+}
+
 impl Registry {
-    /// Bytes of the models loaded now.
+    /// Bytes of the models loaded now or loading.
     fn used(&self) -> u64 {
-        self.entries.values().filter(|e| e.loaded.is_some()).map(|e| e.bytes).sum()
+        self.entries.values().filter(|e| e.holds()).map(|e| e.bytes).sum()
     }
 
-    /// Unloads the least recently used models but `keep` until `bytes` more fit.
-    fn make_room(&mut self, keep: &str, bytes: u64) -> Result<(), InferError> {
+    /// Unloads the least recently used models but `keep` until `bytes`
+    /// more fit, into `victims` (dropped by the caller, outside the lock);
+    /// refused, unloading nothing, when they would not fit even then.
+    fn make_room(&mut self, keep: &str, bytes: u64, victims: &mut Vec<Loaded>) -> Result<(), InferError> {
         let Some(bound) = self.bound else { return Ok(()) };
+        let fixed: u64 = self
+            .entries
+            .iter()
+            .filter(|(name, e)| e.holds() && (e.pinned || e.loading.is_some() || name.as_str() == keep))
+            .map(|(_, e)| e.bytes)
+            .sum();
+        if fixed.saturating_add(bytes) > bound {
+            return Err(InferError::ModelMemory(format!(
+                "model {keep} needs {} MiB, and the models that cannot be unloaded now (pinned or loading) hold {} of the {} MiB model-memory bound",
+                mib(bytes),
+                mib(fixed),
+                mib(bound)
+            )));
+        }
         while self.used().saturating_add(bytes) > bound {
             let victim = self
                 .entries
-                .iter()
+                .iter_mut()
                 .filter(|(name, e)| e.loaded.is_some() && !e.pinned && name.as_str() != keep)
-                .min_by_key(|(_, e)| e.last_used.load(Ordering::Relaxed))
-                .map(|(name, _)| name.clone());
-            let Some(victim) = victim else {
-                return Err(InferError::ModelMemory(format!(
-                    "model {keep} needs {} MiB, and the models that cannot be unloaded hold {} of the {} MiB model-memory bound",
-                    mib(bytes),
-                    mib(self.used()),
-                    mib(bound)
-                )));
-            };
-            if let Some(entry) = self.entries.get_mut(&victim) {
-                entry.loaded = None;
-                entry.evictions += 1;
-                tracing::info!(model = %victim, to_load = keep, "model unloaded to make room (least recently used)");
-            }
+                .min_by_key(|(_, e)| e.last_used.load(Ordering::Relaxed));
+            let Some((name, entry)) = victim else { break };
+            victims.extend(entry.loaded.take());
+            entry.evictions += 1;
+            tracing::info!(model = %name, to_load = keep, "model unloaded to make room (least recently used)");
         }
         Ok(())
     }
@@ -176,13 +196,31 @@ impl Models {
         self.inner.registry.write().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Bounds the bytes of the models loaded at once (`None`: unbounded).
-    /// Pinned models count too, but are never unloaded.
+    fn entry(&self, spec: ModelSpec, bytes: u64, loader: Option<Arc<dyn ModelLoader>>, loaded: Option<Loaded>) -> Entry {
+        Entry {
+            id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
+            spec,
+            bytes,
+            pinned: loader.is_none(),
+            loader,
+            loaded,
+            last_used: AtomicU64::new(0),
+            loading: None,
+            failed: None,
+            loads: 0,
+            evictions: 0,
+            last_load: None,
+        }
+    }
+
+    /// Bounds the bytes of the models loaded (or loading) at once (`None`:
+    /// unbounded). The models loaded for good ([`Models::insert`]) count
+    /// nothing; the others count what [`Models::insert_on_demand`] says.
     pub fn set_memory_bound(&self, bytes: Option<u64>) {
         self.write().bound = bytes;
     }
 
-    /// The bytes of the models loaded now, and the bound.
+    /// The bytes of the models loaded (or loading) now, and the bound.
     pub fn memory(&self) -> (u64, Option<u64>) {
         let registry = self.read();
         (registry.used(), registry.bound)
@@ -191,7 +229,9 @@ impl Models {
     /// Adds (or replaces) a model loaded for good, keyed by its spec's name.
     pub fn insert(&self, batcher: Batcher) {
         let spec = batcher.spec().clone();
-        self.write().entries.insert(spec.name.clone(), Entry::new(spec, 0, None, Some(Loaded::new(batcher))));
+        let entry = self.entry(spec.clone(), 0, None, Some(Loaded::new(batcher)));
+        let replaced = self.write().entries.insert(spec.name, entry);
+        drop(replaced);
     }
 
     /// Adds (or replaces) a model that `loader` loads on demand, counting
@@ -206,26 +246,34 @@ impl Models {
         loaded: Option<Loaded>,
     ) -> Result<(), InferError> {
         let name = spec.name.clone();
+        let entry = self.entry(spec, bytes, Some(loader), loaded);
         let mut registry = self.write();
-        registry.entries.remove(&name);
-        if loaded.is_some()
+        // What it replaces is dropped once the lock is released (its workers join).
+        let replaced = registry.entries.remove(&name);
+        if entry.loaded.is_some()
             && let Some(bound) = registry.bound.filter(|bound| registry.used().saturating_add(bytes) > *bound)
         {
+            let used = registry.used();
+            drop(registry);
+            drop(replaced);
             return Err(InferError::ModelMemory(format!(
                 "model {name} needs {} MiB; {} of the {} MiB model-memory bound are loaded",
                 mib(bytes),
-                mib(registry.used()),
+                mib(used),
                 mib(bound)
             )));
         }
-        registry.entries.insert(name, Entry::new(spec, bytes, Some(loader), loaded));
+        registry.entries.insert(name, entry);
+        drop(registry);
+        drop(replaced);
         Ok(())
     }
 
     /// Stops serving a model: later calls are [`InferError::UnknownModel`];
     /// calls queued already are answered. Returns whether it was served.
     pub fn remove(&self, name: &str) -> bool {
-        self.write().entries.remove(name).is_some()
+        let removed = self.write().entries.remove(name);
+        removed.is_some()
     }
 
     /// The batcher of a model, if it is loaded now.
@@ -284,6 +332,15 @@ impl Models {
         self.iter().map(|batcher| batcher.remove_tenant(tenant)).sum()
     }
 
+    /// Has `observer` watch every model's batches, those loaded later too
+    /// (see [`Batcher::observe`]).
+    pub fn observe(&self, observer: Arc<dyn BatchObserver>) {
+        *self.inner.observer.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&observer));
+        for batcher in self.iter() {
+            batcher.observe(Arc::clone(&observer));
+        }
+    }
+
     /// Runs one sample through the named model.
     pub async fn infer(&self, model: &str, request: InferRequest) -> Result<Vec<Tensor>, InferError> {
         self.infer_with(model, request, CallOptions::default()).await
@@ -296,66 +353,115 @@ impl Models {
     }
 
     /// The batcher of a model, loading it (and unloading others to make
-    /// room) when it is not loaded.
+    /// room) when it is not loaded. The load runs on a thread of its own
+    /// and ends whether or not its callers still wait.
     pub async fn batcher(&self, name: &str) -> Result<Batcher, InferError> {
-        let gate = match self.loaded_or_gate(name)? {
-            Ok(batcher) => return Ok(batcher),
-            Err(gate) => gate,
-        };
-        let _loading = gate.lock().await;
-        let loader = match self.loaded_or_gate(name)? {
-            Ok(batcher) => return Ok(batcher),
-            Err(_) => self.read().entries.get(name).and_then(|e| e.loader.clone()),
-        };
-        let loader = loader.ok_or_else(|| InferError::UnknownModel(name.to_owned()))?;
-        let started = Instant::now();
-        let loaded = load_on_thread(name, loader).await?;
-        self.install(name, loaded, started.elapsed())
+        // A model unloaded or replaced (another version) between its load
+        // and the look that follows is looked up again; a few times at most.
+        for _ in 0..3 {
+            let mut loading = match self.lookup(name)? {
+                Lookup::Loaded(batcher) => return Ok(batcher),
+                Lookup::Loading(loading) => loading,
+            };
+            let outcome = loading.wait_for(Option::is_some).await.map(|outcome| outcome.clone());
+            match outcome {
+                Ok(Some(Err(e))) => return Err(e),
+                Ok(_) => continue,
+                Err(_) => return Err(InferError::Backend(format!("loading model {name}: the load ended without an answer"))),
+            }
+        }
+        Err(InferError::Overloaded)
     }
 
-    /// The model's batcher when loaded, else the gate its loads pass.
-    fn loaded_or_gate(&self, name: &str) -> Result<Result<Batcher, Arc<tokio::sync::Mutex<()>>>, InferError> {
-        let registry = self.read();
+    /// The model's batcher when loaded, else the load to wait for (started
+    /// here when none runs).
+    fn lookup(&self, name: &str) -> Result<Lookup, InferError> {
+        {
+            let registry = self.read();
+            let entry = registry.entries.get(name).ok_or_else(|| InferError::UnknownModel(name.to_owned()))?;
+            entry.last_used.store(self.inner.epoch.now(), Ordering::Relaxed);
+            if let Some(loaded) = &entry.loaded {
+                return Ok(Lookup::Loaded(loaded.batcher.clone()));
+            }
+            if let Some(loading) = &entry.loading {
+                return Ok(Lookup::Loading(loading.clone()));
+            }
+        }
+        let mut victims = Vec::new();
+        let started = self.start_load(&mut self.write(), name, &mut victims);
+        drop(victims);
+        started
+    }
+
+    /// Starts loading `name` under the registry's lock, its bytes reserved
+    /// (others unloaded into `victims` to make room).
+    fn start_load(&self, registry: &mut Registry, name: &str, victims: &mut Vec<Loaded>) -> Result<Lookup, InferError> {
         let entry = registry.entries.get(name).ok_or_else(|| InferError::UnknownModel(name.to_owned()))?;
-        entry.last_used.store(self.inner.epoch.now(), Ordering::Relaxed);
-        Ok(match &entry.loaded {
-            Some(loaded) => Ok(loaded.batcher.clone()),
-            None => Err(Arc::clone(&entry.loading)),
-        })
+        if let Some(loaded) = &entry.loaded {
+            return Ok(Lookup::Loaded(loaded.batcher.clone()));
+        }
+        if let Some(loading) = &entry.loading {
+            return Ok(Lookup::Loading(loading.clone()));
+        }
+        if let Some((at, failure)) = &entry.failed
+            && at.elapsed() < LOAD_RETRY_AFTER
+        {
+            return Err(failure.clone());
+        }
+        let (id, bytes) = (entry.id, entry.bytes);
+        let loader = entry.loader.clone().ok_or_else(|| InferError::UnknownModel(name.to_owned()))?;
+        registry.make_room(name, bytes, victims)?;
+        let (done, loading) = watch::channel(None);
+        let (models, owned) = (self.clone(), name.to_owned());
+        std::thread::Builder::new()
+            .name(format!("load-{name}"))
+            .spawn(move || {
+                let started = Instant::now();
+                let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loader.load()))
+                    .unwrap_or_else(|_| Err("the loader panicked".to_owned()));
+                let _ = done.send(Some(models.finish_load(&owned, id, loaded, started.elapsed())));
+            })
+            .map_err(|e| InferError::Backend(format!("cannot start a thread to load model {name}: {e}")))?;
+        if let Some(entry) = registry.entries.get_mut(name) {
+            entry.loading = Some(loading.clone());
+        }
+        Ok(Lookup::Loading(loading))
     }
 
-    /// Records a model loaded on demand, making room for it.
-    fn install(&self, name: &str, loaded: Loaded, took: Duration) -> Result<Batcher, InferError> {
-        for (tenant, weight) in self.inner.weights.lock().unwrap_or_else(PoisonError::into_inner).iter() {
-            loaded.batcher.set_tenant_weight(tenant, *weight);
+    /// Records how a load ended, if its entry is still the one it loaded
+    /// (a model replaced or removed meanwhile drops what was loaded).
+    fn finish_load(&self, name: &str, id: u64, loaded: Result<Loaded, String>, took: Duration) -> Result<(), InferError> {
+        if let Ok(loaded) = &loaded {
+            for (tenant, weight) in self.inner.weights.lock().unwrap_or_else(PoisonError::into_inner).iter() {
+                loaded.batcher.set_tenant_weight(tenant, *weight);
+            }
+            if let Some(observer) = self.inner.observer.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+                loaded.batcher.observe(Arc::clone(observer));
+            }
         }
         let mut registry = self.write();
-        let bytes = registry.entries.get(name).ok_or_else(|| InferError::UnknownModel(name.to_owned()))?.bytes;
-        registry.make_room(name, bytes)?;
-        let entry = registry.entries.get_mut(name).ok_or_else(|| InferError::UnknownModel(name.to_owned()))?;
-        let batcher = loaded.batcher.clone();
-        entry.spec = batcher.spec().clone();
-        entry.loaded = Some(loaded);
-        entry.loads += 1;
-        entry.last_load = Some(took);
-        tracing::info!(model = name, took_ms = took.as_millis(), "model loaded on demand");
-        Ok(batcher)
-    }
-}
-
-/// Runs `loader` on a thread of its own (it blocks: files, sessions).
-async fn load_on_thread(name: &str, loader: Arc<dyn ModelLoader>) -> Result<Loaded, InferError> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name(format!("load-{name}"))
-        .spawn(move || {
-            let _ = tx.send(loader.load());
-        })
-        .map_err(|e| InferError::ModelMemory(format!("cannot start a thread to load model {name}: {e}")))?;
-    match rx.await {
-        Ok(Ok(loaded)) => Ok(loaded),
-        Ok(Err(e)) => Err(InferError::Backend(format!("loading model {name}: {e}"))),
-        Err(_) => Err(InferError::Backend(format!("loading model {name}: the loader panicked"))),
+        let Some(entry) = registry.entries.get_mut(name).filter(|e| e.id == id) else {
+            drop(registry);
+            drop(loaded);
+            return Ok(());
+        };
+        entry.loading = None;
+        match loaded {
+            Ok(loaded) => {
+                entry.spec = loaded.batcher.spec().clone();
+                entry.loaded = Some(loaded);
+                entry.loads += 1;
+                entry.last_load = Some(took);
+                tracing::info!(model = name, took_ms = took.as_millis(), "model loaded on demand");
+                Ok(())
+            }
+            Err(e) => {
+                let failure = InferError::Backend(format!("loading model {name}: {e}"));
+                entry.failed = Some((Instant::now(), failure.clone()));
+                tracing::warn!(model = name, error = %e, "model load failed");
+                Err(failure)
+            }
+        }
     }
 }
 
@@ -440,6 +546,66 @@ mod tests {
             call.await.unwrap().unwrap();
         }
         assert_eq!(loads.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_model_replaced_while_it_loads_is_served_as_replaced() {
+        let models = Models::new();
+        let first = on_demand(&models, "a", 1);
+        let call = {
+            let models = models.clone();
+            tokio::spawn(async move { models.infer("a", request()).await })
+        };
+        // While the first version loads (50 ms), another takes its place.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let second = on_demand(&models, "a", 1);
+        call.await.unwrap().unwrap();
+        assert_eq!((first.load(Ordering::SeqCst), second.load(Ordering::SeqCst)), (1, 1), "the first load was not installed");
+        let state = models.states().into_iter().find(|s| s.name == "a").unwrap();
+        assert_eq!((state.loaded, state.loads), (true, 1), "the second version is loaded, once");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_load_goes_on_when_its_caller_goes_and_loads_in_flight_count_against_the_bound() {
+        let models = Models::new();
+        models.set_memory_bound(Some(150));
+        let a = on_demand(&models, "a", 100);
+        on_demand(&models, "b", 100);
+        let call = {
+            let models = models.clone();
+            tokio::spawn(async move { models.infer("a", request()).await })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        call.abort();
+        // a's load (50 ms) holds its 100 bytes: b cannot fit beside it.
+        let err = models.infer("b", request()).await.unwrap_err();
+        assert!(matches!(&err, InferError::ModelMemory(m) if m.contains("loading")), "{err}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(loaded(&models), ["a"], "the load ended and installed a, its caller gone");
+        assert_eq!(a.load(Ordering::SeqCst), 1);
+    }
+
+    struct FailingLoader(Arc<AtomicUsize>);
+
+    impl ModelLoader for FailingLoader {
+        fn load(&self) -> Result<Loaded, String> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Err("no such file".into())
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_load_is_answered_again_without_loading_for_a_while() {
+        let models = Models::new();
+        let tries = Arc::new(AtomicUsize::new(0));
+        let spec = fake_batcher("broken").spec().clone();
+        models.insert_on_demand(spec, 1, Arc::new(FailingLoader(Arc::clone(&tries))), None).unwrap();
+        for _ in 0..3 {
+            let err = models.infer("broken", request()).await.unwrap_err();
+            assert!(matches!(&err, InferError::Backend(m) if m.contains("no such file")), "{err}");
+        }
+        assert_eq!(tries.load(Ordering::SeqCst), 1);
+        assert_eq!(models.memory().0, 0, "a failed load holds nothing");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

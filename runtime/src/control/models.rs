@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use facegate_host_gpu::{Loaded, ModelLoader, ModelSpec};
@@ -23,9 +24,6 @@ use super::keys::sha256_hex;
 use super::shared::Shared;
 use super::store::{ModelRow, NewModel, Store, StoreError, StoreResult};
 use crate::admission::models::valid_model_name;
-
-/// The largest model file the repository takes.
-pub const MAX_MODEL_BYTES: usize = 256 << 20;
 
 /// Opens model files on this node's devices (the node's engine settings:
 /// `serve::models`). The control plane knows no engine.
@@ -81,34 +79,40 @@ impl ModelRepository {
     /// few of the reference's faces (unless `force`).
     pub fn add(&self, name: &str, bytes: &[u8], force: bool) -> StoreResult<ModelAdded> {
         self.check_name(name)?;
-        if bytes.is_empty() || bytes.len() > MAX_MODEL_BYTES {
-            return Err(StoreError::Invalid(format!(
-                "a model file is 1 byte to {} MiB; this one is {} bytes",
-                MAX_MODEL_BYTES >> 20,
-                bytes.len()
-            )));
+        if bytes.is_empty() {
+            return Err(StoreError::Invalid("the body is empty: send the .onnx file".into()));
         }
         let opener = self.opener()?;
         let _adding = self.adding.try_lock().map_err(|_| StoreError::TooMany {
             code: "change_in_progress",
             message: "another model is being added on this node; retry when it is done".into(),
         })?;
+        let needs = opener.footprint(bytes.len() as u64);
+        if let (_, Some(bound)) = self.shared.models.memory()
+            && needs > bound
+        {
+            return Err(StoreError::Invalid(format!(
+                "model {name} would hold about {} MiB loaded, more than the {} MiB model-memory bound (--model-memory-mib)",
+                needs.div_ceil(1 << 20),
+                bound >> 20
+            )));
+        }
         let sha256 = sha256_hex(bytes);
-        let path = cache_file(&self.shared.data_dir, &sha256, bytes)?;
-        let examined = opener.examine(&path).map_err(|e| StoreError::Invalid(format!("model {name}: {e}")));
-        let accuracy = match examined {
+        // Examined from a file of its own, the cache's once it is stored.
+        let candidate = write_file(&self.shared.data_dir.join("models"), &format!("{sha256}.candidate"), bytes)?;
+        let _candidate = RemoveOnDrop(&candidate);
+        let accuracy = match opener.examine(&candidate) {
             Ok(accuracy) if accuracy.passes || force => accuracy,
-            refused => {
-                // A cache, named by content: a version of the same bytes fetches it again.
-                let _ = std::fs::remove_file(&path);
-                return Err(gate_refusal(name, refused?));
-            }
+            Ok(accuracy) => return Err(gate_refusal(name, accuracy)),
+            Err(e) => return Err(StoreError::Invalid(format!("model {name}: {e}"))),
         };
         let forced = !accuracy.passes;
         let spec = spec_json(&self.reference_spec()?).to_string();
         let accuracy_json = json!({ "accuracy": accuracy, "forced": forced }).to_string();
         let version = self.shared.db().add_model(NewModel { name, sha256: &sha256, bytes, spec: &spec, accuracy: &accuracy_json })?;
-        self.refresh()?;
+        // Cached here (else fetched from the store at its first call).
+        let _ = std::fs::rename(&candidate, cached_path(&self.shared.data_dir, &sha256));
+        self.refresh();
         let row = self.list()?.into_iter().find(|r| r.name == name && r.version == version).ok_or_else(|| super::store::no_model(name))?;
         tracing::info!(model = name, version, sha256 = %sha256, matched = accuracy.matched, reference = accuracy.reference, forced, "model added");
         Ok(ModelAdded { row, accuracy, forced })
@@ -127,7 +131,7 @@ impl ModelRepository {
     /// Makes `version` of `name` the one served.
     pub fn activate(&self, name: &str, version: i64) -> StoreResult<()> {
         self.shared.db().activate_model(name, version)?;
-        self.refresh()?;
+        self.refresh();
         tracing::info!(model = name, version, "model version activated");
         Ok(())
     }
@@ -135,14 +139,18 @@ impl ModelRepository {
     /// Removes a model: handlers calling it get `unknown-model` from now on.
     pub fn remove(&self, name: &str) -> StoreResult<()> {
         self.shared.db().remove_model(name)?;
-        self.refresh()?;
+        self.refresh();
         tracing::info!(model = name, "model removed");
         Ok(())
     }
 
-    /// Serves what the store holds now (after a change made here).
-    fn refresh(&self) -> StoreResult<()> {
-        reconcile(&self.shared, &mut **self.shared.db())
+    /// Serves what the store holds now, after a change made here: the
+    /// change stands whatever happens next, so a failure is logged and left
+    /// to the sync, which reconciles at its next rebuild.
+    fn refresh(&self) {
+        if let Err(e) = reconcile(&self.shared, &mut **self.shared.db()) {
+            tracing::warn!(error = %e, "model change stored; this node serves it when the store answers again");
+        }
     }
 
     fn check_name(&self, name: &str) -> StoreResult<()> {
@@ -202,8 +210,12 @@ pub fn spec_json(spec: &ModelSpec) -> Value {
 pub(super) fn reconcile(shared: &Arc<Shared>, db: &mut dyn Store) -> StoreResult<()> {
     let repository = &shared.repository;
     let Some(opener) = repository.opener.clone() else { return Ok(()) };
-    let active: BTreeMap<String, ModelRow> = db.models()?.into_iter().filter(|r| r.active).map(|r| (r.name.clone(), r)).collect();
+    // Held before the store is read: a reconcile that read before a change
+    // never applies its read after the change's own reconcile.
     let mut served = repository.served.lock().unwrap_or_else(PoisonError::into_inner);
+    let rows = db.models()?;
+    forget_unused_files(&shared.data_dir, &rows);
+    let active: BTreeMap<String, ModelRow> = rows.into_iter().filter(|r| r.active).map(|r| (r.name.clone(), r)).collect();
     served.retain(|name, sha256| {
         let keep = active.get(name).is_some_and(|row| row.sha256 == *sha256);
         if !keep {
@@ -253,8 +265,12 @@ impl ModelLoader for RepositoryLoader {
     fn load(&self) -> Result<Loaded, String> {
         let shared = self.shared.upgrade().ok_or("the node is shutting down")?;
         let path = cached_path(&shared.data_dir, &self.sha256);
-        if !path.exists() {
-            let bytes = shared.db().model_bytes(&self.sha256).map_err(|e| e.to_string())?;
+        let intact = std::fs::read(&path).is_ok_and(|bytes| sha256_hex(&bytes) == self.sha256);
+        if !intact {
+            // The compiler's connection, for bulk reads: changes, key
+            // checks and tenants' reads never wait behind a model's bytes.
+            let bytes = shared.compile_db().model_bytes(&self.sha256).map_err(|e| e.to_string())?;
+            let _ = std::fs::remove_file(&path);
             cache_file(&shared.data_dir, &self.sha256, &bytes).map_err(|e| e.to_string())?;
         }
         self.opener.load(&self.name, &path)
@@ -266,16 +282,35 @@ fn cached_path(data_dir: &Path, sha256: &str) -> PathBuf {
     data_dir.join("models").join(format!("{sha256}.onnx"))
 }
 
+/// Removes the cached files no version in `rows` names (the models
+/// removed); those of versions not served stay, for an activation.
+fn forget_unused_files(data_dir: &Path, rows: &[ModelRow]) {
+    let Ok(entries) = std::fs::read_dir(data_dir.join("models")) else { return };
+    let named: BTreeSet<&str> = rows.iter().map(|r| r.sha256.as_str()).collect();
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some(sha256) = file.to_str().and_then(|f| f.strip_suffix(".onnx")) else { continue };
+        if !named.contains(sha256) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// Writes a model file into this node's cache (a temporary file, fsynced,
 /// renamed), unless it is there; returns its path.
 fn cache_file(data_dir: &Path, sha256: &str, bytes: &[u8]) -> StoreResult<PathBuf> {
     let path = cached_path(data_dir, sha256);
-    if path.exists() {
-        return Ok(path);
-    }
-    let dir = path.parent().ok_or_else(|| StoreError::Internal(anyhow::anyhow!("no models directory")))?;
+    write_file(&data_dir.join("models"), &format!("{sha256}.onnx"), bytes)?;
+    Ok(path)
+}
+
+/// Writes `dir/name` whole or not at all: a temporary file of its own (two
+/// writers of one file each write theirs), fsynced, renamed.
+fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> StoreResult<PathBuf> {
+    static WRITES: AtomicU64 = AtomicU64::new(0);
     std::fs::create_dir_all(dir).map_err(anyhow::Error::from)?;
-    let tmp = dir.join(format!(".{sha256}.{}.tmp", std::process::id()));
+    let path = dir.join(name);
+    let tmp = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), WRITES.fetch_add(1, Ordering::Relaxed)));
     let written = (|| {
         let mut file = std::fs::File::create(&tmp)?;
         file.write_all(bytes)?;
@@ -284,7 +319,16 @@ fn cache_file(data_dir: &Path, sha256: &str, bytes: &[u8]) -> StoreResult<PathBu
     })();
     if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
-        return Err(StoreError::Internal(anyhow::anyhow!("caching model file {}: {e}", path.display())));
+        return Err(StoreError::Internal(anyhow::anyhow!("writing model file {}: {e}", path.display())));
     }
     Ok(path)
+}
+
+/// Removes a file when dropped (a candidate refused, or not renamed).
+struct RemoveOnDrop<'a>(&'a Path);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
 }

@@ -377,9 +377,7 @@ fn trace_requests(config: &ServeConfig, models: &Models) -> anyhow::Result<Traci
     let node = config.node_name();
     let tracing = Tracing::new(&config.traces, &node)?;
     if let Some(observer) = tracing.batch_observer() {
-        for batcher in models.iter() {
-            batcher.observe(Arc::clone(&observer));
-        }
+        models.observe(observer);
     }
     Ok(tracing)
 }

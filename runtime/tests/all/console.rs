@@ -284,12 +284,7 @@ fn a_tenant_deploys_starts_a_canary_and_reads_its_log_tail() {
 /// roll back, and see a non-wasm upload refused inline.
 #[test]
 fn operate_creates_a_tenant_deploys_and_rolls_back() {
-    gateway();
-    let browser = Browser::start(1280, 1400);
-    browser.open("/");
-    browser.click("#tab-operate");
-    browser.type_into("#admin-token", ADMIN_TOKEN);
-    browser.click("#admin-form button");
+    let browser = operator();
     browser.wait_for("!document.getElementById('op-body').hidden && window.facegateConsole.tenants.includes('demo')");
 
     browser.type_into("#new-tenant", "console-web");
@@ -333,17 +328,23 @@ fn operate_creates_a_tenant_deploys_and_rolls_back() {
     browser.screenshot("console-operate");
 }
 
-/// The operate view lists the node's models (`centerface` pinned), adds
-/// one to the repository through its form (the accuracy gate runs; a file
-/// that is no model is refused with the gate's words) and removes it.
-#[test]
-fn operate_lists_adds_and_removes_models() {
+/// A browser on the shared gateway's console, connected to Operate with the admin token.
+fn operator() -> Browser {
     gateway();
     let browser = Browser::start(1280, 1400);
     browser.open("/");
     browser.click("#tab-operate");
     browser.type_into("#admin-token", ADMIN_TOKEN);
     browser.click("#admin-form button");
+    browser
+}
+
+/// The operate view lists the node's models (`centerface` pinned), adds
+/// one to the repository through its form (the accuracy gate runs; a file
+/// that is no model is refused with the gate's words) and removes it.
+#[test]
+fn operate_lists_adds_and_removes_models() {
+    let browser = operator();
     browser.wait_for("window.facegateConsole.models.includes('centerface')");
     let pinned = browser.script("return [...document.querySelectorAll('#models tbody tr')].find(r => r.cells[0].textContent === 'centerface').cells[2].textContent;");
     assert_eq!(pinned, "yes, pinned");

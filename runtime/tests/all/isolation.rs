@@ -438,50 +438,10 @@ fn slow_uploads_do_not_pin_instance_slots() {
 /// before gave it 1.1–1.75× with fewer large clients.
 #[test]
 fn busy_tenants_share_device_time_whatever_their_image_sizes() {
-    let seed = harness::fresh_dir("fair-seed");
-    for tenant in ["large", "modest"] {
-        harness::install(&seed, tenant, "attack", &harness::guest("hostile"));
-    }
-    let data = harness::fresh_dir("fair-data");
-    let mut config = harness::config(data.clone(), Some(seed));
-    config.limits.timeout_ms = 30_000;
-    config.limits.max_concurrency = 16;
-    let addr = harness::start(config);
-    let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
-    let stop = AtomicBool::new(false);
-    let device_seconds = || {
-        let text = anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
-        let of = |tenant: &str| {
-            harness::metric(&text, &format!("facegate_tenant_device_seconds_total{{model=\"centerface\",tenant=\"{tenant}\"}}"))
-                .unwrap_or(0.0)
-        };
-        (of("large"), of("modest"))
-    };
-    let (before, after) = std::thread::scope(|s| {
-        // Enough clients that both tenants always have calls waiting; as
-        // many of each, so that first come, first served would give each
-        // tenant as many calls, and the large one 4× the device time.
-        for (tenant, side, clients) in [("large", 640, 8), ("modest", 320, 8)] {
-            for _ in 0..clients {
-                let (client, stop) = (client_with_key(&key(tenant)), &stop);
-                s.spawn(move || {
-                    let url = format!("http://{addr}/v1/{tenant}/attack?attack=big-tensor&side={side}");
-                    while !stop.load(Ordering::SeqCst) {
-                        let body: Value = client.get(&url).send().unwrap().json().unwrap();
-                        assert_eq!(body["outcomes"], serde_json::json!(["ok"]), "{tenant}: {body}");
-                    }
-                });
-            }
-        }
-        let _stop = StopOnDrop(&stop);
-        // Past the batch sizer's first probes, then one measured window.
-        std::thread::sleep(Duration::from_secs(3));
-        let before = device_seconds();
-        std::thread::sleep(Duration::from_secs(8));
-        (before, device_seconds())
-    });
-    let (large, modest) = (after.0 - before.0, after.1 - before.1);
-    assert!(large > 0.5 && modest > 0.5, "both tenants ran: {large:.2} s and {modest:.2} s of device time");
+    // As many clients of each, so that first come, first served would give
+    // each tenant as many calls, and the large one 4× the device time.
+    let load = [("large", "side=640"), ("modest", "side=320")];
+    let (large, modest) = device_time_of_busy_tenants("fair", load, &["centerface"]);
     let ratio = large / modest;
     assert!((0.7..1.4).contains(&ratio), "device time 640²/320² tenant: {ratio:.2} ({large:.2} s vs {modest:.2} s)");
 }
@@ -494,36 +454,48 @@ fn busy_tenants_share_device_time_whatever_their_image_sizes() {
 /// the cores the kernel gives them; device time is their measured CPU time.
 #[test]
 fn busy_tenants_calling_different_models_share_device_time() {
-    let seed = harness::fresh_dir("fair-models-seed");
-    for tenant in ["fp32", "int8"] {
+    let models = ["centerface", "centerface-int8"];
+    let load = [("fp32", "side=640&model=centerface"), ("int8", "side=640&model=centerface-int8")];
+    let (fp32, int8) = device_time_of_busy_tenants("fair-models", load, &models);
+    let ratio = fp32 / int8;
+    eprintln!("device time over 8 s, centerface tenant / centerface-int8 tenant: {ratio:.2} ({fp32:.2} s vs {int8:.2} s)");
+    assert!((0.7..1.4).contains(&ratio), "device time centerface/centerface-int8 tenant: {ratio:.2} ({fp32:.2} s vs {int8:.2} s)");
+}
+
+/// A gateway of its own where two tenants' hostile handlers each keep 8
+/// clients calling `big-tensor` with their query (`side=…&model=…`): past
+/// the batch sizer's first probes (3 s), each tenant's device time over one
+/// 8 s window, summed over `models`. Both must have run.
+fn device_time_of_busy_tenants(name: &str, load: [(&str, &str); 2], models: &[&str]) -> (f64, f64) {
+    let seed = harness::fresh_dir(&format!("{name}-seed"));
+    for (tenant, _) in load {
         harness::install(&seed, tenant, "attack", &harness::guest("hostile"));
     }
-    let data = harness::fresh_dir("fair-models-data");
+    let data = harness::fresh_dir(&format!("{name}-data"));
     let mut config = harness::config(data.clone(), Some(seed));
     config.limits.timeout_ms = 30_000;
     config.limits.max_concurrency = 16;
-    assert!(config.engine.extra_models.iter().any(|(name, _)| name == "centerface-int8"), "deploy/setup.sh makes centerface-int8");
+    for model in models {
+        let served = *model == "centerface" || config.engine.extra_models.iter().any(|(name, _)| name == model);
+        assert!(served, "{model} is not served (deploy/setup.sh makes centerface-int8)");
+    }
     let addr = harness::start(config);
     let key = |tenant: &str| std::fs::read_to_string(data.join(format!("{tenant}.key"))).unwrap().trim().to_owned();
     let stop = AtomicBool::new(false);
     let device_seconds = || {
         let text = anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
         let of = |tenant: &str| -> f64 {
-            ["centerface", "centerface-int8"]
-                .iter()
-                .filter_map(|model| {
-                    harness::metric(&text, &format!("facegate_tenant_device_seconds_total{{model=\"{model}\",tenant=\"{tenant}\"}}"))
-                })
-                .sum()
+            let series = |model: &&str| format!("facegate_tenant_device_seconds_total{{model=\"{model}\",tenant=\"{tenant}\"}}");
+            models.iter().filter_map(|model| harness::metric(&text, &series(model))).sum()
         };
-        (of("fp32"), of("int8"))
+        (of(load[0].0), of(load[1].0))
     };
     let (before, after) = std::thread::scope(|s| {
-        for (tenant, model) in [("fp32", "centerface"), ("int8", "centerface-int8")] {
+        for (tenant, query) in load {
             for _ in 0..8 {
                 let (client, stop) = (client_with_key(&key(tenant)), &stop);
                 s.spawn(move || {
-                    let url = format!("http://{addr}/v1/{tenant}/attack?attack=big-tensor&side=640&model={model}");
+                    let url = format!("http://{addr}/v1/{tenant}/attack?attack=big-tensor&{query}");
                     while !stop.load(Ordering::SeqCst) {
                         let body: Value = client.get(&url).send().unwrap().json().unwrap();
                         assert_eq!(body["outcomes"], serde_json::json!(["ok"]), "{tenant}: {body}");
@@ -537,11 +509,9 @@ fn busy_tenants_calling_different_models_share_device_time() {
         std::thread::sleep(Duration::from_secs(8));
         (before, device_seconds())
     });
-    let (fp32, int8) = (after.0 - before.0, after.1 - before.1);
-    assert!(fp32 > 0.5 && int8 > 0.5, "both tenants ran: {fp32:.2} s and {int8:.2} s of device time");
-    let ratio = fp32 / int8;
-    eprintln!("device time over 8 s, centerface tenant / centerface-int8 tenant: {ratio:.2} ({fp32:.2} s vs {int8:.2} s)");
-    assert!((0.7..1.4).contains(&ratio), "device time centerface/centerface-int8 tenant: {ratio:.2} ({fp32:.2} s vs {int8:.2} s)");
+    let (first, second) = (after.0 - before.0, after.1 - before.1);
+    assert!(first > 0.5 && second > 0.5, "both tenants ran: {first:.2} s and {second:.2} s of device time");
+    (first, second)
 }
 
 /// Large tensors (4× a 640² image's pixels, two calls a request) are served
