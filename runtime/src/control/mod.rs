@@ -27,6 +27,7 @@ pub mod compose;
 pub mod keys;
 mod live;
 pub mod models;
+mod opener;
 mod rebuild;
 mod registries;
 mod releases;
@@ -185,7 +186,7 @@ impl ControlPlane {
             pipeline: settings.pipeline,
             artifact_key: settings.artifact_key,
             secrets_key: settings.secrets_key,
-            repository: models::RepositoryServing { opener: settings.model_opener, fixed, served: Default::default() },
+            repository: opener::RepositoryServing { opener: settings.model_opener, fixed, served: Default::default() },
         });
         let artifacts = Arc::new(Artifacts::new(Arc::clone(&shared)));
         let cluster = Arc::new(Cluster::new(Arc::clone(&shared)));

@@ -21,33 +21,10 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::keys::sha256_hex;
+pub use super::opener::{Accuracy, GATE_IOU, GATE_RECALL, GATE_SCORE, ModelOpener};
 use super::shared::Shared;
 use super::store::{ModelRow, NewModel, Store, StoreError, StoreResult};
 use crate::admission::models::valid_model_name;
-
-/// Opens model files on this node's devices (the node's engine settings:
-/// `serve::models`). The control plane knows no engine.
-pub trait ModelOpener: Send + Sync {
-    /// What a model file of `file_bytes` counts against the model-memory bound.
-    fn footprint(&self, file_bytes: u64) -> u64;
-
-    /// Opens the model at `path` as `name` on every device (blocking).
-    fn load(&self, name: &str, path: &Path) -> Result<Loaded, String>;
-
-    /// Opens the model at `path` once on the CPU, checks it has the
-    /// reference's contract (input and outputs), and runs the accuracy gate.
-    fn examine(&self, path: &Path) -> Result<crate::serve::gate::Accuracy, String>;
-}
-
-/// What this node serves of the repository (in [`Shared`]).
-pub(super) struct RepositoryServing {
-    /// Opens the files; `None`: the repository is served by no one here.
-    pub opener: Option<Arc<dyn ModelOpener>>,
-    /// The models this node serves from its flags.
-    pub fixed: BTreeSet<String>,
-    /// The repository's models registered here: name → sha256.
-    pub served: Mutex<BTreeMap<String, String>>,
-}
 
 /// A model added: its row and what the gate measured.
 #[derive(Debug, Serialize)]
@@ -56,7 +33,7 @@ pub struct ModelAdded {
     #[serde(flatten)]
     pub row: ModelRow,
     /// The gate's figures.
-    pub accuracy: crate::serve::gate::Accuracy,
+    pub accuracy: Accuracy,
     /// Added though it did not pass the gate.
     pub forced: bool,
 }
@@ -183,8 +160,7 @@ impl ModelRepository {
 }
 
 /// The refusal of a model below the accuracy gate.
-fn gate_refusal(name: &str, accuracy: crate::serve::gate::Accuracy) -> StoreError {
-    use crate::serve::gate::{GATE_IOU, GATE_RECALL, GATE_SCORE};
+fn gate_refusal(name: &str, accuracy: Accuracy) -> StoreError {
     StoreError::Invalid(format!(
         "model {name} fails the accuracy gate: it finds {} of the reference's {} faces on the test photos ({:.0} %; the gate is {:.0} % \
          at IoU ≥ {GATE_IOU} and a score within {GATE_SCORE}); add it with force to serve it anyway",

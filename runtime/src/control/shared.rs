@@ -67,7 +67,7 @@ pub(super) struct Shared {
     /// Where compiles run, under their budget.
     pub compile: CompilePool,
     /// What this node serves of the model repository.
-    pub repository: super::models::RepositoryServing,
+    pub repository: super::opener::RepositoryServing,
 }
 
 impl Shared {

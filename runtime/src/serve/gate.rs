@@ -7,20 +7,14 @@
 //! least [`GATE_RECALL`] of the reference faces must be found. The same
 //! rule as `runtime/tests/all/models.rs`, where INT8 CenterFace finds 11 of 16.
 
+pub use crate::control::models::{Accuracy, GATE_IOU, GATE_RECALL, GATE_SCORE};
 use anyhow::Context;
 use facegate_guest_sdk::face_detect as sdk;
 use facegate_guest_sdk::image::{ImageLimits, decode_for_letterbox, letterbox};
 use facegate_guest_sdk::{DetectOptions, faces_from_outputs};
 use facegate_host_gpu::backend::Backend;
 use facegate_host_gpu::{ElementType, Tensor};
-use serde::{Deserialize, Serialize};
 
-/// A face of the model must overlap the reference face this much.
-pub const GATE_IOU: f64 = 0.8;
-/// … with a score at most this far from the reference face's.
-pub const GATE_SCORE: f64 = 0.1;
-/// The least share of the reference faces found.
-pub const GATE_RECALL: f64 = 0.65;
 /// The letterbox side the photos are run at (the `detect` example's default).
 const SIDE: u32 = 640;
 
@@ -30,19 +24,6 @@ const PHOTOS: [(&str, &[u8]); 3] = [
     ("astronaut.png", include_bytes!("../../tests/fixtures/images/astronaut.png")),
     ("city.jpg", include_bytes!("../../tests/fixtures/images/city.jpg")),
 ];
-
-/// What the gate measured of a model.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Accuracy {
-    /// Reference faces the model found, by the gate's rule.
-    pub matched: usize,
-    /// Faces the reference model found on the photos.
-    pub reference: usize,
-    /// `matched / reference`.
-    pub recall: f64,
-    /// Whether the recall reaches [`GATE_RECALL`].
-    pub passes: bool,
-}
 
 /// Runs the photos through `reference` and `candidate` and counts the
 /// reference faces the candidate found.
