@@ -112,7 +112,6 @@ struct Entry {
     id: u64,
     spec: ModelSpec,
     bytes: u64,
-    pinned: bool,
     loader: Option<Arc<dyn ModelLoader>>,
     loaded: Option<Loaded>,
     /// Microseconds on the registry's clock of the last call.
@@ -127,6 +126,11 @@ struct Entry {
 }
 
 impl Entry {
+    /// Loaded for good: no loader to load it again.
+    fn pinned(&self) -> bool {
+        self.loader.is_none()
+    }
+
     fn holds(&self) -> bool {
         self.loaded.is_some() || self.loading.is_some()
     }
@@ -152,7 +156,7 @@ impl Registry {
         let fixed: u64 = self
             .entries
             .iter()
-            .filter(|(name, e)| e.holds() && (e.pinned || e.loading.is_some() || name.as_str() == keep))
+            .filter(|(name, e)| e.holds() && (e.pinned() || e.loading.is_some() || name.as_str() == keep))
             .map(|(_, e)| e.bytes)
             .sum();
         if fixed.saturating_add(bytes) > bound {
@@ -167,7 +171,7 @@ impl Registry {
             let victim = self
                 .entries
                 .iter_mut()
-                .filter(|(name, e)| e.loaded.is_some() && !e.pinned && name.as_str() != keep)
+                .filter(|(name, e)| e.loaded.is_some() && !e.pinned() && name.as_str() != keep)
                 .min_by_key(|(_, e)| e.last_used.load(Ordering::Relaxed));
             let Some((name, entry)) = victim else { break };
             victims.extend(entry.loaded.take());
@@ -201,7 +205,6 @@ impl Models {
             id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
             spec,
             bytes,
-            pinned: loader.is_none(),
             loader,
             loaded,
             last_used: AtomicU64::new(0),
@@ -306,7 +309,7 @@ impl Models {
             .map(|(name, e)| ModelState {
                 name: name.clone(),
                 loaded: e.loaded.is_some(),
-                pinned: e.pinned,
+                pinned: e.pinned(),
                 bytes: e.bytes,
                 loads: e.loads,
                 evictions: e.evictions,
