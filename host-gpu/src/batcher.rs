@@ -1,22 +1,24 @@
 //! A model's dynamic batcher and device pool: callers await an async,
 //! cloneable handle; one OS thread per device pulls the next batch whenever
-//! it is free, so a slow device never holds up the queue.
+//! the device is free and it is this model's turn on it (see
+//! [`crate::arbiter`]), so a slow device never holds up the queue.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
+use crate::arbiter::{Arbiter, DeviceRate, QueueId, Slots};
 use crate::backend::{Backend, BackendError};
-use crate::backlog::{Backlog, Promise, RateSums, fits};
+use crate::backlog::{Backlog, Promise, fits};
 use crate::error::InferError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::model::ModelSpec;
 use crate::observe::{BatchMember, BatchObserver, BatchReport, CallTag};
-use crate::queue::{Entry, QueueConfig, Readiness, Reply, State, sample_cost};
+use crate::queue::{Entry, QueueConfig, Readiness, Reply, sample_cost};
 use crate::sizing::{BatchSizer, Sizing};
 use crate::tensor::Tensor;
 
@@ -80,8 +82,10 @@ pub struct InferRequest {
 }
 
 struct Shared {
-    state: Mutex<State>,
-    wake: Condvar,
+    /// Where the model's queue is kept, beside the other models' on its devices.
+    arbiter: Arbiter,
+    /// The model's queue in the arbiter.
+    id: QueueId,
     shutdown: AtomicBool,
     metrics: Metrics,
     /// The devices' pace and the work promised and running (see [`crate::backlog`]).
@@ -93,10 +97,8 @@ struct Shared {
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A worker never panics while holding the lock (backends run outside
-        // it, under catch_unwind), so a poisoned lock still holds a sound queue.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Slots> {
+        self.arbiter.lock()
     }
 }
 
@@ -107,18 +109,20 @@ struct Workers {
 
 impl Drop for Workers {
     fn drop(&mut self) {
-        {
-            // Set the flag under the lock: a worker between its shutdown
-            // check and its wait would otherwise miss the wake-up.
-            let _state = self.shared.lock();
+        // Set the flag under the lock: a worker between its shutdown check
+        // and its wait would otherwise miss the wake-up (unregister wakes
+        // every worker, and passes the devices to the other models).
+        let drained = {
+            let _slots = self.shared.lock();
             self.shared.shutdown.store(true, Ordering::SeqCst);
+            drop(_slots);
+            self.shared.arbiter.unregister(self.shared.id)
+        };
+        for entry in drained {
+            let _ = entry.reply.send(Err(InferError::ShuttingDown));
         }
-        self.shared.wake.notify_all();
         for thread in self.threads.drain(..) {
             let _ = thread.join();
-        }
-        for entry in self.shared.lock().drain() {
-            let _ = entry.reply.send(Err(InferError::ShuttingDown));
         }
     }
 }
@@ -133,8 +137,17 @@ pub struct Batcher {
 }
 
 impl Batcher {
-    /// Starts one worker thread per backend. All backends must serve the same model.
+    /// Starts one worker thread per backend, on devices of its own. All
+    /// backends must serve the same model.
     pub fn start(backends: Vec<Box<dyn Backend>>, config: &BatcherConfig) -> Result<Self, BackendError> {
+        Self::start_in(&Arbiter::new(), backends, config)
+    }
+
+    /// Starts one worker thread per backend, backend `i` on device `i` of
+    /// `arbiter`, which the other models started in it share: one batch
+    /// at a time per device, and one virtual clock for all tenants (see
+    /// [`crate::arbiter`]). All backends must serve the same model.
+    pub fn start_in(arbiter: &Arbiter, backends: Vec<Box<dyn Backend>>, config: &BatcherConfig) -> Result<Self, BackendError> {
         let first = backends.first().ok_or_else(|| BackendError("a batcher needs at least one backend".into()))?;
         let mut spec = first.spec().clone();
         if let Some(other) = backends.iter().find(|b| b.spec() != &spec) {
@@ -148,16 +161,18 @@ impl Batcher {
             max_delay: config.max_delay,
         };
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::new(queue)),
-            wake: Condvar::new(),
+            id: arbiter.register(queue, backends.len()),
+            arbiter: arbiter.clone(),
             shutdown: AtomicBool::new(false),
             metrics: Metrics::new(spec.max_batch, backends.len()),
             backlog: Backlog::new(backends.len()),
             observer: OnceLock::new(),
             model: spec.name.clone(),
         });
-        let threads = spawn_workers(&shared, backends, &spec.name, spec.max_batch, config.sizing)?;
-        let workers = Arc::new(Workers { shared: Arc::clone(&shared), threads });
+        // From here on, dropping `workers` stops the threads and leaves the arbiter.
+        let mut workers = Workers { shared: Arc::clone(&shared), threads: Vec::new() };
+        workers.threads = spawn_workers(&shared, backends, &spec.name, spec.max_batch, config.sizing)?;
+        let workers = Arc::new(workers);
         Ok(Self { shared, spec: Arc::new(spec), _workers: workers })
     }
 
@@ -177,12 +192,12 @@ impl Batcher {
     /// tenants share device time, as measured, in proportion to their
     /// weights (see [`crate::queue`]).
     pub fn set_tenant_weight(&self, tenant: &str, weight: u32) {
-        self.shared.lock().set_weight(tenant.into(), weight);
+        self.shared.arbiter.set_tenant_weight(tenant, weight);
     }
 
     /// A tenant's fairness weight: what [`Batcher::set_tenant_weight`] set, else 1.
     pub fn tenant_weight(&self, tenant: &str) -> u32 {
-        self.shared.lock().weight(tenant)
+        self.shared.arbiter.tenant_weight(tenant)
     }
 
     /// Forgets a tenant (when it is deleted): its weight and its service
@@ -193,7 +208,12 @@ impl Batcher {
     /// in a batch on a device finish normally. Returns how many calls were
     /// answered so.
     pub fn remove_tenant(&self, tenant: &str) -> usize {
-        let removed = self.shared.lock().remove_tenant(tenant);
+        let removed = {
+            let mut slots = self.shared.lock();
+            let removed = slots.parts(self.shared.id).map(|(queue, ledger)| queue.remove_tenant(ledger, tenant)).unwrap_or_default();
+            slots.ledger.forget(tenant);
+            removed
+        };
         self.shared.metrics.forget_tenant(tenant);
         let count = removed.len();
         for entry in removed {
@@ -204,12 +224,12 @@ impl Batcher {
 
     /// Calls waiting right now, all tenants together.
     pub fn queue_depth(&self) -> usize {
-        self.shared.lock().len()
+        self.shared.lock().queue(self.shared.id).map_or(0, |q| q.len())
     }
 
     /// Calls of one tenant waiting right now.
     pub fn tenant_queue_depth(&self, tenant: &str) -> usize {
-        self.shared.lock().tenant_len(tenant)
+        self.shared.lock().queue(self.shared.id).map_or(0, |q| q.tenant_len(tenant))
     }
 
     /// The batcher's counters.
@@ -222,7 +242,10 @@ impl Batcher {
     /// sharing (queued, promised to admitted requests, running) over the
     /// devices' measured pace. `None` until a device has learned its pace.
     pub fn estimate_wait(&self, tenant: &str, cost: u64) -> Option<Duration> {
-        let waiting = self.shared.lock().waiting();
+        let waiting = {
+            let slots = self.shared.lock();
+            slots.queue(self.shared.id).map(|q| q.waiting(&slots.ledger)).unwrap_or_default()
+        };
         self.shared.backlog.estimate(tenant, cost, &waiting)
     }
 
@@ -289,11 +312,14 @@ impl Batcher {
             device_us,
             tag,
         };
-        if let Err(refused) = self.shared.lock().push(entry) {
+        let mut slots = self.shared.lock();
+        let Some((queue, ledger)) = slots.parts(self.shared.id) else { return Err(InferError::ShuttingDown) };
+        if let Err(refused) = queue.push(ledger, entry) {
+            drop(slots);
             self.shared.metrics.record_overloaded();
             return Err(refused.0);
         }
-        self.shared.wake.notify_one();
+        slots.wake_one_idle();
         Ok(rx)
     }
 }
@@ -323,8 +349,11 @@ fn spawn_workers(
 fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut sizer: BatchSizer) {
     backend.on_worker_thread();
     shared.metrics.record_sizing(index, sizer.chosen(&[]), sizer.learning(&[]));
-    let mut rate = DeviceRate::default();
-    while let Some((batch, waiting)) = wait_for_batch(shared, &sizer) {
+    // The engine's first runs (warming up) are charged their estimate, and
+    // teach the device's rate nothing: a model loaded beside a warm one
+    // would otherwise pay for its own warm-up.
+    let mut warming = DeviceRate::WARM_UP;
+    while let Some((batch, waiting)) = wait_for_batch(shared, index, &sizer) {
         let shape = batch[0].input.shape().to_vec();
         sizer.note_waiting(&shape, waiting);
         let charged: Vec<(Arc<str>, u64)> = batch.iter().map(|e| (Arc::clone(&e.tenant), sample_cost(e.input.shape()))).collect();
@@ -340,9 +369,9 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
             _ => elapsed,
         };
         // A zero cost is a clock that failed (say, a pool thread gone).
-        if !cost.is_zero() {
-            charge_measured(shared, &mut rate, &charged, cost, ok);
-        }
+        let measured = (warming == 0 && !cost.is_zero()).then_some(cost);
+        warming = warming.saturating_sub(1);
+        release_device(shared, index, &charged, measured, ok);
         if ok && !cost.is_zero() {
             sizer.record(&shape, size, cost);
         }
@@ -350,70 +379,16 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
     }
 }
 
-/// A device's usual speed, in cost units ([`sample_cost`]) per second of
-/// device time, learned from its batches: it turns a batch's measured time
-/// into what each of its calls cost.
-#[derive(Debug, Default)]
-struct DeviceRate {
-    sums: RateSums,
-}
-
-impl DeviceRate {
-    /// First batches of a device (engine warm-up) teach and charge nothing.
-    #[cfg(test)]
-    const WARM_UP: u32 = RateSums::WARM_UP;
-    /// What each batch keeps of the sums before it.
-    const KEEP: f64 = 0.95;
-    /// Most a batch may be charged over its estimate: bounds what one
-    /// stalled batch (the host busy elsewhere) costs its tenants, yet
-    /// leaves calls of a shape the device runs far slower per pixel
-    /// charged for most of their time.
-    const MAX_FACTOR: f64 = 16.0;
-    /// Least a batch may be charged, as a fraction of its estimate.
-    const MIN_FACTOR: f64 = 0.25;
-
-    /// Measured over estimated cost of a batch of `estimated` cost units
-    /// that took `took`, within `MIN_FACTOR..=MAX_FACTOR`; `None` while
-    /// warming up. Learns from the batch if `learn`.
-    fn factor(&mut self, estimated: u64, took: Duration, learn: bool) -> Option<f64> {
-        let seconds = took.as_secs_f64();
-        if estimated == 0 || seconds <= 0.0 {
-            return None;
-        }
-        let units = estimated as f64;
-        if !self.sums.warm() {
-            if learn {
-                self.sums.learn(units, seconds, Self::KEEP);
-            }
-            return None;
-        }
-        // The first batch after the warm-up is its own rate.
-        let (rate_units, rate_seconds) = match self.sums.sums() {
-            Some(sums) => sums,
-            None if learn => (units, seconds),
-            None => return None,
-        };
-        if learn {
-            self.sums.learn(units, seconds, Self::KEEP);
-        }
-        let measured = seconds * rate_units / rate_seconds;
-        Some((measured / units).clamp(Self::MIN_FACTOR, Self::MAX_FACTOR))
+/// Frees the device a batch ran on, charges its calls their share of the
+/// `measured` device time (see [`Slots::charge_measured`]), and wakes the
+/// device's workers: the next batch may be another model's.
+fn release_device(shared: &Shared, device: usize, charged: &[(Arc<str>, u64)], measured: Option<Duration>, ok: bool) {
+    let mut slots = shared.lock();
+    slots.set_busy(device, false);
+    if let Some(took) = measured {
+        slots.charge_measured(device, charged, took, ok);
     }
-}
-
-/// Replaces the estimated charges of a batch that ran with its calls'
-/// shares of the measured device time `took` (see
-/// [`State::correct_charge`]). A failed batch teaches nothing and is
-/// charged at least its estimate: failing is no way to get device time
-/// cheap.
-fn charge_measured(shared: &Shared, rate: &mut DeviceRate, charged: &[(Arc<str>, u64)], took: Duration, ok: bool) {
-    let estimated: u64 = charged.iter().map(|(_, cost)| cost).sum();
-    let Some(factor) = rate.factor(estimated, took, ok) else { return };
-    let factor = if ok { factor } else { factor.max(1.0) };
-    let mut state = shared.lock();
-    for (tenant, cost) in charged {
-        state.correct_charge(tenant, *cost, (*cost as f64 * factor).round() as u64);
-    }
+    slots.wake_device(device);
 }
 
 /// CPU time used by the calling worker thread and its backend's pool
@@ -443,39 +418,55 @@ fn thread_cpu_time() -> Option<Duration> {
     None
 }
 
-/// Blocks until a batch is due (or shutdown: `None`). Answers expired calls
-/// on the way. Batches are limited to what `sizer` says pays on this device.
-/// Also returns how many calls of the batch's shape were waiting.
-fn wait_for_batch(shared: &Shared, sizer: &BatchSizer) -> Option<(Vec<Entry>, usize)> {
+/// Blocks until this model has a batch to run on `device` (or shutdown:
+/// `None`): the device is free, the model has its turn on it (see
+/// [`Slots::turn`]) and the batch is due. Answers expired calls on the way
+/// and marks the device busy. Batches are limited to what `sizer` says
+/// pays on this device. Also returns how many calls of the batch's shape
+/// were waiting.
+fn wait_for_batch(shared: &Shared, device: usize, sizer: &BatchSizer) -> Option<(Vec<Entry>, usize)> {
     let limit = |shape: &[usize]| sizer.limit(shape);
-    let mut state = shared.lock();
+    let mut slots = shared.lock();
     loop {
         if shared.shutdown.load(Ordering::SeqCst) {
             return None;
         }
         let now = Instant::now();
-        state = match state.readiness(now, limit) {
-            Readiness::Empty => shared.wake.wait(state).unwrap_or_else(|p| p.into_inner()),
-            Readiness::WaitUntil(due) => shared.wake.wait_timeout(state, due - now).unwrap_or_else(|p| p.into_inner()).0,
-            Readiness::Ready => {
-                let waiting = state.front_shape_count();
-                let formed = state.next_batch(now, limit);
-
-                let more = !state.is_empty();
-                drop(state);
-                if more {
-                    // Another idle device can start on what is left.
-                    shared.wake.notify_one();
+        let mut due = None;
+        if !slots.is_busy(device) && slots.turn(device) == Some(shared.id) {
+            let (queue, ledger) = slots.parts(shared.id)?;
+            match queue.readiness(ledger, now, limit) {
+                Readiness::Ready => {
+                    let waiting = queue.front_shape_count(ledger);
+                    let formed = queue.next_batch(ledger, now, limit);
+                    let taken = !formed.batch.is_empty();
+                    slots.set_busy(device, taken);
+                    if !taken {
+                        // Only dead calls: the device's turn may be another model's now.
+                        slots.wake_device(device);
+                    } else if slots.any_waiting() {
+                        // Another idle device can start on what is left.
+                        slots.wake_one_idle();
+                    }
+                    drop(slots);
+                    shared.metrics.record_dropped(formed.expired.len(), formed.cancelled);
+                    for entry in formed.expired {
+                        let _ = entry.reply.send(Err(InferError::DeadlineExceeded));
+                    }
+                    if taken {
+                        return Some((formed.batch, waiting));
+                    }
+                    slots = shared.lock();
+                    continue;
                 }
-                shared.metrics.record_dropped(formed.expired.len(), formed.cancelled);
-                for entry in formed.expired {
-                    let _ = entry.reply.send(Err(InferError::DeadlineExceeded));
-                }
-                if !formed.batch.is_empty() {
-                    return Some((formed.batch, waiting));
-                }
-                shared.lock()
+                Readiness::WaitUntil(at) => due = Some(at - now),
+                Readiness::Empty => {}
             }
+        }
+        let wake = slots.wake(device);
+        slots = match due {
+            Some(timeout) => wake.wait_timeout(slots, timeout).unwrap_or_else(|p| p.into_inner()).0,
+            None => wake.wait(slots).unwrap_or_else(|p| p.into_inner()),
         };
     }
 }
@@ -552,57 +543,5 @@ fn check_len(outputs: Vec<Vec<Tensor>>, expected: usize) -> Result<Vec<Vec<Tenso
         Ok(outputs)
     } else {
         Err(BackendError(format!("backend returned {} results for {expected} inputs", outputs.len())))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MS: Duration = Duration::from_millis(1);
-
-    #[test]
-    fn device_rate_charges_nothing_while_warming_up() {
-        let mut rate = DeviceRate::default();
-        for _ in 0..DeviceRate::WARM_UP {
-            assert_eq!(rate.factor(1000, 900 * MS, true), None, "a slow first run teaches nothing");
-        }
-        assert_eq!(rate.factor(1000, 10 * MS, false), None, "a failed batch teaches no rate");
-        assert_eq!(rate.factor(1000, 10 * MS, true), Some(1.0), "the first measured batch is the rate");
-        assert_eq!(rate.factor(0, 10 * MS, true), None);
-        assert_eq!(rate.factor(1000, Duration::ZERO, true), None);
-    }
-
-    #[test]
-    fn device_rate_charges_slow_batches_more_within_bounds() {
-        let mut rate = DeviceRate::default();
-        for _ in 0..DeviceRate::WARM_UP + 1 {
-            rate.factor(1000, 10 * MS, true);
-        }
-        let slow = rate.factor(1000, 20 * MS, false).unwrap();
-        assert!((slow - 2.0).abs() < 1e-9, "twice the time, twice the cost: {slow}");
-        let fast = rate.factor(1000, 5 * MS, false).unwrap();
-        assert!((fast - 0.5).abs() < 1e-9, "half the time, half the cost: {fast}");
-        assert_eq!(rate.factor(1000, 10_000 * MS, false), Some(DeviceRate::MAX_FACTOR), "a stalled batch is charged at most 16×");
-        assert_eq!(rate.factor(1000, Duration::from_micros(1), false), Some(DeviceRate::MIN_FACTOR));
-    }
-
-    #[test]
-    fn device_rate_weighs_batches_by_their_time() {
-        let mut rate = DeviceRate::default();
-        for _ in 0..DeviceRate::WARM_UP {
-            rate.factor(1000, 10 * MS, true);
-        }
-        // One long batch at 10 000 units in 400 ms, ten quick ones at 1000 in 10 ms.
-        rate.factor(10_000, 400 * MS, true);
-        for _ in 0..10 {
-            rate.factor(1000, 10 * MS, true);
-        }
-        // About 14 000 units in 0.32 s once decayed: some 43 800 units a
-        // second, so a quick batch is charged about 0.44 of its estimate (an
-        // average of the eleven batches' own rates, 93 000 units a second,
-        // would say 0.93: the quick batches would outweigh the long one).
-        let factor = rate.factor(1000, 10 * MS, false).unwrap();
-        assert!((0.42..0.46).contains(&factor), "factor {factor}");
     }
 }

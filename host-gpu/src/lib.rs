@@ -4,7 +4,8 @@
 //! backends that own devices ([`backend::Backend`]: ONNX Runtime on CPU, or
 //! CUDA / TensorRT behind features), named and opened by [`device`], a dynamic batcher per model that
 //! coalesces concurrent calls into device batches fairly across tenants
-//! ([`Batcher`]), and a registry of the models served, loaded on demand under a memory bound
+//! ([`Batcher`]), models sharing devices under one virtual clock
+//! ([`Arbiter`]), and a registry of the models served, loaded on demand under a memory bound
 //! ([`Models`]).
 //!
 //! It knows nothing of HTTP, tenants' code or wasm.
@@ -29,6 +30,7 @@
 //! ```
 
 pub mod affinity;
+pub mod arbiter;
 pub mod backend;
 pub mod backlog;
 mod batcher;
@@ -42,6 +44,7 @@ pub mod queue;
 pub mod sizing;
 mod tensor;
 
+pub use arbiter::Arbiter;
 pub use backlog::Promise;
 pub use batcher::{Batcher, BatcherConfig, CallOptions, DEFAULT_QUEUE_CAPACITY, DEFAULT_TENANT_CAPACITY, InferRequest};
 pub use device::{DeviceKind, DeviceSpec};

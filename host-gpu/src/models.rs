@@ -16,13 +16,15 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::{BatchObserver, Batcher, CallOptions, InferError, InferRequest, ModelSpec, Tensor};
+use crate::{Arbiter, BatchObserver, Batcher, CallOptions, InferError, InferRequest, ModelSpec, Tensor};
 
 /// Opens a model's engines and starts its batcher, for [`Models`] to load
 /// on demand. The host implements it (files, devices, sessions, budgets).
 pub trait ModelLoader: Send + Sync {
-    /// Loads the model. Blocking: [`Models`] calls it on a thread of its own.
-    fn load(&self) -> Result<Loaded, String>;
+    /// Loads the model, its batcher started in `arbiter` (the registry's:
+    /// see [`Models::arbiter`]). Blocking: [`Models`] calls it on a thread
+    /// of its own.
+    fn load(&self, arbiter: &Arbiter) -> Result<Loaded, String>;
 }
 
 /// A loaded model: its batcher and what the loader charged for it
@@ -69,6 +71,8 @@ pub struct Models {
 #[derive(Default)]
 struct Inner {
     registry: RwLock<Registry>,
+    /// Where every model's batcher is started: one virtual clock, the devices shared.
+    arbiter: Arbiter,
     /// Tenants' fairness weights, for models loaded later too.
     weights: Mutex<BTreeMap<String, u32>>,
     /// Traces' observer of batches, for models loaded later too.
@@ -190,6 +194,14 @@ impl Models {
     /// An empty registry, no memory bound.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Where the models' batchers are started (by the host, and by each
+    /// [`ModelLoader`]): their tenants share one virtual clock, and each
+    /// device runs the batch of the least served tenant, whatever its model
+    /// (see [`crate::arbiter`]).
+    pub fn arbiter(&self) -> &Arbiter {
+        &self.inner.arbiter
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Registry> {
@@ -416,11 +428,12 @@ impl Models {
         registry.make_room(name, bytes, victims)?;
         let (done, loading) = watch::channel(None);
         let (models, owned) = (self.clone(), name.to_owned());
+        let arbiter = self.inner.arbiter.clone();
         std::thread::Builder::new()
             .name(format!("load-{name}"))
             .spawn(move || {
                 let started = Instant::now();
-                let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loader.load()))
+                let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loader.load(&arbiter)))
                     .unwrap_or_else(|_| Err("the loader panicked".to_owned()));
                 let _ = done.send(Some(models.finish_load(&owned, id, loaded, started.elapsed())));
             })
@@ -482,17 +495,21 @@ mod tests {
     }
 
     impl ModelLoader for FakeLoader {
-        fn load(&self) -> Result<Loaded, String> {
+        fn load(&self, arbiter: &Arbiter) -> Result<Loaded, String> {
             self.loads.fetch_add(1, Ordering::SeqCst);
             // Long enough for the other calls to arrive while it loads.
             std::thread::sleep(Duration::from_millis(50));
-            Ok(Loaded::new(fake_batcher(self.name)))
+            Ok(Loaded::new(fake_batcher_in(arbiter, self.name)))
         }
     }
 
     fn fake_batcher(name: &str) -> Batcher {
+        fake_batcher_in(&Arbiter::new(), name)
+    }
+
+    fn fake_batcher_in(arbiter: &Arbiter, name: &str) -> Batcher {
         let backend = FakeBackend::new(name, 8, Duration::from_millis(1), Duration::ZERO);
-        Batcher::start(vec![Box::new(backend)], &BatcherConfig::default()).unwrap()
+        Batcher::start_in(arbiter, vec![Box::new(backend)], &BatcherConfig::default()).unwrap()
     }
 
     fn on_demand(models: &Models, name: &'static str, bytes: u64) -> Arc<AtomicUsize> {
@@ -514,7 +531,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn past_the_bound_the_least_recently_used_model_is_unloaded_and_loaded_again_on_its_next_call() {
         let models = Models::new();
-        models.insert(fake_batcher("pinned"));
+        models.insert(fake_batcher_in(models.arbiter(), "pinned"));
         models.set_memory_bound(Some(250));
         let a = on_demand(&models, "a", 100);
         let b = on_demand(&models, "b", 100);
@@ -591,7 +608,7 @@ mod tests {
     struct FailingLoader(Arc<AtomicUsize>);
 
     impl ModelLoader for FailingLoader {
-        fn load(&self) -> Result<Loaded, String> {
+        fn load(&self, _: &Arbiter) -> Result<Loaded, String> {
             self.0.fetch_add(1, Ordering::SeqCst);
             Err("no such file".into())
         }

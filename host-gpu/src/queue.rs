@@ -21,22 +21,28 @@
 //! recently, then to the one queued first.
 //!
 //! The charge is an estimate when the batch is formed; once the batch has
-//! run, [`State::correct_charge`] replaces it with the call's share of the
+//! run, [`Ledger::correct_charge`] replaces it with the call's share of the
 //! measured device time, so what busy tenants share is device time as
 //! measured, not as estimated.
 //!
 //! Service is compared, not banked: a tenant that starts waiting is raised
-//! to the least service of those already waiting (the queue's clock), so
-//! idle time earns no burst later, and it keeps what it had if that was
-//! more, so draining its queue does not forgive what it was ahead. This
-//! holds however the batch limit of each shape differs: a tenant whose
-//! device takes one small sample per batch gets batch after batch until it
-//! has caught up, not one batch per neighbour's full batch.
+//! to the least service of those already waiting (the clock), so idle time
+//! earns no burst later, and it keeps what it had if that was more, so
+//! draining its queue does not forgive what it was ahead. This holds
+//! however the batch limit of each shape differs: a tenant whose device
+//! takes one small sample per batch gets batch after batch until it has
+//! caught up, not one batch per neighbour's full batch.
+//!
+//! Service, weights and the clock are kept in a [`Ledger`] apart from the
+//! [`Queue`]s of calls: the models sharing a set of devices share one
+//! ledger (see [`crate::arbiter`]), so a tenant's calls to every model
+//! count towards one service, and the queue whose picking tenant is served
+//! least ([`Queue::priority`]) has the device next.
 //!
 //! Expired and cancelled calls are dropped before they can reach a device.
 //! Capacity is bounded globally and per tenant: a full queue refuses at once.
-//! [`State::remove_tenant`] forgets a tenant entirely (weight, service,
-//! waiting calls) and hands back its waiting calls.
+//! [`Queue::remove_tenant`] hands back a tenant's waiting calls and
+//! [`Ledger::forget`] forgets its weight and service.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -135,7 +141,7 @@ pub enum Readiness {
     Ready,
 }
 
-/// The outcome of [`State::next_batch`].
+/// The outcome of [`Queue::next_batch`].
 #[derive(Debug, Default)]
 pub struct Formed {
     /// Calls to run together, all of one input shape.
@@ -146,46 +152,140 @@ pub struct Formed {
     pub cancelled: usize,
 }
 
-/// What the queue remembers of a tenant between its calls.
+/// What the ledger remembers of a tenant between its calls.
 #[derive(Debug, Clone, Copy, Default)]
 struct Account {
     /// Cost of the calls it has had run, over its weight (× [`SERVICE_SCALE`]).
     service: u128,
-    /// When it last took a call ([`State::turns`]): breaks ties in service.
+    /// When it last took a call ([`Ledger::turns`]): breaks ties in service.
     last_turn: u64,
 }
 
-/// The queue of one model.
+/// Where a tenant stands against the others: its service, then when it
+/// last took a call. The least is served first.
+pub type Standing = (u128, u64);
+
+/// The tenants' accounts, shared by the queues of every model on a set of
+/// devices (see [`crate::arbiter`]): one virtual clock, so a tenant busy on
+/// two models is as served as one busy on one, not twice.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    /// Service of every tenant seen (until it is removed).
+    accounts: HashMap<Arc<str>, Account>,
+    weights: HashMap<Arc<str>, u32>,
+    /// For each tenant with calls waiting, in how many queues.
+    waiting: HashMap<Arc<str>, usize>,
+    /// The least service of the waiting tenants, as last seen: never goes back.
+    clock: u128,
+    /// Calls taken so far, all queues together (orders [`Account::last_turn`]).
+    turns: u64,
+}
+
+impl Ledger {
+    /// Sets a tenant's share: with weights 3 and 1, two busy tenants get
+    /// three times the device time (by [`sample_cost`]) to one. Zero is
+    /// treated as 1.
+    pub fn set_weight(&mut self, tenant: Arc<str>, weight: u32) {
+        self.weights.insert(tenant, weight.max(1));
+    }
+
+    /// A tenant's weight: what [`Ledger::set_weight`] set, else 1.
+    pub fn weight(&self, tenant: &str) -> u32 {
+        self.weights.get(tenant).copied().unwrap_or(1)
+    }
+
+    /// Where `tenant` stands (see [`Standing`]).
+    pub fn standing(&self, tenant: &str) -> Standing {
+        self.accounts.get(tenant).map(|a| (a.service, a.last_turn)).unwrap_or_default()
+    }
+
+    /// What a call of `cost` adds to the service of a tenant of `weight`
+    /// (rounded up, so no call is free).
+    fn charge(cost: u64, weight: u32) -> u128 {
+        (u128::from(cost) * SERVICE_SCALE).div_ceil(u128::from(weight.max(1)))
+    }
+
+    /// A queue now holds calls of `tenant`. If no other queue did, the
+    /// tenant starts waiting: no less served than those already waiting.
+    fn start_waiting(&mut self, tenant: &Arc<str>) {
+        let queues = self.waiting.entry(Arc::clone(tenant)).or_default();
+        *queues += 1;
+        if *queues == 1 {
+            let account = self.accounts.entry(Arc::clone(tenant)).or_default();
+            account.service = account.service.max(self.clock);
+        }
+    }
+
+    /// A queue no longer holds calls of `tenant`.
+    fn stop_waiting(&mut self, tenant: &str) {
+        if let Some(queues) = self.waiting.get_mut(tenant) {
+            *queues -= 1;
+            if *queues == 0 {
+                self.waiting.remove(tenant);
+            }
+        }
+    }
+
+    /// Moves the clock up to the least service of the waiting tenants.
+    fn advance_clock(&mut self) {
+        let least = self.waiting.keys().filter_map(|t| self.accounts.get(t)).map(|a| a.service).min();
+        if let Some(least) = least {
+            self.clock = self.clock.max(least);
+        }
+    }
+
+    /// Charges `tenant` a call of `cost` taken now.
+    pub(crate) fn take_turn(&mut self, tenant: &Arc<str>, cost: u64) {
+        self.turns += 1;
+        let charge = Self::charge(cost, self.weight(tenant));
+        let account = self.accounts.entry(Arc::clone(tenant)).or_default();
+        account.service = account.service.saturating_add(charge);
+        account.last_turn = self.turns;
+    }
+
+    /// Corrects the charge of a call that has run: its tenant was charged
+    /// `estimated` cost units when the batch was formed, and the device's
+    /// measurement of the batch says the call took `measured`. So busy
+    /// tenants share measured device time, wherever the pixel estimate is
+    /// off (a shape the device runs slowly, batches it runs small, a model
+    /// faster than another). A tenant removed meanwhile is skipped.
+    pub fn correct_charge(&mut self, tenant: &str, estimated: u64, measured: u64) {
+        let weight = self.weight(tenant);
+        let Some(account) = self.accounts.get_mut(tenant) else { return };
+        let (estimated, measured) = (Self::charge(estimated, weight), Self::charge(measured, weight));
+        account.service = if measured >= estimated {
+            account.service.saturating_add(measured - estimated)
+        } else {
+            account.service.saturating_sub(estimated - measured)
+        };
+        self.advance_clock();
+    }
+
+    /// Forgets a tenant's weight and service (a tenant of the same name
+    /// added later starts at weight 1, level with those waiting).
+    pub fn forget(&mut self, tenant: &str) {
+        self.weights.remove(tenant);
+        self.accounts.remove(tenant);
+        self.advance_clock();
+    }
+}
+
+/// The queue of one model: its tenants' waiting calls. Where each tenant
+/// stands is the [`Ledger`]'s, passed to each method that needs it.
 #[derive(Debug)]
-pub struct State {
+pub struct Queue {
     config: QueueConfig,
     /// Waiting calls of each tenant that has some.
     tenants: HashMap<Arc<str>, VecDeque<Entry>>,
     /// Tenants with waiting calls, in the order they started waiting.
     order: VecDeque<Arc<str>>,
-    /// Service of every tenant seen (until it is removed).
-    accounts: HashMap<Arc<str>, Account>,
-    weights: HashMap<Arc<str>, u32>,
-    /// The least service of the waiting tenants, as last seen: never goes back.
-    clock: u128,
-    /// Calls taken so far (orders [`Account::last_turn`]).
-    turns: u64,
     len: usize,
 }
 
-impl State {
+impl Queue {
     /// An empty queue.
     pub fn new(config: QueueConfig) -> Self {
-        Self {
-            config,
-            tenants: HashMap::new(),
-            order: VecDeque::new(),
-            accounts: HashMap::new(),
-            weights: HashMap::new(),
-            clock: 0,
-            turns: 0,
-            len: 0,
-        }
+        Self { config, tenants: HashMap::new(), order: VecDeque::new(), len: 0 }
     }
 
     /// The queue's limits.
@@ -210,51 +310,33 @@ impl State {
 
     /// The cost units waiting for each tenant that has calls waiting, with
     /// its weight: what [`crate::backlog`] estimates a new call's wait from.
-    pub fn waiting(&self) -> Vec<(Arc<str>, crate::backlog::Pending)> {
+    pub fn waiting(&self, ledger: &Ledger) -> Vec<(Arc<str>, crate::backlog::Pending)> {
         let cost = |queue: &VecDeque<Entry>| queue.iter().map(|e| sample_cost(e.input.shape())).fold(0u64, u64::saturating_add);
         self.tenants
             .iter()
-            .map(|(tenant, queue)| (Arc::clone(tenant), crate::backlog::Pending { queued: cost(queue), weight: self.weight(tenant) }))
+            .map(|(tenant, queue)| (Arc::clone(tenant), crate::backlog::Pending { queued: cost(queue), weight: ledger.weight(tenant) }))
             .collect()
     }
 
-    /// Sets a tenant's share: with weights 3 and 1, two busy tenants get
-    /// three times the device time (by [`sample_cost`]) to one. Zero is
-    /// treated as 1.
-    pub fn set_weight(&mut self, tenant: Arc<str>, weight: u32) {
-        self.weights.insert(tenant, weight.max(1));
-    }
-
-    /// A tenant's weight: what [`State::set_weight`] set, else 1.
-    pub fn weight(&self, tenant: &str) -> u32 {
-        self.weights.get(tenant).copied().unwrap_or(1)
-    }
-
-    /// What a call of `cost` adds to the service of a tenant of `weight`
-    /// (rounded up, so no call is free).
-    fn charge(cost: u64, weight: u32) -> u128 {
-        (u128::from(cost) * SERVICE_SCALE).div_ceil(u128::from(weight.max(1)))
-    }
-
-    /// Forgets a tenant: its weight (a tenant of the same name added later
-    /// starts at weight 1), its service and its waiting calls. Returns its
-    /// waiting calls, unanswered, for the caller to answer.
-    pub fn remove_tenant(&mut self, tenant: &str) -> Vec<Entry> {
-        self.weights.remove(tenant);
-        self.accounts.remove(tenant);
+    /// Hands back a tenant's waiting calls, unanswered, for the caller to
+    /// answer (forgetting its account is [`Ledger::forget`]).
+    pub fn remove_tenant(&mut self, ledger: &mut Ledger, tenant: &str) -> Vec<Entry> {
         let removed: Vec<Entry> = self.tenants.remove(tenant).map(Vec::from).unwrap_or_default();
+        if self.order.iter().any(|t| &**t == tenant) {
+            ledger.stop_waiting(tenant);
+        }
         self.len -= removed.len();
         self.order.retain(|t| &**t != tenant);
-        self.advance_clock();
+        ledger.advance_clock();
         removed
     }
 
     /// Queues a call, or hands it back with `Overloaded` when the queue or
     /// the tenant's share of it is full.
-    pub fn push(&mut self, entry: Entry) -> Result<(), Box<(InferError, Entry)>> {
+    pub fn push(&mut self, ledger: &mut Ledger, entry: Entry) -> Result<(), Box<(InferError, Entry)>> {
         if self.is_full_for(&entry.tenant) {
             // Calls whose callers went away still hold space: reclaim it first.
-            self.purge_cancelled();
+            self.purge_cancelled(ledger);
             if self.is_full_for(&entry.tenant) {
                 return Err(Box::new((InferError::Overloaded, entry)));
             }
@@ -262,9 +344,7 @@ impl State {
         let tenant = Arc::clone(&entry.tenant);
         let queue = self.tenants.entry(Arc::clone(&tenant)).or_default();
         if queue.is_empty() {
-            // Starts waiting: no less served than those already waiting.
-            let account = self.accounts.entry(Arc::clone(&tenant)).or_default();
-            account.service = account.service.max(self.clock);
+            ledger.start_waiting(&tenant);
             self.order.push_back(tenant);
         }
         queue.push_back(entry);
@@ -277,41 +357,37 @@ impl State {
     }
 
     /// Drops calls whose callers went away; returns how many.
-    fn purge_cancelled(&mut self) -> usize {
+    fn purge_cancelled(&mut self, ledger: &mut Ledger) -> usize {
         let before = self.len;
         for queue in self.tenants.values_mut() {
             queue.retain(|e| !e.is_cancelled());
         }
         self.len = self.tenants.values().map(VecDeque::len).sum();
-        self.forget_empty_tenants();
+        self.forget_empty_tenants(ledger);
         before - self.len
     }
 
     /// Removes tenants left without calls from the waiting set (their
     /// service is kept), and moves the clock on.
-    fn forget_empty_tenants(&mut self) {
-        self.tenants.retain(|_, q| !q.is_empty());
+    fn forget_empty_tenants(&mut self, ledger: &mut Ledger) {
+        let emptied: Vec<Arc<str>> = self.tenants.iter().filter(|(_, q)| q.is_empty()).map(|(t, _)| Arc::clone(t)).collect();
+        for tenant in &emptied {
+            self.tenants.remove(tenant);
+            ledger.stop_waiting(tenant);
+        }
         let tenants = &self.tenants;
         self.order.retain(|t| tenants.contains_key(t));
-        self.advance_clock();
-    }
-
-    /// Moves the clock up to the least service of the waiting tenants.
-    fn advance_clock(&mut self) {
-        let least = self.order.iter().filter_map(|t| self.accounts.get(t)).map(|a| a.service).min();
-        if let Some(least) = least {
-            self.clock = self.clock.max(least);
-        }
+        ledger.advance_clock();
     }
 
     /// Whether a batch should be taken now (see [`QueueConfig::max_delay`]);
     /// `limit` gives the largest batch wanted for an input shape (it is
     /// capped at `max_batch`), so a held batch goes as soon as it is that full.
-    pub fn readiness(&self, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Readiness {
+    pub fn readiness(&self, ledger: &Ledger, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Readiness {
         let Some(oldest) = self.tenants.values().filter_map(|q| q.front()).map(|e| e.enqueued).min() else {
             return Readiness::Empty;
         };
-        if self.config.max_delay.is_zero() || self.front_shape_count() >= self.cap(limit) {
+        if self.config.max_delay.is_zero() || self.front_shape_count(ledger) >= self.cap(ledger, limit) {
             return Readiness::Ready;
         }
         let due = oldest + self.config.max_delay;
@@ -319,32 +395,33 @@ impl State {
     }
 
     /// The batch size to fill for the next batch's shape: `limit`'s, within 1..=max_batch.
-    fn cap(&self, limit: impl Fn(&[usize]) -> usize) -> usize {
-        let wanted = self.next_shape().map_or(self.config.max_batch, |shape| limit(&shape));
+    fn cap(&self, ledger: &Ledger, limit: impl Fn(&[usize]) -> usize) -> usize {
+        let wanted = self.picker(ledger).map_or(self.config.max_batch, |(_, shape)| limit(&shape));
         wanted.clamp(1, self.config.max_batch.max(1))
     }
 
     /// The waiting tenant served least whose queue `fits` accepts: least
     /// service, then least recent turn, then first to start waiting.
-    fn least_served(&self, fits: impl Fn(&Arc<str>, &VecDeque<Entry>) -> bool) -> Option<Arc<str>> {
-        self.order
-            .iter()
-            .filter(|t| self.tenants.get(*t).is_some_and(|q| fits(t, q)))
-            .min_by_key(|t| self.accounts.get(*t).map(|a| (a.service, a.last_turn)).unwrap_or_default())
-            .cloned()
+    fn least_served(&self, ledger: &Ledger, fits: impl Fn(&Arc<str>, &VecDeque<Entry>) -> bool) -> Option<Arc<str>> {
+        self.order.iter().filter(|t| self.tenants.get(*t).is_some_and(|q| fits(t, q))).min_by_key(|t| ledger.standing(t)).cloned()
     }
 
     /// The tenant whose oldest call picks the next batch's shape (the one
     /// served least), and that shape.
-    fn picker(&self) -> Option<(Arc<str>, Vec<usize>)> {
-        let tenant = self.least_served(|_, _| true)?;
+    fn picker(&self, ledger: &Ledger) -> Option<(Arc<str>, Vec<usize>)> {
+        let tenant = self.least_served(ledger, |_, _| true)?;
         let shape = self.tenants.get(&tenant)?.front()?.input.shape().to_vec();
         Some((tenant, shape))
     }
 
-    /// The next batch's shape: that of the oldest call of the tenant served least.
-    fn next_shape(&self) -> Option<Vec<usize>> {
-        self.picker().map(|(_, shape)| shape)
+    /// Where this queue's next batch stands against other queues' on a
+    /// shared device: its picking tenant's [`Standing`], then when that
+    /// tenant's oldest call here was queued (a tenant waiting on two
+    /// models has its older call run first). `None` when nothing waits.
+    pub fn priority(&self, ledger: &Ledger) -> Option<(Standing, Instant)> {
+        let tenant = self.least_served(ledger, |_, _| true)?;
+        let oldest = self.tenants.get(&tenant)?.front()?.enqueued;
+        Some((ledger.standing(&tenant), oldest))
     }
 
     /// How many of a tenant's calls a batch of `shape` may take: for the
@@ -361,62 +438,40 @@ impl State {
     }
 
     /// Calls waiting that the next batch could take.
-    pub fn front_shape_count(&self) -> usize {
-        let Some((picker, shape)) = self.picker() else { return 0 };
+    pub fn front_shape_count(&self, ledger: &Ledger) -> usize {
+        let Some((picker, shape)) = self.picker(ledger) else { return 0 };
         self.tenants.iter().map(|(tenant, queue)| Self::takeable(queue, *tenant == picker, &shape)).sum()
     }
 
     /// Takes the next batch: drops expired and cancelled calls, then fills
     /// up to `limit(shape)` (at most `max_batch`) calls of one shape, each
     /// from the tenant served least that has one it may take (see
-    /// `State::takeable`).
-    pub fn next_batch(&mut self, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Formed {
+    /// `Queue::takeable`).
+    pub fn next_batch(&mut self, ledger: &mut Ledger, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Formed {
         let mut formed = Formed::default();
-        self.drop_dead(now, &mut formed);
-        let Some((picker, shape)) = self.picker() else { return formed };
-        let cap = self.cap(limit);
+        self.drop_dead(ledger, now, &mut formed);
+        let Some((picker, shape)) = self.picker(ledger) else { return formed };
+        let cap = self.cap(ledger, limit);
         let cost = sample_cost(&shape);
         while formed.batch.len() < cap {
-            let next = self.least_served(|tenant, queue| Self::takeable(queue, *tenant == picker, &shape) > 0);
-            let Some(entry) = next.and_then(|t| self.take(&t, &shape, cost)) else { break };
+            let next = self.least_served(ledger, |tenant, queue| Self::takeable(queue, *tenant == picker, &shape) > 0);
+            let Some(entry) = next.and_then(|t| self.take(ledger, &t, &shape, cost)) else { break };
             formed.batch.push(entry);
         }
-        self.forget_empty_tenants();
+        self.forget_empty_tenants(ledger);
         formed
     }
 
     /// Takes `tenant`'s oldest call of `shape` and charges it `cost`.
-    fn take(&mut self, tenant: &Arc<str>, shape: &[usize], cost: u64) -> Option<Entry> {
+    fn take(&mut self, ledger: &mut Ledger, tenant: &Arc<str>, shape: &[usize], cost: u64) -> Option<Entry> {
         let queue = self.tenants.get_mut(tenant)?;
         let entry = queue.remove(queue.iter().position(|e| e.input.shape() == shape)?)?;
         self.len -= 1;
-        self.turns += 1;
-        let charge = Self::charge(cost, self.weight(tenant));
-        let account = self.accounts.entry(Arc::clone(tenant)).or_default();
-        account.service = account.service.saturating_add(charge);
-        account.last_turn = self.turns;
+        ledger.take_turn(tenant, cost);
         Some(entry)
     }
 
-    /// Corrects the charge of a call that has run: its tenant was charged
-    /// `estimated` cost units when the batch was formed, and the device's
-    /// measurement of the batch says the call took `measured`. So busy
-    /// tenants share measured device time, wherever the pixel estimate is
-    /// off (a shape the device runs slowly, batches it runs small). A
-    /// tenant removed meanwhile is skipped.
-    pub fn correct_charge(&mut self, tenant: &str, estimated: u64, measured: u64) {
-        let weight = self.weight(tenant);
-        let Some(account) = self.accounts.get_mut(tenant) else { return };
-        let (estimated, measured) = (Self::charge(estimated, weight), Self::charge(measured, weight));
-        account.service = if measured >= estimated {
-            account.service.saturating_add(measured - estimated)
-        } else {
-            account.service.saturating_sub(estimated - measured)
-        };
-        self.advance_clock();
-    }
-
-    fn drop_dead(&mut self, now: Instant, formed: &mut Formed) {
+    fn drop_dead(&mut self, ledger: &mut Ledger, now: Instant, formed: &mut Formed) {
         for queue in self.tenants.values_mut() {
             let before = queue.len();
             let items = std::mem::take(queue);
@@ -431,12 +486,15 @@ impl State {
             }
             self.len -= before - queue.len();
         }
-        self.forget_empty_tenants();
+        self.forget_empty_tenants(ledger);
     }
 
     /// Empties the queue (at shutdown), handing back every waiting call.
-    pub fn drain(&mut self) -> Vec<Entry> {
-        self.order.clear();
+    pub fn drain(&mut self, ledger: &mut Ledger) -> Vec<Entry> {
+        for tenant in self.order.drain(..) {
+            ledger.stop_waiting(&tenant);
+        }
+        ledger.advance_clock();
         self.len = 0;
         self.tenants.drain().flat_map(|(_, q)| q).collect()
     }
@@ -446,6 +504,53 @@ impl State {
 mod tests {
     use super::*;
     use crate::tensor::ElementType;
+
+    /// One model's queue with a ledger of its own: a batcher alone on its devices.
+    struct State {
+        ledger: Ledger,
+        queue: Queue,
+    }
+
+    impl State {
+        fn new(config: QueueConfig) -> Self {
+            Self { ledger: Ledger::default(), queue: Queue::new(config) }
+        }
+        fn push(&mut self, entry: Entry) -> Result<(), Box<(InferError, Entry)>> {
+            self.queue.push(&mut self.ledger, entry)
+        }
+        fn next_batch(&mut self, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Formed {
+            self.queue.next_batch(&mut self.ledger, now, limit)
+        }
+        fn readiness(&self, now: Instant, limit: impl Fn(&[usize]) -> usize) -> Readiness {
+            self.queue.readiness(&self.ledger, now, limit)
+        }
+        fn len(&self) -> usize {
+            self.queue.len()
+        }
+        fn is_empty(&self) -> bool {
+            self.queue.is_empty()
+        }
+        fn tenant_len(&self, tenant: &str) -> usize {
+            self.queue.tenant_len(tenant)
+        }
+        fn drain(&mut self) -> Vec<Entry> {
+            self.queue.drain(&mut self.ledger)
+        }
+        fn remove_tenant(&mut self, tenant: &str) -> Vec<Entry> {
+            let removed = self.queue.remove_tenant(&mut self.ledger, tenant);
+            self.ledger.forget(tenant);
+            removed
+        }
+        fn correct_charge(&mut self, tenant: &str, estimated: u64, measured: u64) {
+            self.ledger.correct_charge(tenant, estimated, measured);
+        }
+        fn set_weight(&mut self, tenant: Arc<str>, weight: u32) {
+            self.ledger.set_weight(tenant, weight);
+        }
+        fn weight(&self, tenant: &str) -> u32 {
+            self.ledger.weight(tenant)
+        }
+    }
 
     const SECOND: Duration = Duration::from_secs(1);
     /// No limit below `max_batch`.
@@ -784,14 +889,14 @@ mod tests {
         assert_eq!(removed.len(), 3);
         assert!(removed.iter().all(|e| &*e.tenant == "a"));
         assert_eq!((state.len(), state.tenant_len("a"), state.weight("a")), (5, 0, 1));
-        assert!(!state.tenants.contains_key("a") && !state.accounts.contains_key("a"));
-        assert!(!state.order.iter().any(|t| &**t == "a"));
+        assert!(!state.queue.tenants.contains_key("a") && !state.ledger.accounts.contains_key("a"));
+        assert!(!state.queue.order.iter().any(|t| &**t == "a"));
         assert_eq!(state.remove_tenant("nobody").len(), 0);
 
         // A new tenant of the same name starts afresh, at weight 1 and level
         // with the waiting tenant: no service owed, none held against it.
         let _a2 = push_n(&mut state, "a", 6, now);
-        assert_eq!(state.accounts["a"].service, state.accounts["b"].service);
+        assert_eq!(state.ledger.accounts["a"].service, state.ledger.accounts["b"].service);
         let mut counts = HashMap::new();
         for _ in 0..2 {
             for e in state.next_batch(now, FULL).batch {
@@ -828,7 +933,7 @@ mod tests {
         assert!((2.8..3.2).contains(&ratio), "fast/slow calls {ratio:.2} ({counts:?})");
         state.remove_tenant("slow");
         state.correct_charge("slow", QUANTUM, 3 * QUANTUM);
-        assert!(!state.accounts.contains_key("slow"), "no account comes back for a removed tenant");
+        assert!(!state.ledger.accounts.contains_key("slow"), "no account comes back for a removed tenant");
     }
 
     /// A tenant whose oldest call has a shape nobody else sends, and whose
@@ -928,5 +1033,36 @@ mod tests {
         for name in ["s1", "b", "s2"] {
             assert!((150..=170).contains(&counts[name]), "{counts:?}: a third each");
         }
+    }
+
+    /// Two models' queues sharing one ledger, served in turn by the queue
+    /// whose picking tenant is least served (as [`crate::arbiter`] does
+    /// for a device): a tenant busy on both models gets as much as a
+    /// tenant busy on one, not a share of each.
+    #[test]
+    fn a_tenant_on_two_models_is_served_as_one() {
+        let now = Instant::now();
+        let big = QueueConfig { capacity: 1000, tenant_capacity: 1000, ..config(4) };
+        let mut ledger = Ledger::default();
+        let mut queues = [Queue::new(big.clone()), Queue::new(big)];
+        let mut keep = Vec::new();
+        let mut cost = HashMap::new();
+        for _ in 0..400 {
+            for (queue, tenants) in queues.iter_mut().zip([&["both", "one"][..], &["both"][..]]) {
+                for tenant in tenants {
+                    for _ in queue.tenant_len(tenant)..8 {
+                        let (entry, rx) = call(tenant, &REF, now);
+                        queue.push(&mut ledger, entry).unwrap();
+                        keep.push(rx);
+                    }
+                }
+            }
+            let turn = (0..2).filter_map(|i| Some((queues[i].priority(&ledger)?, i))).min().unwrap().1;
+            for e in queues[turn].next_batch(&mut ledger, now, FULL).batch {
+                *cost.entry(e.tenant.to_string()).or_insert(0u64) += sample_cost(e.input.shape());
+            }
+        }
+        let ratio = cost["both"] as f64 / cost["one"] as f64;
+        assert!((0.9..1.1).contains(&ratio), "cost both/one {ratio:.2} ({cost:?})");
     }
 }

@@ -9,8 +9,8 @@ use facegate_host_gpu::backend::fake::FakeBackend;
 use facegate_host_gpu::backend::{Backend, BackendError};
 use facegate_host_gpu::metrics::MetricsSnapshot;
 use facegate_host_gpu::{
-    BatchObserver, BatchReport, Batcher, BatcherConfig, CallOptions, CallTag, ElementType, InferError, InferRequest, ModelSpec, Models,
-    Sizing, Tensor,
+    Arbiter, BatchObserver, BatchReport, Batcher, BatcherConfig, CallOptions, CallTag, ElementType, InferError, InferRequest, ModelSpec,
+    Models, Sizing, Tensor,
 };
 
 const MS: Duration = Duration::from_millis(1);
@@ -432,6 +432,50 @@ async fn device_time_is_shared_as_measured_where_pixels_mislead() {
     let (big, small, _) = shared_device_time(inner, 640 * 640 * 3, 320 * 320 * 3).await;
     let ratio = big.as_secs_f64() / small.as_secs_f64();
     assert!((0.7..1.4).contains(&ratio), "device time big/small {ratio:.2} ({big:?} vs {small:?})");
+}
+
+/// Two models on one device (a fast one, 2 ms a sample, and a slow one,
+/// 6 ms), one tenant busy on both and another on the slow one alone: each
+/// tenant gets about half the device, summed over the models. Were each
+/// model fair on its own, with the models' batches running side by side,
+/// the tenant on both would get its share of the slow model and the whole
+/// of the fast one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_on_two_models_gets_no_more_device_time_than_one_on_one() {
+    let arbiter = Arbiter::new();
+    let config = BatcherConfig { max_batch: 4, tenant_capacity: 256, sizing: Sizing::Fixed, ..Default::default() };
+    let model = |name: &str, per_sample: Duration| {
+        let backend = FakeBackend::new(name, 4, MS, per_sample);
+        Batcher::start_in(&arbiter, vec![Box::new(backend)], &config).expect("batcher starts")
+    };
+    let (fast, slow) = (model("fast", 2 * MS), model("slow", 6 * MS));
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = [("both", &fast), ("both", &slow), ("one", &slow)];
+    let clients: Vec<_> = load
+        .into_iter()
+        .flat_map(|(tenant, batcher)| std::iter::repeat_n((tenant, batcher.clone()), 8))
+        .map(|(tenant, batcher)| {
+            let stop = Arc::clone(&stop);
+            tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    batcher.infer(request(tenant, 1)).await.expect("call answered");
+                }
+            })
+        })
+        .collect();
+    let device_seconds =
+        |tenant: &str| -> f64 { [&fast, &slow].iter().map(|b| b.metrics().tenant_busy_seconds.get(tenant).copied().unwrap_or(0.0)).sum() };
+    tokio::time::sleep(300 * MS).await;
+    let before = (device_seconds("both"), device_seconds("one"));
+    tokio::time::sleep(2500 * MS).await;
+    let (both, one) = (device_seconds("both") - before.0, device_seconds("one") - before.1);
+    stop.store(true, Ordering::SeqCst);
+    for client in clients {
+        client.await.expect("client task");
+    }
+    let ratio = both / one;
+    assert!((0.75..1.33).contains(&ratio), "device time tenant on both / tenant on one: {ratio:.2} ({both:.2} s vs {one:.2} s)");
+    assert!(both + one < 2.6, "one batch at a time on the device: {:.2} s of device time in 2.5 s", both + one);
 }
 
 /// Removing a tenant answers its waiting calls at once, leaves other

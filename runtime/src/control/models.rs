@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
-use facegate_host_gpu::{Loaded, ModelLoader, ModelSpec};
+use facegate_host_gpu::{Arbiter, Loaded, ModelLoader, ModelSpec};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -238,7 +238,7 @@ struct RepositoryLoader {
 }
 
 impl ModelLoader for RepositoryLoader {
-    fn load(&self) -> Result<Loaded, String> {
+    fn load(&self, arbiter: &Arbiter) -> Result<Loaded, String> {
         let shared = self.shared.upgrade().ok_or("the node is shutting down")?;
         let path = cached_path(&shared.data_dir, &self.sha256);
         let intact = std::fs::read(&path).is_ok_and(|bytes| sha256_hex(&bytes) == self.sha256);
@@ -249,7 +249,7 @@ impl ModelLoader for RepositoryLoader {
             let _ = std::fs::remove_file(&path);
             cache_file(&shared.data_dir, &self.sha256, &bytes).map_err(|e| e.to_string())?;
         }
-        self.opener.load(&self.name, &path)
+        self.opener.load(&self.name, &path, arbiter)
     }
 }
 

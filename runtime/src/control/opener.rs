@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use facegate_host_gpu::Loaded;
+use facegate_host_gpu::{Arbiter, Loaded};
 use serde::{Deserialize, Serialize};
 
 /// A face of the model must overlap the reference face this much.
@@ -36,8 +36,9 @@ pub trait ModelOpener: Send + Sync {
     /// What a model file of `file_bytes` counts against the model-memory bound.
     fn footprint(&self, file_bytes: u64) -> u64;
 
-    /// Opens the model at `path` as `name` on every device (blocking).
-    fn load(&self, name: &str, path: &Path) -> Result<Loaded, String>;
+    /// Opens the model at `path` as `name` on every device, its batcher
+    /// started in `arbiter` (the node's registry's), blocking.
+    fn load(&self, name: &str, path: &Path, arbiter: &Arbiter) -> Result<Loaded, String>;
 
     /// Opens the model at `path` once on the CPU, checks it has the
     /// reference's contract (input and outputs), and runs the accuracy gate.

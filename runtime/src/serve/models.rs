@@ -12,7 +12,7 @@ use anyhow::Context;
 use facegate_host_gpu::backend::Backend;
 use facegate_host_gpu::backend::onnx::{ImageModelConfig, init_onnx_runtime};
 use facegate_host_gpu::device::{self, OpenOptions};
-use facegate_host_gpu::{Batcher, BatcherConfig, DeviceKind, InferError, Loaded, ModelLoader, Models};
+use facegate_host_gpu::{Arbiter, Batcher, BatcherConfig, DeviceKind, InferError, Loaded, ModelLoader, Models};
 
 use super::gate::{self, Accuracy};
 use crate::config::EngineConfig;
@@ -32,7 +32,7 @@ pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
     init_onnx_runtime(&config.onnxruntime)?;
     let models = Models::new();
     models.set_memory_bound((config.model_memory_mib > 0).then_some(config.model_memory_mib << 20));
-    models.insert(load_model(config, &ImageModelConfig::centerface(&config.model, config.max_batch))?);
+    models.insert(load_model(config, &ImageModelConfig::centerface(&config.model, config.max_batch), models.arbiter())?);
     for (name, path) in config.extra_models.iter().filter(|(name, _)| !name.is_empty()) {
         if models.contains(name) {
             anyhow::bail!("--extra-model: two models named {name}");
@@ -52,7 +52,7 @@ pub fn load_models(config: &EngineConfig) -> anyhow::Result<Models> {
 fn add_on_demand(models: &Models, config: &EngineConfig, model: ImageModelConfig) -> anyhow::Result<()> {
     let bytes = footprint(&model.path, config)?;
     let loader = Arc::new(OnnxLoader { config: config.clone(), model });
-    let loaded = loader.load().map_err(anyhow::Error::msg)?;
+    let loaded = loader.load(models.arbiter()).map_err(anyhow::Error::msg)?;
     let spec = loaded.batcher.spec().clone();
     match models.insert_on_demand(spec.clone(), bytes, Arc::clone(&loader) as Arc<dyn ModelLoader>, Some(loaded)) {
         Ok(()) => Ok(()),
@@ -103,9 +103,9 @@ impl ModelOpener for OnnxOpener {
         footprint_of(file_bytes, &self.config)
     }
 
-    fn load(&self, name: &str, path: &Path) -> Result<Loaded, String> {
+    fn load(&self, name: &str, path: &Path, arbiter: &Arbiter) -> Result<Loaded, String> {
         let model = ImageModelConfig { name: name.to_owned(), ..ImageModelConfig::centerface(path, self.config.max_batch) };
-        load_model(&self.config, &model).map(Loaded::new).map_err(|e| format!("{e:#}"))
+        load_model(&self.config, &model, arbiter).map(Loaded::new).map_err(|e| format!("{e:#}"))
     }
 
     fn examine(&self, path: &Path) -> Result<Accuracy, String> {
@@ -131,13 +131,14 @@ struct OnnxLoader {
 }
 
 impl ModelLoader for OnnxLoader {
-    fn load(&self) -> Result<Loaded, String> {
-        load_model(&self.config, &self.model).map(Loaded::new).map_err(|e| format!("{e:#}"))
+    fn load(&self, arbiter: &Arbiter) -> Result<Loaded, String> {
+        load_model(&self.config, &self.model, arbiter).map(Loaded::new).map_err(|e| format!("{e:#}"))
     }
 }
 
-/// One model's batcher over every configured device.
-fn load_model(config: &EngineConfig, model: &ImageModelConfig) -> anyhow::Result<Batcher> {
+/// One model's batcher over every configured device, started in `arbiter`
+/// (the node's: the models share the devices, one batch at a time each).
+fn load_model(config: &EngineConfig, model: &ImageModelConfig, arbiter: &Arbiter) -> anyhow::Result<Batcher> {
     let threads = config.threads_per_worker();
     let options = OpenOptions {
         cpu_workers: config.workers(),
@@ -149,7 +150,7 @@ fn load_model(config: &EngineConfig, model: &ImageModelConfig) -> anyhow::Result
     for spec in &config.devices {
         backends.extend(device::open(*spec, model, &options)?);
     }
-    let batcher = Batcher::start(backends, &batcher_config(config))?;
+    let batcher = Batcher::start_in(arbiter, backends, &batcher_config(config))?;
     for (tenant, weight) in &config.tenant_weights {
         batcher.set_tenant_weight(tenant, *weight);
     }
