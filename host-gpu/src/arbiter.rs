@@ -25,10 +25,10 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::backlog::RateSums;
-use crate::queue::{Entry, Ledger, Queue, QueueConfig};
+use crate::backlog::{Pending, RateSums};
+use crate::queue::{Entry, Ledger, Queue, QueueConfig, Readiness};
 
 /// A model's queue in its arbiter.
 pub(crate) type QueueId = u64;
@@ -133,16 +133,35 @@ impl Slots {
         Some((&mut member.queue, &mut self.ledger))
     }
 
-    /// The model whose worker should run the next batch on `device`: of the
-    /// queues with calls waiting and a worker there, the one whose picking
-    /// tenant is served least (ties: its older call, then the first model).
-    pub(crate) fn turn(&self, device: usize) -> Option<QueueId> {
-        self.queues
-            .iter()
-            .filter(|(_, m)| m.devices > device)
-            .filter_map(|(id, m)| Some((m.queue.priority(&self.ledger)?, *id)))
-            .min()
-            .map(|(_, id)| id)
+    /// The model whose worker should run the next batch on `device` at
+    /// `now`: of the queues with a worker there whose batch is due, the one
+    /// whose picking tenant is served least (ties: its older call, then the
+    /// first model); if none is due (each holds a partial batch to fill,
+    /// `max_delay`), the least served of those, which waits until it is.
+    pub(crate) fn turn(&self, device: usize, now: Instant) -> Option<QueueId> {
+        let mut due = None;
+        let mut held = None;
+        for (id, member) in self.queues.iter().filter(|(_, m)| m.devices > device) {
+            let Some(priority) = member.queue.priority(&self.ledger) else { continue };
+            let candidate = Some((priority, *id));
+            let best = if member.queue.readiness(&self.ledger, now, |_| usize::MAX) == Readiness::Ready { &mut due } else { &mut held };
+            if best.is_none() || candidate < *best {
+                *best = candidate;
+            }
+        }
+        due.or(held).map(|(_, id)| id)
+    }
+
+    /// The cost units waiting for each tenant in every queue, with its
+    /// weight: the work ahead of a new call on these devices, whatever
+    /// its model (see [`crate::backlog`]).
+    pub(crate) fn waiting(&self) -> Vec<(Arc<str>, Pending)> {
+        let mut all: HashMap<Arc<str>, Pending> = HashMap::new();
+        for (tenant, pending) in self.queues.values().flat_map(|m| m.queue.waiting(&self.ledger)) {
+            let sum = all.entry(tenant).or_insert(Pending { queued: 0, weight: pending.weight });
+            sum.queued = sum.queued.saturating_add(pending.queued);
+        }
+        all.into_iter().collect()
     }
 
     /// Whether a batch runs on `device`.
@@ -179,6 +198,14 @@ impl Slots {
     pub(crate) fn wake_device(&self, device: usize) {
         if let Some(d) = self.devices.get(device) {
             d.wake.notify_all();
+        }
+    }
+
+    /// Wakes the workers of every idle device: whose turn it is may have
+    /// changed (a batch charged, a tenant removed, calls purged).
+    pub(crate) fn wake_idle(&self) {
+        for device in self.devices.iter().filter(|d| !d.busy) {
+            device.wake.notify_all();
         }
     }
 
@@ -308,6 +335,65 @@ mod tests {
         assert!((0.42..0.46).contains(&factor), "factor {factor}");
     }
 
+    fn push(slots: &mut Slots, id: QueueId, tenant: &str, at: Instant) -> tokio::sync::oneshot::Receiver<crate::queue::Reply> {
+        use crate::tensor::{ElementType, Tensor};
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let input = Tensor::new(vec![4], ElementType::U8, vec![0; 4]).unwrap();
+        let entry = Entry {
+            tenant: tenant.into(),
+            input,
+            deadline: at + Duration::from_secs(60),
+            enqueued: at,
+            reply: tx,
+            device_us: None,
+            tag: None,
+        };
+        let (queue, ledger) = slots.parts(id).unwrap();
+        queue.push(ledger, entry).unwrap();
+        rx
+    }
+
+    /// A model holding a partial batch to fill (`max_delay`) does not keep
+    /// the device from another model whose batch is due, though its tenant
+    /// is served less; once its own batch is due, it has the device.
+    #[test]
+    fn a_held_batch_leaves_the_device_to_a_due_one() {
+        let arbiter = Arbiter::new();
+        let config = |max_delay| QueueConfig { max_batch: 4, capacity: 8, tenant_capacity: 8, max_delay };
+        let holding = arbiter.register(config(Duration::from_secs(1)), 1);
+        let eager = arbiter.register(config(Duration::ZERO), 1);
+        let now = Instant::now();
+        let mut slots = arbiter.lock();
+        let _keep = [push(&mut slots, holding, "quiet", now), push(&mut slots, eager, "busy", now)];
+        slots.ledger.take_turn(&"busy".into(), 1024);
+        assert_eq!(slots.turn(0, now), Some(eager), "the held batch is not due");
+        assert_eq!(slots.turn(0, now + Duration::from_secs(2)), Some(holding), "due, the less served tenant's model goes first");
+    }
+
+    /// A tenant removed from one model's queue while it still waits in
+    /// another's keeps its standing there (were it forgotten, it would be
+    /// the least served of all and jump the queue); the last removal
+    /// forgets it.
+    #[test]
+    fn a_tenant_is_forgotten_by_its_last_queue() {
+        let arbiter = Arbiter::new();
+        let config = QueueConfig { max_batch: 4, capacity: 8, tenant_capacity: 8, max_delay: Duration::ZERO };
+        let (a, b) = (arbiter.register(config.clone(), 1), arbiter.register(config, 1));
+        let now = Instant::now();
+        let mut slots = arbiter.lock();
+        let _keep = [push(&mut slots, a, "gone", now), push(&mut slots, b, "gone", now), push(&mut slots, b, "other", now)];
+        slots.ledger.take_turn(&"gone".into(), 4096);
+        slots.ledger.take_turn(&"other".into(), 1024);
+        let (queue, ledger) = slots.parts(a).unwrap();
+        assert_eq!(queue.remove_tenant(ledger, "gone").len(), 1);
+        ledger.forget("gone");
+        assert!(slots.ledger.standing("gone") > slots.ledger.standing("other"), "still more served than the other tenant");
+        let (queue, ledger) = slots.parts(b).unwrap();
+        assert_eq!(queue.remove_tenant(ledger, "gone").len(), 1);
+        ledger.forget("gone");
+        assert_eq!(slots.ledger.standing("gone"), (0, 0), "forgotten once no queue holds it");
+    }
+
     /// Two models on one device, each with a batch of the same size, one
     /// twice as slow: one rate for the device charges the slow one's calls
     /// twice the fast one's, as their device time says.
@@ -359,19 +445,19 @@ mod tests {
             queue.push(ledger, entry).unwrap();
             keep.push(rx);
         };
-        assert_eq!(slots.turn(0), None);
+        assert_eq!(slots.turn(0, now), None);
         push(&mut slots, a, "busy");
         push(&mut slots, b, "quiet");
         push(&mut slots, elsewhere, "other");
-        assert_eq!(slots.turn(1), Some(elsewhere), "only that model has a worker on device 1");
+        assert_eq!(slots.turn(1, now), Some(elsewhere), "only that model has a worker on device 1");
         slots.ledger.take_turn(&"busy".into(), 4 * sample_cost(&[4]));
         slots.ledger.take_turn(&"other".into(), 4 * sample_cost(&[4]));
-        assert_eq!(slots.turn(0), Some(b), "the quiet tenant's model has the device");
+        assert_eq!(slots.turn(0, now), Some(b), "the quiet tenant's model has the device");
         let drained = {
             drop(slots);
             arbiter.unregister(b)
         };
         assert_eq!(drained.len(), 1);
-        assert_eq!(arbiter.lock().turn(0), Some(a), "level in service, the busy tenant took its turn longer ago");
+        assert_eq!(arbiter.lock().turn(0, now), Some(a), "level in service, the busy tenant took its turn longer ago");
     }
 }

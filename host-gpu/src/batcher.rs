@@ -212,6 +212,8 @@ impl Batcher {
             let mut slots = self.shared.lock();
             let removed = slots.parts(self.shared.id).map(|(queue, ledger)| queue.remove_tenant(ledger, tenant)).unwrap_or_default();
             slots.ledger.forget(tenant);
+            // The devices' turns may have been this tenant's.
+            slots.wake_idle();
             removed
         };
         self.shared.metrics.forget_tenant(tenant);
@@ -242,10 +244,9 @@ impl Batcher {
     /// sharing (queued, promised to admitted requests, running) over the
     /// devices' measured pace. `None` until a device has learned its pace.
     pub fn estimate_wait(&self, tenant: &str, cost: u64) -> Option<Duration> {
-        let waiting = {
-            let slots = self.shared.lock();
-            slots.queue(self.shared.id).map(|q| q.waiting(&slots.ledger)).unwrap_or_default()
-        };
+        // The work queued for every model on these devices: it runs on
+        // them before or between this model's batches.
+        let waiting = self.shared.lock().waiting();
         self.shared.backlog.estimate(tenant, cost, &waiting)
     }
 
@@ -315,6 +316,8 @@ impl Batcher {
         let mut slots = self.shared.lock();
         let Some((queue, ledger)) = slots.parts(self.shared.id) else { return Err(InferError::ShuttingDown) };
         if let Err(refused) = queue.push(ledger, entry) {
+            // Refusing may have purged cancelled calls: the turns may have changed.
+            slots.wake_idle();
             drop(slots);
             self.shared.metrics.record_overloaded();
             return Err(refused.0);
@@ -340,7 +343,18 @@ fn spawn_workers(
             let sizer = BatchSizer::new(max_batch, sizing, !backend.runs_on_cpu());
             std::thread::Builder::new()
                 .name(format!("{model}-dev{index}"))
-                .spawn(move || worker_loop(&shared, index, backend, sizer))
+                .spawn(move || {
+                    // A worker that dies (a bug: engines run under catch_unwind)
+                    // takes its model out of the arbiter, so the model cannot
+                    // keep a device's turn with nobody to take it.
+                    if std::panic::catch_unwind(AssertUnwindSafe(|| worker_loop(&shared, index, backend, sizer))).is_err() {
+                        tracing::error!(model = %shared.model, device = index, "a device worker panicked; the model stops");
+                        shared.shutdown.store(true, Ordering::SeqCst);
+                        for entry in shared.arbiter.unregister(shared.id) {
+                            let _ = entry.reply.send(Err(InferError::ShuttingDown));
+                        }
+                    }
+                })
                 .map_err(|e| BackendError(format!("cannot start worker thread: {e}")))
         })
         .collect()
@@ -354,6 +368,7 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
     // would otherwise pay for its own warm-up.
     let mut warming = DeviceRate::WARM_UP;
     while let Some((batch, waiting)) = wait_for_batch(shared, index, &sizer) {
+        let claim = Claim { shared, device: index, released: false };
         let shape = batch[0].input.shape().to_vec();
         sizer.note_waiting(&shape, waiting);
         let charged: Vec<(Arc<str>, u64)> = batch.iter().map(|e| (Arc::clone(&e.tenant), sample_cost(e.input.shape()))).collect();
@@ -371,7 +386,7 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
         // A zero cost is a clock that failed (say, a pool thread gone).
         let measured = (warming == 0 && !cost.is_zero()).then_some(cost);
         warming = warming.saturating_sub(1);
-        release_device(shared, index, &charged, measured, ok);
+        claim.release(&charged, measured, ok);
         if ok && !cost.is_zero() {
             sizer.record(&shape, size, cost);
         }
@@ -379,16 +394,39 @@ fn worker_loop(shared: &Shared, index: usize, mut backend: Box<dyn Backend>, mut
     }
 }
 
-/// Frees the device a batch ran on, charges its calls their share of the
-/// `measured` device time (see [`Slots::charge_measured`]), and wakes the
-/// device's workers: the next batch may be another model's.
-fn release_device(shared: &Shared, device: usize, charged: &[(Arc<str>, u64)], measured: Option<Duration>, ok: bool) {
-    let mut slots = shared.lock();
-    slots.set_busy(device, false);
-    if let Some(took) = measured {
-        slots.charge_measured(device, charged, took, ok);
+/// A device a worker runs a batch on: freed by [`Claim::release`], or, if
+/// the worker unwinds before it does, when dropped, so a device is never
+/// left busy for every model.
+struct Claim<'a> {
+    shared: &'a Shared,
+    device: usize,
+    released: bool,
+}
+
+impl Claim<'_> {
+    /// Frees the device, charges the batch's calls their share of the
+    /// `measured` device time (see [`Slots::charge_measured`]), and wakes
+    /// the idle devices' workers: the charge may give any of them to
+    /// another model.
+    fn release(mut self, charged: &[(Arc<str>, u64)], measured: Option<Duration>, ok: bool) {
+        self.released = true;
+        let mut slots = self.shared.lock();
+        slots.set_busy(self.device, false);
+        if let Some(took) = measured {
+            slots.charge_measured(self.device, charged, took, ok);
+        }
+        slots.wake_idle();
     }
-    slots.wake_device(device);
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if !self.released {
+            let mut slots = self.shared.lock();
+            slots.set_busy(self.device, false);
+            slots.wake_idle();
+        }
+    }
 }
 
 /// CPU time used by the calling worker thread and its backend's pool
@@ -433,7 +471,7 @@ fn wait_for_batch(shared: &Shared, device: usize, sizer: &BatchSizer) -> Option<
         }
         let now = Instant::now();
         let mut due = None;
-        if !slots.is_busy(device) && slots.turn(device) == Some(shared.id) {
+        if !slots.is_busy(device) && slots.turn(device, now) == Some(shared.id) {
             let (queue, ledger) = slots.parts(shared.id)?;
             match queue.readiness(ledger, now, limit) {
                 Readiness::Ready => {

@@ -262,8 +262,14 @@ impl Ledger {
     }
 
     /// Forgets a tenant's weight and service (a tenant of the same name
-    /// added later starts at weight 1, level with those waiting).
+    /// added later starts at weight 1, level with those waiting), once no
+    /// queue holds calls of it: while one still does (a tenant removed
+    /// from one model's queue after another), it keeps its standing there,
+    /// and the last queue to remove it forgets it.
     pub fn forget(&mut self, tenant: &str) {
+        if self.waiting.contains_key(tenant) {
+            return;
+        }
         self.weights.remove(tenant);
         self.accounts.remove(tenant);
         self.advance_clock();
@@ -390,8 +396,11 @@ impl Queue {
         if self.config.max_delay.is_zero() || self.front_shape_count(ledger) >= self.cap(ledger, limit) {
             return Readiness::Ready;
         }
-        let due = oldest + self.config.max_delay;
-        if due <= now { Readiness::Ready } else { Readiness::WaitUntil(due) }
+        // A delay past what the clock can represent holds nothing.
+        match oldest.checked_add(self.config.max_delay) {
+            Some(due) if due > now => Readiness::WaitUntil(due),
+            _ => Readiness::Ready,
+        }
     }
 
     /// The batch size to fill for the next batch's shape: `limit`'s, within 1..=max_batch.

@@ -459,7 +459,8 @@ pub struct UsageArgs {
     /// Period of each row: minute, hour or day.
     #[arg(long, default_value = "hour", value_parser = ["minute", "hour", "day"])]
     pub by: String,
-    /// Print CSV (a header, then a row per tenant, handler, version and period).
+    /// Print CSV (a header, then a row per tenant, handler, version and
+    /// period; its last column each model's part, `name:device_us:calls;…`).
     #[arg(long)]
     pub csv: bool,
     #[command(flatten)]
@@ -1176,6 +1177,9 @@ fn print_usage(v: &Value, csv: bool) {
             .map(|((_, scale), v)| if *scale == 1.0 { format!("{v:>10}") } else { format!("{:>10.2}", v as f64 / scale) })
             .collect();
         println!("{}  {:<28}{}", utc(r.start_ms), format!("{}/{}@{}", r.tenant, r.handler, r.version), cells.join(""));
+        for (model, part) in &r.models {
+            println!("{:18}  on {model}: {:.2} device s, {} calls", "", part.device_us as f64 / 1e6, part.infer_calls);
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 //! twice and a cluster's nodes simply sum. A crash loses what was not yet
 //! written: at most one flush interval (more while the store is away).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -163,8 +163,29 @@ impl Usage {
     }
 }
 
+/// What one model did for a bucket's requests: the part of the bucket's
+/// `device_us` and `infer_calls` that ran on it (for bills by model).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelUsage {
+    /// Device time on this model, µs.
+    pub device_us: u64,
+    /// `face-detect.infer` calls this model answered.
+    pub infer_calls: u64,
+}
+
+impl ModelUsage {
+    /// Adds `other` in.
+    pub fn add(&mut self, other: &Self) {
+        self.device_us = self.device_us.saturating_add(other.device_us);
+        self.infer_calls = self.infer_calls.saturating_add(other.infer_calls);
+    }
+}
+
+/// Each model's part of a bucket, by model name.
+pub type ByModel = BTreeMap<String, ModelUsage>;
+
 /// A sealed delta: what accumulated between two flushes, numbered.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Delta {
     /// The meter's incarnation (random per process).
     pub node: String,
@@ -172,12 +193,16 @@ pub struct Delta {
     pub seq: u64,
     /// The figures, by bucket.
     pub rows: Vec<(UsageKey, Usage)>,
+    /// Each bucket's part per model (only buckets whose requests called one).
+    pub models: Vec<(UsageKey, ByModel)>,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     /// Added since the last seal.
     open: HashMap<UsageKey, Usage>,
+    /// Each bucket's part per model, added since the last seal.
+    open_models: HashMap<UsageKey, ByModel>,
     /// Sealed and not yet written.
     sealed: Option<Delta>,
     last_seq: u64,
@@ -213,6 +238,19 @@ impl Meter {
         }
     }
 
+    /// Adds each model's part of a request of `key` (its `device_us` and
+    /// `infer_calls` are also added whole with [`Meter::add`]).
+    pub fn add_models(&self, key: &UsageKey, models: &ByModel) {
+        if models.is_empty() {
+            return;
+        }
+        let mut inner = self.lock();
+        let bucket = inner.open_models.entry(key.clone()).or_default();
+        for (model, usage) in models {
+            bucket.entry(model.clone()).or_default().add(usage);
+        }
+    }
+
     /// The delta to write now: the one sealed before if it was not written
     /// (the same number: written at most once), else what accumulated
     /// since, sealed under the next number; `None` if there is nothing.
@@ -221,13 +259,15 @@ impl Meter {
         if let Some(sealed) = &inner.sealed {
             return Some(sealed.clone());
         }
-        if inner.open.is_empty() {
+        if inner.open.is_empty() && inner.open_models.is_empty() {
             return None;
         }
         inner.last_seq += 1;
         let mut rows: Vec<(UsageKey, Usage)> = inner.open.drain().collect();
         rows.sort_by(|a, b| a.0.cmp(&b.0));
-        let delta = Delta { node: self.node.clone(), seq: inner.last_seq, rows };
+        let mut models: Vec<(UsageKey, ByModel)> = inner.open_models.drain().collect();
+        models.sort_by(|a, b| a.0.cmp(&b.0));
+        let delta = Delta { node: self.node.clone(), seq: inner.last_seq, rows, models };
         inner.sealed = Some(delta.clone());
         Some(delta)
     }
@@ -238,6 +278,19 @@ impl Meter {
         if inner.sealed.as_ref().is_some_and(|d| d.seq == seq) {
             inner.sealed = None;
         }
+    }
+
+    /// Each model's part not yet written, summed by bucket (for tests).
+    pub fn unwritten_models(&self) -> HashMap<UsageKey, ByModel> {
+        let inner = self.lock();
+        let mut all = inner.open_models.clone();
+        for (key, models) in inner.sealed.iter().flat_map(|d| &d.models) {
+            let bucket = all.entry(key.clone()).or_default();
+            for (model, usage) in models {
+                bucket.entry(model.clone()).or_default().add(usage);
+            }
+        }
+        all
     }
 
     /// What is not yet written, summed by bucket (for tests and the console).
@@ -305,6 +358,25 @@ mod tests {
         assert_eq!((usage.requests_2xx, usage.requests_3xx, usage.requests_4xx, usage.requests_5xx), (2, 1, 2, 2));
         assert_eq!((usage.peak_memory_bytes, usage.guest_us, usage.requests()), (10, 7, 7));
         assert_eq!((usage.latency_us, usage.latency_max_us), (50_000, 40_000), "latencies summed, the slowest kept");
+    }
+
+    /// Each model's part of a bucket goes in the same delta as the bucket's
+    /// figures, summed per model, and is sealed again with it while unwritten.
+    #[test]
+    fn models_parts_are_summed_and_sealed_with_their_delta() {
+        let meter = Meter::new("n".into());
+        let part = |device_us, infer_calls| ModelUsage { device_us, infer_calls };
+        meter.add_models(&key(1), &ByModel::new());
+        assert_eq!(meter.seal(), None, "no model called: nothing to write");
+        meter.add_models(&key(1), &ByModel::from([("fp32".to_owned(), part(30, 1)), ("int8".to_owned(), part(10, 2))]));
+        meter.add_models(&key(1), &ByModel::from([("fp32".to_owned(), part(5, 1))]));
+        let first = meter.seal().unwrap();
+        assert_eq!(first.models, vec![(key(1), ByModel::from([("fp32".to_owned(), part(35, 2)), ("int8".to_owned(), part(10, 2))]))]);
+        meter.add_models(&key(1), &ByModel::from([("int8".to_owned(), part(1, 1))]));
+        assert_eq!(meter.seal().unwrap(), first, "unwritten, the same delta again");
+        assert_eq!(meter.unwritten_models()[&key(1)]["int8"], part(11, 3));
+        meter.written(1);
+        assert_eq!(meter.seal().unwrap().models, vec![(key(1), ByModel::from([("int8".to_owned(), part(1, 1))]))]);
     }
 
     #[test]

@@ -57,16 +57,17 @@ fn each_request_is_metered_once_with_its_status_class_bytes_and_device_time() {
     let (demo, evil) = (client_with_key(&key("demo")), client_with_key(&key("evil")));
     let photo = image("grace_hopper.jpg");
     let mut bytes_out = 0;
-    let mut post = |body: Vec<u8>, status: u16| {
-        let response = demo.post(format!("http://{addr}/v1/demo/detect")).body(body).send().unwrap();
+    let mut post = |query: &str, body: Vec<u8>, status: u16| {
+        let response = demo.post(format!("http://{addr}/v1/demo/detect{query}")).body(body).send().unwrap();
         assert_eq!(response.status(), status);
         bytes_out += response.bytes().unwrap().len() as u64;
     };
-    for _ in 0..3 {
-        post(photo.clone(), 200);
+    // Two calls of `centerface` (the default) and one of `centerface-int8`.
+    for query in ["", "?model=centerface-int8", ""] {
+        post(query, photo.clone(), 200);
     }
     for _ in 0..2 {
-        post(Vec::new(), 400);
+        post("", Vec::new(), 400);
     }
     // Another tenant's request: in the report of all tenants only.
     assert_eq!(evil.get(format!("http://{addr}/v1/evil/attack?attack=count")).send().unwrap().status(), 200);
@@ -83,10 +84,22 @@ fn each_request_is_metered_once_with_its_status_class_bytes_and_device_time() {
     assert_eq!(field(&demo_usage, "infer_calls"), 3);
     assert!(field(&demo_usage, "guest_us") > 0 && field(&demo_usage, "peak_memory_bytes") > 0, "{demo_usage}");
 
+    // Each model's part: its calls, and its device time as `/metrics` has it.
     let metrics = anonymous().get(format!("http://{addr}/metrics")).bearer_auth(ADMIN_TOKEN).send().unwrap().text().unwrap();
-    let device = metric(&metrics, "facegate_tenant_device_seconds_total{model=\"centerface\",tenant=\"demo\"}").unwrap();
-    let metered = field(&demo_usage, "device_us") as f64 / 1e6;
-    assert!(device > 0.0 && (metered - device).abs() <= device * 0.01, "usage {metered} s of device time, /metrics {device} s");
+    let parts = model_parts(&report("tenant=demo&by=minute"));
+    let names: Vec<&str> = parts.keys().map(String::as_str).collect();
+    assert_eq!(names, ["centerface", "centerface-int8"], "{parts:?}");
+    assert_eq!((parts["centerface"].1, parts["centerface-int8"].1), (2, 1), "calls per model: {parts:?}");
+    assert_eq!(parts.values().map(|p| p.0).sum::<u64>(), field(&demo_usage, "device_us"), "the parts add up to the row: {parts:?}");
+    for (model, (device_us, _)) in &parts {
+        let series = format!("facegate_tenant_device_seconds_total{{model=\"{model}\",tenant=\"demo\"}}");
+        let device = metric(&metrics, &series).unwrap();
+        let metered = *device_us as f64 / 1e6;
+        assert!(
+            device > 0.0 && (metered - device).abs() <= device * 0.01,
+            "{model}: usage {metered} s of device time, /metrics {device} s"
+        );
+    }
 
     let everyone = until_requests(6, || report("by=day"));
     assert_eq!(field(&everyone, "requests_2xx"), 4, "the other tenant's request is in the report of all: {everyone}");
@@ -99,6 +112,12 @@ fn each_request_is_metered_once_with_its_status_class_bytes_and_device_time() {
     assert!(rows.iter().all(|r| (r["tenant"].as_str(), r["handler"].as_str()) == (Some("demo"), Some("detect"))), "{csv}");
     assert_eq!((csv_sum(&rows, "requests_2xx"), csv_sum(&rows, "requests_4xx")), (3, 2), "{csv}");
     assert_eq!(csv_sum(&rows, "bytes_in"), 3 * photo.len() as u64, "{csv}");
+    let int8_calls: u64 = rows
+        .iter()
+        .flat_map(|r| r["models"].as_str().unwrap().split(';').map(str::to_owned).collect::<Vec<_>>())
+        .filter_map(|part| part.strip_prefix("centerface-int8:").and_then(|rest| rest.split(':').nth(1)?.parse::<u64>().ok()))
+        .sum();
+    assert_eq!(int8_calls, 1, "the models column, name:device_us:calls: {csv}");
 
     // The CLI: `--by` picks the period, `--csv` prints the same rows.
     let cli = |args: &[&str]| -> String {
@@ -130,9 +149,23 @@ fn each_request_is_metered_once_with_its_status_class_bytes_and_device_time() {
     }
     let table = cli(&["--by", "day"]);
     assert!(table.lines().any(|l| l.contains("demo/detect@1")), "a table row of demo/detect: {table}");
+    assert!(table.lines().any(|l| l.contains("on centerface-int8:") && l.ends_with(" 1 calls")), "each model's part: {table}");
     let refused = anonymous().get(format!("http://{addr}/admin/v1/usage?by=week")).bearer_auth(ADMIN_TOKEN).send().unwrap();
     assert_eq!(refused.status(), 400);
     assert_eq!(anonymous().get(format!("http://{addr}/admin/v1/usage")).send().unwrap().status(), 401);
+}
+
+/// Each model's part of a usage report, summed over its rows: device µs and calls.
+fn model_parts(report: &Value) -> std::collections::BTreeMap<String, (u64, u64)> {
+    let mut parts = std::collections::BTreeMap::new();
+    for row in report["rows"].as_array().unwrap() {
+        for (model, part) in row["models"].as_object().unwrap() {
+            let sum: &mut (u64, u64) = parts.entry(model.clone()).or_default();
+            sum.0 += part["device_us"].as_u64().unwrap();
+            sum.1 += part["infer_calls"].as_u64().unwrap();
+        }
+    }
+    parts
 }
 
 /// A usage CSV's rows, each by its header's names.

@@ -31,7 +31,7 @@ mod pg_connect;
 pub mod postgres;
 pub mod sqlite;
 
-use crate::telemetry::usage::{Delta, Usage, UsageKey};
+use crate::telemetry::usage::{Delta, ModelUsage, Usage, UsageKey};
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -630,6 +630,11 @@ pub trait UsageStore {
     /// and bucket, in bucket order.
     fn usage(&mut self, tenant: Option<&str>, from_ms: i64, to_ms: i64) -> StoreResult<Vec<(UsageKey, Usage)>>;
 
+    /// Each model's part of the same buckets as [`UsageStore::usage`]
+    /// (those whose requests called a model), summed over the nodes, by
+    /// tenant, handler, version, bucket and model, in bucket order.
+    fn usage_by_model(&mut self, tenant: Option<&str>, from_ms: i64, to_ms: i64) -> StoreResult<Vec<(UsageKey, String, ModelUsage)>>;
+
     /// Forgets usage in buckets before `before_ms`.
     fn prune_usage(&mut self, before_ms: i64) -> StoreResult<()>;
 }
@@ -730,6 +735,16 @@ pub(crate) fn missing_usage_columns(columns: &[String]) -> Vec<&'static str> {
 /// A [`Usage`]'s figures as signed integers (SQL has no u64), saturating.
 pub(crate) fn usage_values(u: &Usage) -> [i64; Usage::COUNT] {
     u.figures().map(|v| i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+/// A figure as a signed integer (SQL has no u64), saturating.
+pub(crate) fn stored(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// A figure read back ([`stored`]'s inverse; a negative one is 0).
+pub(crate) fn figure(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
 }
 
 /// A [`Usage`] from its figures as [`usage_values`] gives them.

@@ -30,11 +30,11 @@ use super::{
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
 use super::{ModelRow, ModelStore, NewModel, checked_model, no_model, no_model_version};
 use super::{SettingQuota, StoredSetting, settings_quota};
-use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
+use super::{figure, missing_usage_columns, stored, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::keys::{Scopes, sha256_hex};
 use crate::sandbox::handler::GuestPath;
-use crate::telemetry::usage::{Delta, Usage, UsageKey};
+use crate::telemetry::usage::{Delta, ModelUsage, Usage, UsageKey};
 
 /// The channel changes are announced on.
 const CHANNEL: &str = "facegate_changes";
@@ -44,7 +44,7 @@ const MIGRATION_LOCK: i64 = 0x6661_6365_6761_7465;
 
 /// Migrations, in order (the files in `migrations/postgres/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings", "0011_state", "0012_models");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("postgres": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings", "0011_state", "0012_models", "0013_usage_models");
 
 /// The PostgreSQL store (see the module docs).
 pub struct PgStore {
@@ -908,6 +908,20 @@ impl UsageStore for PgStore {
                 args.extend(figures.iter().map(|v| v as &(dyn postgres::types::ToSql + Sync)));
                 tx.execute(&insert, &args).map_err(db_error)?;
             }
+            let insert = tx
+                .prepare(
+                    "INSERT INTO usage_models (node, seq, tenant, handler, version, bucket_ms, model, device_us, infer_calls)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
+                )
+                .map_err(db_error)?;
+            for (key, models) in &delta.models {
+                for (model, usage) in models {
+                    let (device_us, calls) = (stored(usage.device_us), stored(usage.infer_calls));
+                    let args: [&(dyn postgres::types::ToSql + Sync); 9] =
+                        [&delta.node, &seq, &key.tenant, &key.handler, &key.version, &key.bucket_ms, model, &device_us, &calls];
+                    tx.execute(&insert, &args).map_err(db_error)?;
+                }
+            }
             tx.commit().map_err(db_error)
         })
     }
@@ -935,8 +949,33 @@ impl UsageStore for PgStore {
         })
     }
 
+    fn usage_by_model(&mut self, tenant: Option<&str>, from_ms: i64, to_ms: i64) -> StoreResult<Vec<(UsageKey, String, ModelUsage)>> {
+        let tenant = tenant.map(str::to_owned);
+        let of_tenant = if tenant.is_some() { "tenant = $3" } else { "$3::TEXT IS NULL" };
+        let sql = format!(
+            "SELECT tenant, handler, version, bucket_ms, model, SUM(device_us)::BIGINT, SUM(infer_calls)::BIGINT FROM usage_models
+             WHERE {of_tenant} AND bucket_ms >= $1 AND bucket_ms < $2
+             GROUP BY tenant, handler, version, bucket_ms, model ORDER BY bucket_ms, tenant, handler, version, model"
+        );
+        self.with(move |c| {
+            let rows = c.query(sql.as_str(), &[&from_ms, &to_ms, &tenant]).map_err(db_error)?;
+            Ok(rows
+                .iter()
+                .map(|r| {
+                    let key = UsageKey { tenant: r.get(0), handler: r.get(1), version: r.get(2), bucket_ms: r.get(3) };
+                    (key, r.get(4), ModelUsage { device_us: figure(r.get(5)), infer_calls: figure(r.get(6)) })
+                })
+                .collect())
+        })
+    }
+
     fn prune_usage(&mut self, before_ms: i64) -> StoreResult<()> {
-        self.with(|c| c.execute("DELETE FROM usage WHERE bucket_ms < $1", &[&before_ms]).map_err(db_error).map(drop))
+        self.with(|c| {
+            let mut tx = c.transaction().map_err(db_error)?;
+            tx.execute("DELETE FROM usage WHERE bucket_ms < $1", &[&before_ms]).map_err(db_error)?;
+            tx.execute("DELETE FROM usage_models WHERE bucket_ms < $1", &[&before_ms]).map_err(db_error)?;
+            tx.commit().map_err(db_error)
+        })
     }
 }
 

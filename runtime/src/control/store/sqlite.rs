@@ -18,16 +18,16 @@ use super::{
 use super::{Canary, Pruned, canary_of, too_many_keys, versions_past};
 use super::{ModelRow, ModelStore, NewModel, checked_model, no_model, no_model_version};
 use super::{SettingQuota, StoredSetting, settings_quota};
-use super::{missing_usage_columns, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
+use super::{figure, missing_usage_columns, stored, usage_aggregates, usage_columns, usage_from, usage_placeholders, usage_values};
 use crate::admission::limits::LimitOverrides;
 use crate::control::blobs::Blobs;
 use crate::control::keys::Scopes;
 use crate::sandbox::handler::GuestPath;
-use crate::telemetry::usage::{Delta, Usage, UsageKey};
+use crate::telemetry::usage::{Delta, ModelUsage, Usage, UsageKey};
 
 /// Migrations, in order (the files in `migrations/sqlite/`, numbered from 1):
 /// entry `i` takes the schema from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings", "0011_state", "0012_models");
+pub(super) const MIGRATIONS: &[super::Migration] = super::migrations!("sqlite": "0001_first", "0002_nodes_and_generation", "0003_tenant_incarnation", "0004_usage", "0005_key_scopes", "0006_canaries", "0007_usage_and_key_indexes", "0008_routes", "0009_version_source", "0010_settings", "0011_state", "0012_models", "0013_usage_models");
 
 /// Tables whose changes bump the generation.
 const WATCHED: [&str; 4] = ["tenants", "api_keys", "handlers", "versions"];
@@ -662,6 +662,26 @@ impl UsageStore for SqliteStore {
                 args.extend(figures.iter().map(|v| v as &dyn rusqlite::ToSql));
                 insert.execute(args.as_slice())?;
             }
+            let mut insert = tx.prepare(
+                "INSERT INTO usage_models (node, seq, tenant, handler, version, bucket_ms, model, device_us, infer_calls)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) ON CONFLICT DO NOTHING",
+            )?;
+            for (key, models) in &delta.models {
+                for (model, usage) in models {
+                    let (device_us, calls) = (stored(usage.device_us), stored(usage.infer_calls));
+                    insert.execute(params![
+                        delta.node,
+                        seq,
+                        key.tenant,
+                        key.handler,
+                        key.version,
+                        key.bucket_ms,
+                        model,
+                        device_us,
+                        calls
+                    ])?;
+                }
+            }
         }
         tx.commit()?;
         Ok(())
@@ -687,8 +707,24 @@ impl UsageStore for SqliteStore {
         Ok(rows.collect::<Result<Vec<_>, _>>()?)
     }
 
+    fn usage_by_model(&mut self, tenant: Option<&str>, from_ms: i64, to_ms: i64) -> StoreResult<Vec<(UsageKey, String, ModelUsage)>> {
+        let of_tenant = if tenant.is_some() { "tenant = ?3" } else { "?3 IS NULL" };
+        let mut stmt = self.conn.prepare(&format!(
+            "SELECT tenant, handler, version, bucket_ms, model, SUM(device_us), SUM(infer_calls) FROM usage_models
+             WHERE {of_tenant} AND bucket_ms >= ?1 AND bucket_ms < ?2
+             GROUP BY tenant, handler, version, bucket_ms, model ORDER BY bucket_ms, tenant, handler, version, model"
+        ))?;
+        let rows = stmt.query_map(params![from_ms, to_ms, tenant], |r| {
+            let key = UsageKey { tenant: r.get(0)?, handler: r.get(1)?, version: r.get(2)?, bucket_ms: r.get(3)? };
+            let usage = ModelUsage { device_us: figure(r.get(5)?), infer_calls: figure(r.get(6)?) };
+            Ok((key, r.get(4)?, usage))
+        })?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    }
+
     fn prune_usage(&mut self, before_ms: i64) -> StoreResult<()> {
         self.conn.execute("DELETE FROM usage WHERE bucket_ms < ?1", params![before_ms])?;
+        self.conn.execute("DELETE FROM usage_models WHERE bucket_ms < ?1", params![before_ms])?;
         Ok(())
     }
 }

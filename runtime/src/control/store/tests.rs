@@ -351,7 +351,7 @@ fn a_version_2_postgres_store_is_migrated_and_its_tenants_get_incarnations_of_th
 
 #[test]
 fn usage_deltas_are_written_once_summed_over_nodes_and_pruned() {
-    use crate::telemetry::usage::{BUCKET_MS, Delta, Usage, UsageKey};
+    use crate::telemetry::usage::{BUCKET_MS, ByModel, Delta, ModelUsage, Usage, UsageKey};
     for mut store in stores("usage") {
         let s = &mut *store;
         let kind = s.describe();
@@ -362,11 +362,30 @@ fn usage_deltas_are_written_once_summed_over_nodes_and_pruned() {
             peak_memory_bytes: peak,
             ..Usage::default()
         };
-        let first = Delta { node: "n1".into(), seq: 1, rows: vec![(key("a", 5), usage(2, 100)), (key("b", 5), usage(1, 10))] };
+        let part = |device_us, infer_calls| ModelUsage { device_us, infer_calls };
+        let by = |parts: &[(&str, ModelUsage)]| parts.iter().map(|(m, u)| (m.to_string(), *u)).collect::<ByModel>();
+        let first = Delta {
+            node: "n1".into(),
+            seq: 1,
+            rows: vec![(key("a", 5), usage(2, 100)), (key("b", 5), usage(1, 10))],
+            models: vec![(key("a", 5), by(&[("fp32", part(15, 1)), ("int8", part(5, 1))]))],
+        };
         s.write_usage(&first).unwrap();
         s.write_usage(&first).unwrap();
-        s.write_usage(&Delta { node: "n1".into(), seq: 2, rows: vec![(key("a", 5), usage(3, 50))] }).unwrap();
-        s.write_usage(&Delta { node: "n2".into(), seq: 1, rows: vec![(key("a", 5), usage(4, 400)), (key("a", 9), usage(1, 1))] }).unwrap();
+        let second = Delta {
+            node: "n1".into(),
+            seq: 2,
+            rows: vec![(key("a", 5), usage(3, 50))],
+            models: vec![(key("a", 5), by(&[("fp32", part(30, 3))]))],
+        };
+        s.write_usage(&second).unwrap();
+        s.write_usage(&Delta {
+            node: "n2".into(),
+            seq: 1,
+            rows: vec![(key("a", 5), usage(4, 400)), (key("a", 9), usage(1, 1))],
+            ..Delta::default()
+        })
+        .unwrap();
         let rows = s.usage(Some("a"), 0, 10 * BUCKET_MS).unwrap();
         assert_eq!(
             rows,
@@ -374,9 +393,16 @@ fn usage_deltas_are_written_once_summed_over_nodes_and_pruned() {
             "{kind}: a retried delta counts once; nodes sum; peaks are the largest"
         );
         assert_eq!(s.usage(None, 0, 10 * BUCKET_MS).unwrap().len(), 3, "{kind}");
+        assert_eq!(
+            s.usage_by_model(Some("a"), 0, 10 * BUCKET_MS).unwrap(),
+            vec![(key("a", 5), "fp32".to_owned(), part(45, 4)), (key("a", 5), "int8".to_owned(), part(5, 1))],
+            "{kind}: each model's part, a retried delta once, summed over deltas"
+        );
+        assert!(s.usage_by_model(Some("b"), 0, 10 * BUCKET_MS).unwrap().is_empty(), "{kind}");
         assert_eq!(s.usage(Some("a"), 6 * BUCKET_MS, 10 * BUCKET_MS).unwrap(), vec![(key("a", 9), usage(1, 1))], "{kind}");
         s.prune_usage(6 * BUCKET_MS).unwrap();
         assert_eq!(s.usage(None, 0, 10 * BUCKET_MS).unwrap(), vec![(key("a", 9), usage(1, 1))], "{kind}: older buckets pruned");
+        assert!(s.usage_by_model(None, 0, 10 * BUCKET_MS).unwrap().is_empty(), "{kind}: and their models' parts");
     }
 }
 
@@ -471,7 +497,7 @@ fn a_usage_figure_missing_from_the_table_is_added_when_the_store_opens() {
         let kind = store.describe();
         let key = UsageKey::new("a", "detect", 1, 0);
         let usage = Usage { requests_2xx: 1, bytes_out: 123, ..Usage::default() };
-        store.write_usage(&Delta { node: "n".into(), seq: 1, rows: vec![(key.clone(), usage)] }).unwrap();
+        store.write_usage(&Delta { node: "n".into(), seq: 1, rows: vec![(key.clone(), usage)], ..Delta::default() }).unwrap();
         assert_eq!(store.usage(Some("a"), 0, BUCKET_MS).unwrap(), vec![(key, usage)], "{kind}: the figure's column is back");
     }
 }

@@ -22,7 +22,7 @@ use self::bindings::facegate::face_detect::face_detect as wit;
 use crate::admission::memory::Charge;
 use crate::admission::models::ModelAllow;
 use crate::telemetry::trace::RequestTrace;
-use crate::telemetry::usage::{Meter, Usage, UsageKey};
+use crate::telemetry::usage::{ByModel, Meter, ModelUsage, Usage, UsageKey};
 
 pub use self::profile::{CallProfile, Habits};
 
@@ -36,10 +36,9 @@ pub struct FaceDetectCtx {
     started: Instant,
     first_call: Option<Instant>,
     last_answer: Option<Instant>,
-    /// This request's share of device time, µs (the batcher adds to it).
-    device_us: Arc<AtomicU64>,
-    /// `infer` calls answered with outputs.
-    calls_served: u64,
+    /// This request's share of device time on each model it called, µs
+    /// (the batcher adds to it), and the calls each answered with outputs.
+    per_model: Vec<ModelMeter>,
     /// Where this request's usage goes, until [`FaceDetectCtx::settle`].
     meter: Option<(Arc<Meter>, UsageKey)>,
     deadline: Instant,
@@ -82,8 +81,7 @@ impl FaceDetectCtx {
             started: Instant::now(),
             first_call: None,
             last_answer: None,
-            device_us: Arc::default(),
-            calls_served: 0,
+            per_model: Vec::new(),
             meter: None,
             deadline,
             calls_left: max_calls,
@@ -112,14 +110,30 @@ impl FaceDetectCtx {
     pub fn settle(&mut self, memory_bytes: usize) {
         let Some((meter, key)) = self.meter.take() else { return };
         let guest = self.started.elapsed().saturating_sub(self.infer_time);
+        let by_model: ByModel = self.per_model.iter().map(ModelMeter::read).filter(|(_, u)| *u != ModelUsage::default()).collect();
         let usage = Usage {
             guest_us: u64::try_from(guest.as_micros()).unwrap_or(u64::MAX),
-            device_us: self.device_us.load(Ordering::Relaxed),
-            infer_calls: self.calls_served,
+            device_us: by_model.values().map(|u| u.device_us).fold(0, u64::saturating_add),
+            infer_calls: by_model.values().map(|u| u.infer_calls).sum(),
             peak_memory_bytes: memory_bytes as u64,
             ..Usage::default()
         };
         meter.add(&key, &usage);
+        meter.add_models(&key, &by_model);
+    }
+
+    /// The meter of this request's calls to `model`, if the node serves it
+    /// (the name is then bounded and one of few): a guest's made-up names
+    /// hold nothing here.
+    fn model_meter(&mut self, model: &str) -> Option<&mut ModelMeter> {
+        match self.per_model.iter().position(|m| m.model == model) {
+            Some(i) => self.per_model.get_mut(i),
+            None if self.models.contains(model) => {
+                self.per_model.push(ModelMeter { model: model.to_owned(), device_us: Arc::default(), calls: 0 });
+                self.per_model.last_mut()
+            }
+            None => None,
+        }
     }
 
     /// The request's guest ended: teaches the handler's profile how long
@@ -128,6 +142,21 @@ impl FaceDetectCtx {
         if let (Some(first), Some(last)) = (self.first_call, self.last_answer) {
             self.profile.timed(first.saturating_duration_since(self.started), last.elapsed());
         }
+    }
+}
+
+/// One model's part of a request: its device time, µs (the batcher adds to
+/// it, even after the call returned), and the calls it answered.
+#[derive(Debug)]
+struct ModelMeter {
+    model: String,
+    device_us: Arc<AtomicU64>,
+    calls: u64,
+}
+
+impl ModelMeter {
+    fn read(&self) -> (String, ModelUsage) {
+        (self.model.clone(), ModelUsage { device_us: self.device_us.load(Ordering::Relaxed), infer_calls: self.calls })
     }
 }
 
@@ -197,8 +226,8 @@ impl wit::Host for FaceDetectView<'_> {
         // Refused at once if the work ahead would leave the guest less than
         // its usual time after the call.
         let span = self.ctx.trace.start("infer", || infer_attributes(&model, &request));
-        let options =
-            CallOptions { device_us: Some(Arc::clone(&self.ctx.device_us)), keep: self.ctx.profile.after(), tag: span.call_tag() };
+        let device_us = self.ctx.model_meter(&model).map(|m| Arc::clone(&m.device_us));
+        let options = CallOptions { device_us, keep: self.ctx.profile.after(), tag: span.call_tag() };
         let started = Instant::now();
         let result = self.ctx.models.infer_with(&model, request, options).await;
         if let Err(err) = &result {
@@ -206,7 +235,11 @@ impl wit::Host for FaceDetectView<'_> {
             span.trace().fail(err.to_string());
         }
         drop(span);
-        self.ctx.calls_served += u64::from(result.is_ok());
+        if result.is_ok()
+            && let Some(meter) = self.ctx.model_meter(&model)
+        {
+            meter.calls += 1;
+        }
         // Shrinking always succeeds.
         let _ = self.ctx.memory.resize(0);
         self.ctx.infer_time += started.elapsed();
@@ -386,7 +419,33 @@ mod tests {
         let err = view.infer("fake".into(), tensor(vec![1])).await.unwrap().unwrap_err();
         assert!(matches!(&err, wit::Error::UnknownModel(m) if m.starts_with("fake (") && m.contains("`models`")), "{err:?}");
         assert!(view.models().await.unwrap().is_empty());
-        assert_eq!(ctx.calls_served, 0);
+        assert!(ctx.per_model.is_empty(), "nothing metered for a model it may not call");
+    }
+
+    /// A request's device time and calls are metered whole and per model;
+    /// a name the node does not serve is metered nowhere.
+    #[tokio::test]
+    async fn usage_names_the_model_of_each_call() {
+        let models = Models::new();
+        for name in ["fp32", "int8"] {
+            let backend = FakeBackend::new(name, 4, Duration::from_millis(2), Duration::ZERO);
+            models.insert(Batcher::start_in(models.arbiter(), vec![Box::new(backend)], &BatcherConfig::default()).unwrap());
+        }
+        let budget = crate::admission::memory::MemoryBudget::new(usize::MAX);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut ctx = FaceDetectCtx::new(models, ("t".into(), Arc::default()), (deadline, 8, ModelAllow::ALL), budget.empty(&"t".into()));
+        let (meter, key) = (Meter::new("n".into()), UsageKey::new("t", "detect", 1, 0));
+        ctx.meter_as(Arc::clone(&meter), key.clone());
+        let mut view = FaceDetectView::new(&mut ctx);
+        for model in ["fp32", "int8", "fp32", "nope"] {
+            let _ = view.infer(model.into(), tensor(vec![1])).await.unwrap();
+        }
+        ctx.settle(0);
+        let (whole, parts) = (meter.unwritten()[&key], meter.unwritten_models()[&key].clone());
+        assert_eq!(parts.keys().collect::<Vec<_>>(), ["fp32", "int8"]);
+        assert_eq!((parts["fp32"].infer_calls, parts["int8"].infer_calls, whole.infer_calls), (2, 1, 3));
+        assert!(parts["fp32"].device_us >= 2 * 2000 && parts["int8"].device_us >= 2000, "{parts:?}");
+        assert_eq!(whole.device_us, parts["fp32"].device_us + parts["int8"].device_us);
     }
 
     #[tokio::test]
