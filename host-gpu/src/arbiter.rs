@@ -421,34 +421,14 @@ mod tests {
     #[test]
     fn a_free_device_goes_to_the_least_served_tenants_model() {
         use crate::queue::sample_cost;
-        use crate::tensor::{ElementType, Tensor};
         let arbiter = Arbiter::new();
         let config = QueueConfig { max_batch: 4, capacity: 8, tenant_capacity: 8, max_delay: Duration::ZERO };
         let (a, b) = (arbiter.register(config.clone(), 1), arbiter.register(config.clone(), 1));
         let elsewhere = arbiter.register(config, 2);
-        let now = std::time::Instant::now();
-        let mut keep = Vec::new();
+        let now = Instant::now();
         let mut slots = arbiter.lock();
-        let mut push = |slots: &mut Slots, id, tenant: &str| {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let input = Tensor::new(vec![4], ElementType::U8, vec![0; 4]).unwrap();
-            let entry = Entry {
-                tenant: tenant.into(),
-                input,
-                deadline: now + Duration::from_secs(1),
-                enqueued: now,
-                reply: tx,
-                device_us: None,
-                tag: None,
-            };
-            let (queue, ledger) = slots.parts(id).unwrap();
-            queue.push(ledger, entry).unwrap();
-            keep.push(rx);
-        };
         assert_eq!(slots.turn(0, now), None);
-        push(&mut slots, a, "busy");
-        push(&mut slots, b, "quiet");
-        push(&mut slots, elsewhere, "other");
+        let _keep = [push(&mut slots, a, "busy", now), push(&mut slots, b, "quiet", now), push(&mut slots, elsewhere, "other", now)];
         assert_eq!(slots.turn(1, now), Some(elsewhere), "only that model has a worker on device 1");
         slots.ledger.take_turn(&"busy".into(), 4 * sample_cost(&[4]));
         slots.ledger.take_turn(&"other".into(), 4 * sample_cost(&[4]));

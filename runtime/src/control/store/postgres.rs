@@ -941,9 +941,8 @@ impl UsageStore for PgStore {
             Ok(rows
                 .iter()
                 .map(|r| {
-                    let key = UsageKey { tenant: r.get(0), handler: r.get(1), version: r.get(2), bucket_ms: r.get(3) };
                     let v: [i64; Usage::COUNT] = std::array::from_fn(|i| r.get(4 + i));
-                    (key, usage_from(v))
+                    (usage_key(r), usage_from(v))
                 })
                 .collect())
         })
@@ -961,10 +960,7 @@ impl UsageStore for PgStore {
             let rows = c.query(sql.as_str(), &[&from_ms, &to_ms, &tenant]).map_err(db_error)?;
             Ok(rows
                 .iter()
-                .map(|r| {
-                    let key = UsageKey { tenant: r.get(0), handler: r.get(1), version: r.get(2), bucket_ms: r.get(3) };
-                    (key, r.get(4), ModelUsage { device_us: figure(r.get(5)), infer_calls: figure(r.get(6)) })
-                })
+                .map(|r| (usage_key(r), r.get(4), ModelUsage { device_us: figure(r.get(5)), infer_calls: figure(r.get(6)) }))
                 .collect())
         })
     }
@@ -977,6 +973,11 @@ impl UsageStore for PgStore {
             tx.commit().map_err(db_error)
         })
     }
+}
+
+/// The bucket a usage row's first four columns name (tenant, handler, version, bucket_ms).
+fn usage_key(r: &postgres::Row) -> UsageKey {
+    UsageKey { tenant: r.get(0), handler: r.get(1), version: r.get(2), bucket_ms: r.get(3) }
 }
 
 impl Drop for PgStore {
