@@ -100,6 +100,17 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Slots> {
         self.arbiter.lock()
     }
+
+    /// Stops the model's workers and takes its queue out of the arbiter,
+    /// answering the calls still waiting [`InferError::ShuttingDown`]. The
+    /// flag is set before `unregister` takes the lock and wakes every
+    /// worker, so a worker between its check and its wait cannot miss it.
+    fn stop(&self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        for entry in self.arbiter.unregister(self.id) {
+            let _ = entry.reply.send(Err(InferError::ShuttingDown));
+        }
+    }
 }
 
 struct Workers {
@@ -109,18 +120,7 @@ struct Workers {
 
 impl Drop for Workers {
     fn drop(&mut self) {
-        // Set the flag under the lock: a worker between its shutdown check
-        // and its wait would otherwise miss the wake-up (unregister wakes
-        // every worker, and passes the devices to the other models).
-        let drained = {
-            let _slots = self.shared.lock();
-            self.shared.shutdown.store(true, Ordering::SeqCst);
-            drop(_slots);
-            self.shared.arbiter.unregister(self.shared.id)
-        };
-        for entry in drained {
-            let _ = entry.reply.send(Err(InferError::ShuttingDown));
-        }
+        self.shared.stop();
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
@@ -349,10 +349,7 @@ fn spawn_workers(
                     // keep a device's turn with nobody to take it.
                     if std::panic::catch_unwind(AssertUnwindSafe(|| worker_loop(&shared, index, backend, sizer))).is_err() {
                         tracing::error!(model = %shared.model, device = index, "a device worker panicked; the model stops");
-                        shared.shutdown.store(true, Ordering::SeqCst);
-                        for entry in shared.arbiter.unregister(shared.id) {
-                            let _ = entry.reply.send(Err(InferError::ShuttingDown));
-                        }
+                        shared.stop();
                     }
                 })
                 .map_err(|e| BackendError(format!("cannot start worker thread: {e}")))

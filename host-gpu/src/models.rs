@@ -73,8 +73,6 @@ struct Inner {
     registry: RwLock<Registry>,
     /// Where every model's batcher is started: one virtual clock, the devices shared.
     arbiter: Arbiter,
-    /// Tenants' fairness weights, for models loaded later too.
-    weights: Mutex<BTreeMap<String, u32>>,
     /// Traces' observer of batches, for models loaded later too.
     observer: Mutex<Option<Arc<dyn BatchObserver>>>,
     /// The clock of `last_used` stamps.
@@ -330,10 +328,11 @@ impl Models {
             .collect()
     }
 
-    /// Sets a tenant's fairness weight in every model's batcher, and in
-    /// those loaded later (see [`Batcher::set_tenant_weight`]).
+    /// Sets a tenant's fairness weight for every model: in the arbiter's
+    /// ledger, which models loaded later share, and in any batcher inserted
+    /// from another arbiter (see [`Batcher::set_tenant_weight`]).
     pub fn set_tenant_weight(&self, tenant: &str, weight: u32) {
-        self.inner.weights.lock().unwrap_or_else(PoisonError::into_inner).insert(tenant.to_owned(), weight);
+        self.inner.arbiter.set_tenant_weight(tenant, weight);
         for batcher in self.iter() {
             batcher.set_tenant_weight(tenant, weight);
         }
@@ -343,7 +342,6 @@ impl Models {
     /// calls [`InferError::ShuttingDown`] (see [`Batcher::remove_tenant`]);
     /// returns how many calls were answered so.
     pub fn remove_tenant(&self, tenant: &str) -> usize {
-        self.inner.weights.lock().unwrap_or_else(PoisonError::into_inner).remove(tenant);
         self.iter().map(|batcher| batcher.remove_tenant(tenant)).sum()
     }
 
@@ -447,13 +445,10 @@ impl Models {
     /// Records how a load ended, if its entry is still the one it loaded
     /// (a model replaced or removed meanwhile drops what was loaded).
     fn finish_load(&self, name: &str, id: u64, loaded: Result<Loaded, String>, took: Duration) -> Result<(), InferError> {
-        if let Ok(loaded) = &loaded {
-            for (tenant, weight) in self.inner.weights.lock().unwrap_or_else(PoisonError::into_inner).iter() {
-                loaded.batcher.set_tenant_weight(tenant, *weight);
-            }
-            if let Some(observer) = self.inner.observer.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
-                loaded.batcher.observe(Arc::clone(observer));
-            }
+        if let Ok(loaded) = &loaded
+            && let Some(observer) = self.inner.observer.lock().unwrap_or_else(PoisonError::into_inner).as_ref()
+        {
+            loaded.batcher.observe(Arc::clone(observer));
         }
         let mut registry = self.write();
         let Some(entry) = registry.entries.get_mut(name).filter(|e| e.id == id) else {

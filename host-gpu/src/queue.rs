@@ -376,11 +376,12 @@ impl Queue {
     /// Removes tenants left without calls from the waiting set (their
     /// service is kept), and moves the clock on.
     fn forget_empty_tenants(&mut self, ledger: &mut Ledger) {
-        let emptied: Vec<Arc<str>> = self.tenants.iter().filter(|(_, q)| q.is_empty()).map(|(t, _)| Arc::clone(t)).collect();
-        for tenant in &emptied {
-            self.tenants.remove(tenant);
-            ledger.stop_waiting(tenant);
-        }
+        self.tenants.retain(|tenant, queue| {
+            if queue.is_empty() {
+                ledger.stop_waiting(tenant);
+            }
+            !queue.is_empty()
+        });
         let tenants = &self.tenants;
         self.order.retain(|t| tenants.contains_key(t));
         ledger.advance_clock();
